@@ -1,0 +1,197 @@
+"""One error hierarchy for the whole project.
+
+Every error that can cross the wire has a stable numeric ``code`` and a
+``retriable`` flag, so a client in any language can decide what to do from
+the code alone, and ``@retry_policy`` can retry what is retriable by default.
+Errors carry fields (topic, offset, limit) as well as a message, because
+callers branch on them and metrics label them.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+
+class ConveyorError(Exception):
+    """Base of every error Conveyor raises on purpose."""
+
+    code: ClassVar[int] = 1
+    name: ClassVar[str] = "UNKNOWN"
+    retriable: ClassVar[bool] = False
+
+    def __init__(self, message: str = "", **fields: Any) -> None:
+        super().__init__(message or self.name)
+        self.message = message or self.name
+        self.fields = fields
+        for key, value in fields.items():
+            setattr(self, key, value)
+
+    def __str__(self) -> str:
+        return f"[{self.name}] {self.message}"
+
+
+# --- storage ---------------------------------------------------------------
+
+
+class LogError(ConveyorError):
+    code = 100
+    name = "LOG_ERROR"
+
+
+class OffsetOutOfRange(LogError):
+    """The offset is below the log start (retention) or beyond its end."""
+
+    code = 101
+    name = "OFFSET_OUT_OF_RANGE"
+
+
+class SegmentCorrupt(ValueError, LogError):
+    """A stored batch failed its CRC or structure check; it is never served."""
+
+    code = 102
+    name = "SEGMENT_CORRUPT"
+
+
+class StorageFull(LogError):
+    code = 103
+    name = "STORAGE_FULL"
+    retriable = True
+
+
+class StorageIOError(LogError):
+    """A write or fsync failed: what was not synced is not confirmed."""
+
+    code = 104
+    name = "STORAGE_IO_ERROR"
+    retriable = True
+
+
+class DuplicateSequence(LogError):
+    """A producer sequence older than the remembered window was resent."""
+
+    code = 105
+    name = "DUPLICATE_SEQUENCE"
+
+
+class OutOfOrderSequence(LogError):
+    """A producer skipped sequence numbers: an earlier batch never arrived."""
+
+    code = 106
+    name = "OUT_OF_ORDER_SEQUENCE"
+
+
+# --- protocol and requests --------------------------------------------------
+
+
+class ProtocolError(ConveyorError):
+    code = 200
+    name = "PROTOCOL_ERROR"
+
+
+class MalformedFrame(ProtocolError):
+    code = 201
+    name = "MALFORMED_FRAME"
+
+
+class UnsupportedVersion(ProtocolError):
+    code = 202
+    name = "UNSUPPORTED_VERSION"
+
+
+class UnknownCommand(ProtocolError):
+    code = 203
+    name = "UNKNOWN_COMMAND"
+
+
+class MessageTooLarge(ProtocolError):
+    code = 204
+    name = "MESSAGE_TOO_LARGE"
+
+
+class BatchTooLarge(ProtocolError):
+    code = 205
+    name = "BATCH_TOO_LARGE"
+
+
+class InvalidName(ProtocolError):
+    """A topic or group name outside ``[A-Za-z0-9._-]{1,200}``."""
+
+    code = 206
+    name = "INVALID_NAME"
+
+
+class InvalidRequest(ProtocolError):
+    code = 207
+    name = "INVALID_REQUEST"
+
+
+class UnknownTopic(ConveyorError):
+    code = 300
+    name = "UNKNOWN_TOPIC"
+
+
+class TopicExists(ConveyorError):
+    code = 301
+    name = "TOPIC_EXISTS"
+
+
+class UnknownGroup(ConveyorError):
+    code = 302
+    name = "UNKNOWN_GROUP"
+
+
+class NotSubscribed(ConveyorError):
+    code = 303
+    name = "NOT_SUBSCRIBED"
+    retriable = True
+
+
+class ReadOnlyTopic(ConveyorError):
+    code = 304
+    name = "READ_ONLY_TOPIC"
+
+
+class BrokerUnavailable(ConveyorError):
+    """No answer from the broker in time; safe to retry with idempotence."""
+
+    code = 400
+    name = "BROKER_UNAVAILABLE"
+    retriable = True
+
+
+class RequestTimeout(ConveyorError):
+    code = 401
+    name = "REQUEST_TIMEOUT"
+    retriable = True
+
+
+class ShuttingDown(ConveyorError):
+    code = 402
+    name = "SHUTTING_DOWN"
+    retriable = True
+
+
+class ConfigError(ConveyorError):
+    code = 500
+    name = "CONFIG_ERROR"
+
+
+def _all_subclasses(cls: type[ConveyorError]) -> list[type[ConveyorError]]:
+    found: list[type[ConveyorError]] = []
+    for sub in cls.__subclasses__():
+        found.append(sub)
+        found.extend(_all_subclasses(sub))
+    return found
+
+
+ALL_ERRORS: list[type[ConveyorError]] = [ConveyorError, *_all_subclasses(ConveyorError)]
+ERRORS_BY_CODE: dict[int, type[ConveyorError]] = {cls.code: cls for cls in ALL_ERRORS}
+
+
+def error_for_code(code: int) -> type[ConveyorError]:
+    """The class for a wire code; unknown codes map to the base class."""
+    return ERRORS_BY_CODE.get(code, ConveyorError)
+
+
+def is_retriable(exc: BaseException) -> bool:
+    return bool(getattr(exc, "retriable", False))

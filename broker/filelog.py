@@ -1,0 +1,225 @@
+"""The default storage backend: a directory of segments per topic."""
+
+from __future__ import annotations
+
+import logging
+import os
+from bisect import bisect_right
+from collections.abc import Callable
+from pathlib import Path
+
+from broker.errors import SegmentCorrupt
+from broker.fsutil import fsync_dir, storage_errors
+from broker.record import Batch, BatchHeader
+from broker.segment import Segment
+from broker.storage import FsyncPolicy, TopicConfig, TopicLog
+
+log = logging.getLogger(__name__)
+
+QUARANTINE_DIR = "quarantine"
+
+
+class FileLog(TopicLog):
+    """Segments ``<base offset, 20 digits>.log`` plus sparse ``.index`` files.
+
+    Opening recovers: sealed segments must be whole (``SegmentCorrupt``, or
+    moved to ``quarantine/`` when asked), the newest one loses its torn tail.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        directory: str | os.PathLike[str],
+        config: TopicConfig,
+        *,
+        fsync: FsyncPolicy,
+        quarantine: bool = False,
+        clock: Callable[[], float] | None = None,
+    ) -> None:
+        kwargs = {"clock": clock} if clock is not None else {}
+        super().__init__(name, config, fsync=fsync, **kwargs)
+        self.directory = Path(directory)
+        self.quarantine = quarantine
+        self.gaps: list[tuple[int, int]] = []  # offset ranges lost to quarantine
+        self.segments: list[Segment] = []
+        self._bases: list[int] = []
+        self._unsynced: list[Segment] = []  # rolled since the last sync
+        with storage_errors(str(self.directory)):
+            self.directory.mkdir(parents=True, exist_ok=True)
+        self._open()
+
+    # --- opening -----------------------------------------------------------
+
+    def _open(self) -> None:
+        bases = sorted(int(p.stem) for p in self.directory.glob("*.log") if p.stem.isdigit())
+        if not bases:
+            self._new_segment(0)
+            return
+        for i, base in enumerate(bases):
+            segment = Segment(self.directory, base, index_interval=self.config.index_interval_bytes)
+            newest = i == len(bases) - 1
+            if not self._recover(segment, sealed=not newest):
+                continue
+            self._check_continuity(segment)
+            self.segments.append(segment)
+            self._bases.append(base)
+            self._adopt_producers(segment.recovered_headers)
+        if not self.segments:
+            self._new_segment(bases[-1])
+        self.start_offset = self.segments[0].base_offset
+        self.end_offset = self.durable_offset = self.segments[-1].next_offset
+
+    def _recover(self, segment: Segment, *, sealed: bool) -> bool:
+        try:
+            self.truncated_bytes += segment.recover(sealed=sealed)
+            return True
+        except SegmentCorrupt:
+            if not self.quarantine:
+                segment.close()
+                raise
+            self._quarantine(segment)
+            return False
+
+    def _quarantine(self, segment: Segment) -> None:
+        target = self.directory / QUARANTINE_DIR
+        target.mkdir(exist_ok=True)
+        segment.close()
+        for path in (segment.path, segment.index_path):
+            if path.exists():
+                path.rename(target / path.name)
+        fsync_dir(self.directory)
+        log.error("%s: quarantined corrupt segment %s", self.name, segment.path.name)
+
+    def _check_continuity(self, segment: Segment) -> None:
+        if not self.segments:
+            return
+        expected = self.segments[-1].next_offset
+        if segment.base_offset == expected:
+            return
+        if not self.quarantine and not self.gaps:
+            segment.close()
+            raise SegmentCorrupt(
+                f"{segment.path}: starts at offset {segment.base_offset}, previous segment ends at {expected}",
+                path=str(segment.path),
+                position=0,
+            )
+        self.gaps.append((expected, segment.base_offset))
+        log.error("%s: offsets [%d, %d) are missing (quarantined)", self.name, expected, segment.base_offset)
+
+    def _adopt_producers(self, headers: list[BatchHeader]) -> None:
+        for header in headers:
+            if header.producer_id >= 0:
+                self.producers.record(header.producer_id, header.sequence, header.base_offset, header.count)
+
+    def _new_segment(self, base: int) -> Segment:
+        segment = Segment(self.directory, base, index_interval=self.config.index_interval_bytes)
+        self.segments.append(segment)
+        self._bases.append(base)
+        with storage_errors(str(self.directory)):
+            fsync_dir(self.directory)
+        return segment
+
+    # --- primitives ----------------------------------------------------------
+
+    def _write(self, header: bytes, body: bytes, base_offset: int, count: int, timestamp_ms: int) -> None:
+        active = self.segments[-1]
+        if active.size and active.size + len(header) + len(body) > self.config.segment_bytes:
+            self._roll(base_offset)
+            active = self.segments[-1]
+        active.append(header, body, base_offset, count, timestamp_ms)
+
+    def _roll(self, base_offset: int) -> None:
+        sealed = self.segments[-1]
+        if self.fsync.mode == "none":
+            sealed.flush_index()
+        else:
+            self._unsynced.append(sealed)  # synced with the next group commit
+        self._new_segment(base_offset)
+
+    def _sync(self) -> None:
+        for segment in self._unsynced:
+            segment.sync()
+        self._unsynced.clear()
+        self.segments[-1].sync()
+
+    def _read_stored(self, offset: int, max_bytes: int) -> list[Batch]:
+        i = max(0, bisect_right(self._bases, offset) - 1)
+        batches = self.segments[i].read(offset, max_bytes=max_bytes)
+        while not batches and i + 1 < len(self.segments):  # offset sits in a gap or at a segment end
+            i += 1
+            batches = self.segments[i].read(self.segments[i].base_offset, max_bytes=max_bytes)
+        return batches
+
+    def _truncate(self, offset: int) -> int:
+        while len(self.segments) > 1 and self.segments[-1].base_offset >= offset:
+            self._delete_newest()
+        segment = self.segments[-1]
+        if segment.base_offset >= offset:
+            segment.truncate(0, segment.base_offset)
+        else:
+            segment.truncate(*self._boundary_at(segment, offset))
+        return segment.next_offset
+
+    def _boundary_at(self, segment: Segment, offset: int) -> tuple[int, int]:
+        """The file position of the first batch ending after ``offset``."""
+        position = 0
+        for header in segment.walk_headers():
+            if header.next_offset > offset:
+                return position, header.base_offset
+            position += header.size
+        return position, segment.next_offset
+
+    def _delete_newest(self) -> None:
+        segment = self.segments.pop()
+        self._bases.pop()
+        if segment in self._unsynced:
+            self._unsynced.remove(segment)
+        segment.delete()
+        fsync_dir(self.directory)
+
+    def _drop_segments_before(self, now_ms: int) -> int:
+        doomed = 0
+        total = self.size_bytes()
+        for segment in self.segments[:-1]:  # the active segment is never deleted
+            too_big = self.config.retention_bytes >= 0 and total - segment.size >= self.config.retention_bytes
+            too_old = self.config.retention_ms >= 0 and now_ms - segment.last_timestamp_ms > self.config.retention_ms
+            if not (too_big or too_old):
+                break
+            total -= segment.size
+            doomed += 1
+        if doomed:
+            for segment in self.segments[:doomed]:
+                if segment in self._unsynced:
+                    segment.sync()
+                    self._unsynced.remove(segment)
+                segment.delete()
+            del self.segments[:doomed]
+            del self._bases[:doomed]
+            fsync_dir(self.directory)
+        return self.segments[0].base_offset
+
+    def size_bytes(self) -> int:
+        return sum(segment.size for segment in self.segments)
+
+    def segment_count(self) -> int:
+        return len(self.segments)
+
+    def offset_for_timestamp(self, timestamp_ms: int) -> int:
+        for segment in self.segments:
+            if segment.last_timestamp_ms >= timestamp_ms:
+                found = segment.timestamp_position(timestamp_ms)
+                if found is not None:
+                    return max(found, self.start_offset)
+        return self.end_offset
+
+    def close(self) -> None:
+        for segment in self.segments:
+            segment.close()
+
+    def delete_files(self) -> None:
+        """Remove the topic's directory entirely (topic deletion)."""
+        self.close()
+        for path in sorted(self.directory.rglob("*"), reverse=True):
+            path.rmdir() if path.is_dir() else path.unlink()
+        self.directory.rmdir()
+        fsync_dir(self.directory.parent)

@@ -1,0 +1,59 @@
+"""File-system helpers whose only job is durability."""
+
+from __future__ import annotations
+
+import errno
+import os
+from pathlib import Path
+
+from broker.errors import StorageFull, StorageIOError
+
+
+def fsync_dir(path: str | os.PathLike[str]) -> None:
+    """Make a create, rename or unlink inside ``path`` survive power loss."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def atomic_write(path: str | os.PathLike[str], data: bytes) -> None:
+    """Replace ``path`` with ``data`` so a crash leaves the old or the new file.
+
+    Write a temp file beside it, fsync it, rename over, fsync the directory.
+    """
+    target = Path(path)
+    tmp = target.with_name(f".{target.name}.tmp")
+    with storage_errors(str(target)):
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            write_all(fd, data)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, target)
+        fsync_dir(target.parent)
+
+
+def write_all(fd: int, data: bytes | bytearray | memoryview) -> None:
+    view = memoryview(data)
+    while view:
+        written = os.write(fd, view)
+        view = view[written:]
+
+
+class storage_errors:  # lower case: used as a context manager, reads like a statement
+    """Map OSError to the storage errors producers understand."""
+
+    def __init__(self, what: str) -> None:
+        self.what = what
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, exc_type: object, exc: BaseException | None, tb: object) -> None:
+        if isinstance(exc, OSError) and not isinstance(exc, FileNotFoundError):
+            if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+                raise StorageFull(f"no space left writing {self.what}", path=self.what) from exc
+            raise StorageIOError(f"{exc.strerror} writing {self.what}", path=self.what, errno=exc.errno) from exc

@@ -1,0 +1,328 @@
+"""One log segment: a ``.log`` file of record batches and its sparse ``.index``.
+
+The index maps an offset to a file position every ``index_interval`` bytes,
+so finding a batch is a bisect plus a short forward scan. Index entries are
+buffered and written when the log syncs: the index is a hint that recovery
+rebuilds, the ``.log`` file is the truth.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import struct
+from array import array
+from bisect import bisect_right
+from dataclasses import dataclass
+from pathlib import Path
+
+from broker.errors import SegmentCorrupt
+from broker.fsutil import storage_errors, write_all
+from broker.record import HEADER_SIZE, Batch, BatchHeader, check_batch, decode_header
+
+log = logging.getLogger(__name__)
+
+INDEX_ENTRY = struct.Struct(">II")  # offset relative to the segment base, file position
+READ_CHUNK = 1 << 20
+
+
+def segment_name(base_offset: int) -> str:
+    return f"{base_offset:020d}"
+
+
+@dataclass(slots=True)
+class ScanResult:
+    valid_size: int
+    next_offset: int
+    last_timestamp_ms: int
+    error: SegmentCorrupt | None
+    headers: list[tuple[BatchHeader, int]]
+
+
+class Segment:
+    def __init__(self, directory: Path, base_offset: int, *, index_interval: int = 4096) -> None:
+        self.directory = directory
+        self.base_offset = base_offset
+        self.path = directory / f"{segment_name(base_offset)}.log"
+        self.index_path = directory / f"{segment_name(base_offset)}.index"
+        self.index_interval = index_interval
+        self.next_offset = base_offset
+        self.last_timestamp_ms = 0
+        self._index_offsets = array("q")
+        self._index_positions = array("q")
+        self._index_pending = bytearray()
+        self._bytes_since_index = index_interval  # the first batch is always indexed
+        self.recovered_headers: list[BatchHeader] = []
+        with storage_errors(str(self.path)):
+            self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o644)
+        self.size = os.fstat(self._fd).st_size
+
+    # --- writing -------------------------------------------------------------
+
+    def append(self, header: bytes, body: bytes, base_offset: int, count: int, timestamp_ms: int) -> None:
+        """One ``writev`` per batch: header and body, never copied together."""
+        position = self.size
+        try:
+            with storage_errors(str(self.path)):
+                written = os.writev(self._fd, (header, body))
+                if written != len(header) + len(body):  # a short write: finish it or fail loudly
+                    write_all(self._fd, (header + body)[written:])
+        except Exception:
+            self._undo_partial_write(position)
+            raise
+        self.size += len(header) + len(body)
+        self.next_offset = base_offset + count
+        self.last_timestamp_ms = timestamp_ms
+        self._maybe_index(base_offset, position, len(header) + len(body))
+
+    def _undo_partial_write(self, position: int) -> None:
+        """Never leave half a batch behind a failed write."""
+        try:
+            os.ftruncate(self._fd, position)
+        except OSError:
+            log.exception("%s: could not cut a partial write at %d", self.path, position)
+
+    def _maybe_index(self, offset: int, position: int, size: int) -> None:
+        if self._bytes_since_index >= self.index_interval:
+            self._index_offsets.append(offset)
+            self._index_positions.append(position)
+            self._index_pending += INDEX_ENTRY.pack(offset - self.base_offset, position)
+            self._bytes_since_index = 0
+        self._bytes_since_index += size
+
+    def sync(self) -> None:
+        with storage_errors(str(self.path)):
+            os.fdatasync(self._fd)
+        self.flush_index()
+
+    def flush_index(self) -> None:
+        if not self._index_pending:
+            return
+        with storage_errors(str(self.index_path)):
+            fd = os.open(self.index_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+            try:
+                write_all(fd, self._index_pending)
+            finally:
+                os.close(fd)
+        self._index_pending.clear()
+
+    def truncate(self, size: int, next_offset: int) -> None:
+        """Cut the file at ``size`` (a batch boundary) and forget index past it."""
+        with storage_errors(str(self.path)):
+            os.ftruncate(self._fd, size)
+            os.fdatasync(self._fd)
+        self.size = size
+        self.next_offset = next_offset
+        keep = bisect_right(self._index_positions, size - 1)
+        del self._index_offsets[keep:]
+        del self._index_positions[keep:]
+        self._rewrite_index()
+        self._bytes_since_index = self.index_interval
+
+    def _rewrite_index(self) -> None:
+        data = b"".join(
+            INDEX_ENTRY.pack(o - self.base_offset, p)
+            for o, p in zip(self._index_offsets, self._index_positions, strict=True)
+        )
+        with storage_errors(str(self.index_path)):
+            fd = os.open(self.index_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            try:
+                write_all(fd, data)
+            finally:
+                os.close(fd)
+        self._index_pending.clear()
+
+    # --- opening -------------------------------------------------------------
+
+    def scan(self, start_position: int = 0, start_offset: int | None = None) -> ScanResult:
+        """Walk batches from ``start_position``; stop at the first bad one."""
+        expected = self.base_offset if start_offset is None else start_offset
+        position, last_ts = start_position, 0
+        headers: list[tuple[BatchHeader, int]] = []
+        error: SegmentCorrupt | None = None
+        buf, buf_start = b"", position
+        while position < self.size:
+            rel = position - buf_start
+            if len(buf) - rel < HEADER_SIZE or len(buf) - rel < _peek_size(buf, rel):
+                buf, buf_start = self._pread_from(position), position
+                rel = 0
+            try:
+                header = check_batch(buf, rel)
+            except SegmentCorrupt as exc:
+                error = SegmentCorrupt(
+                    f"{self.path}: {exc.message} at position {position}", path=str(self.path), position=position
+                )
+                break
+            if header.base_offset != expected or header.count < 1:
+                error = SegmentCorrupt(
+                    f"{self.path}: offset {header.base_offset} where {expected} was expected at position {position}",
+                    path=str(self.path),
+                    position=position,
+                )
+                break
+            headers.append((header, position))
+            position += header.size
+            expected = header.next_offset
+            last_ts = header.timestamp_ms
+        return ScanResult(position, expected, last_ts, error, headers)
+
+    def _pread_from(self, position: int) -> bytes:
+        """Read enough from ``position`` to hold at least the next whole batch."""
+        head = os.pread(self._fd, HEADER_SIZE, position)
+        want = READ_CHUNK
+        if len(head) == HEADER_SIZE:
+            want = max(want, _peek_size(head, 0))
+        return os.pread(self._fd, min(want, self.size - position), position)
+
+    def walk_headers(self, start: int = 0, end: int | None = None) -> list[BatchHeader]:
+        """Headers of trusted batches in ``[start, end)``, one small read each."""
+        end = self.size if end is None else end
+        out: list[BatchHeader] = []
+        while start < end:
+            header = decode_header(os.pread(self._fd, HEADER_SIZE, start))
+            out.append(header)
+            start += header.size
+        return out
+
+    def recover(self, *, sealed: bool) -> int:
+        """Check this segment on open; return the bytes cut from a torn tail.
+
+        A sealed segment must be whole: any bad batch raises ``SegmentCorrupt``.
+        The newest segment is scanned from its last trustworthy index entry and
+        truncated at the first batch that is incomplete or fails its CRC.
+        """
+        start_pos, start_offset = (0, None) if sealed else self._trusted_index_start()
+        result = self.scan(start_pos, start_offset)
+        if result.error is not None and sealed:
+            raise result.error
+        self._adopt_scan(result, start_pos)
+        self.recovered_headers = self.walk_headers(0, start_pos) + [h for h, _p in result.headers]
+        cut = self.size - result.valid_size
+        if cut:
+            log.warning("%s: truncating torn tail, %d bytes after offset %d", self.path, cut, result.next_offset)
+            self.truncate(result.valid_size, result.next_offset)
+        return cut
+
+    def _trusted_index_start(self) -> tuple[int, int | None]:
+        self._load_index()
+        while self._index_offsets:
+            offset, position = self._index_offsets[-1], self._index_positions[-1]
+            try:
+                head = check_batch(self._pread_from(position))
+                if head.base_offset == offset:
+                    return position, offset
+            except SegmentCorrupt:
+                pass
+            self._index_offsets.pop()
+            self._index_positions.pop()
+        return 0, None
+
+    def _adopt_scan(self, result: ScanResult, start_pos: int) -> None:
+        if start_pos == 0:
+            self._index_offsets, self._index_positions = array("q"), array("q")
+        else:  # the trusted entry is re-added by the scan below
+            self._index_offsets.pop()
+            self._index_positions.pop()
+        self._bytes_since_index = self.index_interval
+        for header, position in result.headers:
+            self._maybe_index(header.base_offset, position, header.size)
+        self.next_offset = result.next_offset
+        if result.headers:
+            self.last_timestamp_ms = result.last_timestamp_ms
+        elif start_pos:
+            self.last_timestamp_ms = 0
+        self._rewrite_index()
+
+    def _load_index(self) -> None:
+        try:
+            data = self.index_path.read_bytes()
+        except FileNotFoundError:
+            data = b""
+        offsets, positions = array("q"), array("q")
+        for i in range(len(data) // INDEX_ENTRY.size):
+            rel, pos = INDEX_ENTRY.unpack_from(data, i * INDEX_ENTRY.size)
+            if pos >= self.size or (positions and pos <= positions[-1]):
+                break  # an index entry past the data, or out of order: stop trusting it
+            offsets.append(self.base_offset + rel)
+            positions.append(pos)
+        self._index_offsets, self._index_positions = offsets, positions
+
+    # --- reading -------------------------------------------------------------
+
+    def read(self, offset: int, *, max_bytes: int, max_batches: int = 1 << 30) -> list[Batch]:
+        """Batches from the one holding ``offset``, up to ``max_bytes`` (at least one).
+
+        Every batch read from disk is CRC-checked: a corrupt one is never served.
+        """
+        i = bisect_right(self._index_offsets, offset) - 1
+        position = self._index_positions[i] if i >= 0 else 0
+        batches: list[Batch] = []
+        taken = 0
+        while position < self.size and len(batches) < max_batches:
+            buf = self._pread_from(position)
+            rel = 0
+            while rel < len(buf) and len(batches) < max_batches:
+                if len(buf) - rel < HEADER_SIZE or len(buf) - rel < _peek_size(buf, rel):
+                    break
+                try:
+                    header = check_batch(buf, rel)
+                except SegmentCorrupt as exc:
+                    raise SegmentCorrupt(
+                        f"{self.path}: {exc.message} at position {position + rel}",
+                        path=str(self.path),
+                        position=position + rel,
+                    ) from None
+                if header.next_offset > offset:
+                    if batches and taken + header.size > max_bytes:
+                        return batches
+                    body = buf[rel + HEADER_SIZE : rel + header.size]
+                    batches.append(
+                        Batch(
+                            header.base_offset,
+                            header.count,
+                            header.timestamp_ms,
+                            body,
+                            header.producer_id,
+                            header.sequence,
+                        )
+                    )
+                    taken += header.size
+                rel += header.size
+            if rel == 0:
+                raise SegmentCorrupt(
+                    f"{self.path}: unreadable batch at position {position}", path=str(self.path), position=position
+                )
+            position += rel
+            if taken >= max_bytes:
+                break
+        return batches
+
+    def timestamp_position(self, timestamp_ms: int) -> int | None:
+        """The first offset in this segment whose batch time is >= ``timestamp_ms``."""
+        for header, _pos in self.scan().headers:
+            if header.timestamp_ms >= timestamp_ms:
+                return header.base_offset
+        return None
+
+    # --- lifecycle ------------------------------------------------------------
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            self.flush_index()
+            os.close(self._fd)
+            self._fd = -1
+
+    def delete(self) -> None:
+        self.close()
+        for path in (self.path, self.index_path):
+            path.unlink(missing_ok=True)
+
+
+def _peek_size(buf: bytes | memoryview, pos: int) -> int:
+    """Whole size of the batch at ``pos`` from its header, or the header size."""
+    if len(buf) - pos < HEADER_SIZE:
+        return HEADER_SIZE
+    try:
+        return decode_header(buf, pos).size
+    except SegmentCorrupt:
+        return HEADER_SIZE

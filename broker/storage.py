@@ -1,0 +1,259 @@
+"""The storage interface the broker talks to, and what every backend shares.
+
+A backend implements a handful of primitives (``_write``, ``_read_stored``,
+``_sync``, ``_truncate``, ``_drop_segments_before``); this base class adds
+idempotent producers, the durable watermark, the tail cache and the fsync
+policy, so a new backend gets them for free and the broker never changes.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any
+
+from broker.errors import ConfigError, OffsetOutOfRange
+from broker.producers import ProducerState
+from broker.record import NO_PRODUCER, Batch, encode_header
+from broker.tailcache import TailCache
+
+MiB = 1 << 20
+
+
+@dataclass(frozen=True, slots=True)
+class FsyncPolicy:
+    """``batch`` (group commit), ``interval:MS`` or ``none``."""
+
+    mode: str = "batch"
+    interval_ms: int = 0
+
+    @classmethod
+    def parse(cls, text: str) -> FsyncPolicy:
+        match = re.fullmatch(r"(batch|none|always)|interval:(\d+)", text.strip())
+        if not match:
+            raise ConfigError(f"fsync policy must be batch, none or interval:MS, not {text!r}")
+        if match.group(2):
+            return cls("interval", int(match.group(2)))
+        return cls("batch" if match.group(1) == "always" else match.group(1))
+
+    def __str__(self) -> str:
+        return f"interval:{self.interval_ms}" if self.mode == "interval" else self.mode
+
+
+@dataclass(slots=True)
+class TopicConfig:
+    """Per-topic settings, stored beside the topic's segments."""
+
+    storage: str = "file"
+    segment_bytes: int = 128 * MiB
+    index_interval_bytes: int = 4096
+    retention_bytes: int = -1
+    retention_ms: int = -1
+    cache_bytes: int = 16 * MiB
+    read_only: bool = False
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> TopicConfig:
+        known = {f.name for f in fields(cls)} - {"extra"}
+        unknown = {k: v for k, v in data.items() if k not in known and k != "extra"}
+        config = cls(**{k: v for k, v in data.items() if k in known})
+        config.extra.update(data.get("extra", {}), **unknown)
+        config.validate()
+        return config
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def validate(self) -> None:
+        if self.segment_bytes < 1024:
+            raise ConfigError("segment_bytes must be at least 1024", limit=1024)
+        if self.index_interval_bytes < 1:
+            raise ConfigError("index_interval_bytes must be positive")
+        if self.cache_bytes < 0:
+            raise ConfigError("cache_bytes must be >= 0")
+
+
+@dataclass(frozen=True, slots=True)
+class AppendResult:
+    base_offset: int
+    count: int
+    duplicate: bool = False
+
+
+class TopicLog(ABC):
+    """One topic's append-only log. Subclass to add a storage backend."""
+
+    def __init__(
+        self,
+        name: str,
+        config: TopicConfig,
+        *,
+        fsync: FsyncPolicy,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.name = name
+        self.config = config
+        self.fsync = fsync
+        self.clock = clock
+        self.start_offset = 0
+        self.end_offset = 0
+        self.durable_offset = 0
+        self.truncated_bytes = 0
+        self.producers = ProducerState()
+        self.cache = TailCache(config.cache_bytes)
+        self._last_sync = clock()
+
+    # --- the primitives a backend provides ------------------------------------
+
+    @abstractmethod
+    def _write(self, header: bytes, body: bytes, base_offset: int, count: int, timestamp_ms: int) -> None: ...
+
+    @abstractmethod
+    def _read_stored(self, offset: int, max_bytes: int) -> list[Batch]:
+        """Batches from the one holding ``offset`` (which is in range)."""
+
+    @abstractmethod
+    def _sync(self) -> None: ...
+
+    @abstractmethod
+    def _truncate(self, offset: int) -> int:
+        """Drop every batch holding ``offset`` or later; return the new end."""
+
+    @abstractmethod
+    def _drop_segments_before(self, now_ms: int) -> int:
+        """Apply retention; return the new start offset."""
+
+    @abstractmethod
+    def size_bytes(self) -> int: ...
+
+    @abstractmethod
+    def segment_count(self) -> int: ...
+
+    @abstractmethod
+    def offset_for_timestamp(self, timestamp_ms: int) -> int: ...
+
+    def close(self) -> None:  # noqa: B027 - optional hook: a memory backend holds no files
+        """Release files; called after a final ``sync``."""
+
+    # --- the interface the broker uses -----------------------------------------
+
+    def append(
+        self,
+        body: bytes,
+        count: int,
+        *,
+        producer_id: int = NO_PRODUCER,
+        sequence: int = -1,
+        timestamp_ms: int | None = None,
+    ) -> AppendResult:
+        """Append one batch: one header, one CRC, one write.
+
+        A batch resent by an idempotent producer is recognised by its sequence
+        and answered with the offsets it was first stored at.
+        """
+        if producer_id != NO_PRODUCER:
+            seen = self.producers.check(producer_id, sequence, count)
+            if seen is not None:
+                return AppendResult(seen, count, duplicate=True)
+        base = self.end_offset
+        ts = int(self.clock() * 1000) if timestamp_ms is None else timestamp_ms
+        header = encode_header(base, count, ts, body, producer_id=producer_id, sequence=sequence)
+        self._write(header, body, base, count, ts)
+        self.end_offset = base + count
+        self.cache.add(Batch(base, count, ts, body, producer_id, sequence))
+        if producer_id != NO_PRODUCER:
+            self.producers.record(producer_id, sequence, base, count)
+        if self.fsync.mode == "none":
+            self.durable_offset = self.end_offset
+        elif self.fsync.mode == "interval":
+            self.maybe_sync()
+        return AppendResult(base, count)
+
+    def read(self, offset: int, *, max_bytes: int = 1 * MiB, max_messages: int | None = None) -> list[Batch]:
+        """Batches covering ``offset`` onwards; the first may start before it.
+
+        Recent batches come from memory; a read below the log start raises
+        ``OffsetOutOfRange``; a read at the end returns nothing.
+        """
+        if offset < self.start_offset or offset > self.end_offset:
+            raise OffsetOutOfRange(
+                f"offset {offset} is outside [{self.start_offset}, {self.end_offset}] of {self.name}",
+                topic=self.name,
+                offset=offset,
+                start_offset=self.start_offset,
+                end_offset=self.end_offset,
+            )
+        if offset == self.end_offset:
+            return []
+        batches = self.cache.read(offset, max_bytes)
+        if batches is None:
+            batches = self._read_stored(offset, max_bytes)
+        if max_messages is not None:
+            batches = _limit_messages(batches, offset, max_messages)
+        return batches
+
+    @property
+    def dirty(self) -> bool:
+        return self.durable_offset < self.end_offset
+
+    def sync(self, *, force: bool = False) -> None:
+        """Group commit: make everything appended so far durable, in one fsync.
+
+        Under ``none`` this only flushes in-memory indexes, unless forced
+        (shutdown, roll). Under ``interval`` the broker calls ``maybe_sync``.
+        """
+        if (self.fsync.mode != "none" and self.dirty) or force:
+            self._sync()
+        self.durable_offset = self.end_offset
+        self._last_sync = self.clock()
+
+    def maybe_sync(self) -> bool:
+        """Sync if the interval policy says it is due; return whether it did."""
+        if not self.dirty:
+            return False
+        if self.fsync.mode == "interval" and (self.clock() - self._last_sync) * 1000 < self.fsync.interval_ms:
+            return False
+        self.sync()
+        return True
+
+    def next_sync_due(self) -> float | None:
+        """When the interval policy wants the next sync (clock seconds)."""
+        if self.fsync.mode != "interval" or not self.dirty:
+            return None
+        return self._last_sync + self.fsync.interval_ms / 1000
+
+    def truncate_to(self, offset: int) -> None:
+        """Drop every batch at or after ``offset``, e.g. to resync a mirror."""
+        offset = max(offset, self.start_offset)
+        if offset >= self.end_offset:
+            return
+        offset = self._truncate(offset)
+        self.end_offset = offset
+        self.durable_offset = min(self.durable_offset, offset)
+        self.cache.truncate(offset)
+        self.producers.truncate(offset)
+
+    def apply_retention(self, now_ms: int | None = None) -> int:
+        """Delete whole sealed segments past the size or age limits."""
+        now_ms = int(self.clock() * 1000) if now_ms is None else now_ms
+        new_start = self._drop_segments_before(now_ms)
+        dropped = max(0, new_start - self.start_offset)
+        self.start_offset = max(self.start_offset, new_start)
+        self.cache.drop_before(self.start_offset)
+        return dropped
+
+
+def _limit_messages(batches: list[Batch], offset: int, max_messages: int) -> list[Batch]:
+    """Keep just enough whole batches to cover ``max_messages`` from ``offset``."""
+    kept: list[Batch] = []
+    remaining = max_messages
+    for batch in batches:
+        if remaining <= 0:
+            break
+        kept.append(batch)
+        remaining -= batch.next_offset - max(offset, batch.base_offset)
+    return kept

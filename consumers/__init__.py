@@ -1,0 +1,1 @@
+"""Conveyor: consumers."""

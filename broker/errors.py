@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from typing import Any, ClassVar
 
+_RESERVED = frozenset({"code", "name", "retriable", "message", "fields", "args"})
+
 
 class ConveyorError(Exception):
     """Base of every error Conveyor raises on purpose."""
@@ -24,7 +26,8 @@ class ConveyorError(Exception):
         self.message = message or self.name
         self.fields = fields
         for key, value in fields.items():
-            setattr(self, key, value)
+            if key not in _RESERVED:  # a field called "name" must not rename the error
+                setattr(self, key, value)
 
     def __str__(self) -> str:
         return f"[{self.name}] {self.message}"
@@ -50,6 +53,9 @@ class SegmentCorrupt(ValueError, LogError):
 
     code = 102
     name = "SEGMENT_CORRUPT"
+
+    # ValueError.__init__ comes first in the MRO and rejects keyword fields.
+    __init__ = ConveyorError.__init__
 
 
 class StorageFull(LogError):

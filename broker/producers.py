@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
-from broker.errors import DuplicateSequence, OutOfOrderSequence
+from broker.errors import DuplicateSequence
 
 WINDOW = 8  # recent batches remembered per producer, as Kafka keeps 5
 MAX_PRODUCERS = 100_000  # least recently seen ids are forgotten past this
@@ -24,7 +24,8 @@ class ProducerState:
     def check(self, producer_id: int, sequence: int, count: int) -> int | None:
         """The base offset if this batch was stored already, else None.
 
-        Raises when the sequence is too old to answer or skips ahead.
+        Raises ``DuplicateSequence`` when the sequence is older than the window,
+        where the broker can no longer tell whether it was stored.
         """
         recent = self._seen.get(producer_id)
         if recent is None:
@@ -38,20 +39,15 @@ class ProducerState:
                     sequence=sequence,
                 )
             return base
-        last = next(reversed(recent))
-        if sequence <= last:
+        if sequence < min(recent):
             raise DuplicateSequence(
                 f"producer {producer_id} resent sequence {sequence}, older than the remembered window",
                 producer_id=producer_id,
                 sequence=sequence,
             )
-        if sequence != last + 1:
-            raise OutOfOrderSequence(
-                f"producer {producer_id} sent sequence {sequence} after {last}",
-                producer_id=producer_id,
-                sequence=sequence,
-                expected=last + 1,
-            )
+        # Newer than anything stored, or inside the window but never stored (a batch
+        # that failed and is retried): store it. Gaps are allowed: a batch the broker
+        # rejected for good never consumes a place.
         return None
 
     def record(self, producer_id: int, sequence: int, base_offset: int, count: int) -> None:
@@ -64,7 +60,7 @@ class ProducerState:
             self._seen.move_to_end(producer_id)
         recent[sequence] = (base_offset, count)
         if len(recent) > self.window:
-            recent.popitem(last=False)
+            del recent[min(recent)]
 
     def truncate(self, offset: int) -> None:
         """Forget batches at or after ``offset`` (they were cut from the log)."""

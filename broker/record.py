@@ -115,9 +115,11 @@ def decode_header(buf: bytes | memoryview, pos: int = 0) -> BatchHeader:
     """Parse a header without checking the CRC (see ``check_batch``)."""
     if len(buf) - pos < HEADER_SIZE:
         raise SegmentCorrupt("short header", position=pos)
-    (base, length, magic, _attrs, _res, crc, count, ts, pid, seq, body_len) = HEADER.unpack_from(buf, pos)
+    (base, length, magic, attrs, reserved, crc, count, ts, pid, seq, body_len) = HEADER.unpack_from(buf, pos)
     if magic != MAGIC:
         raise SegmentCorrupt(f"bad magic {magic}", position=pos)
+    if attrs or reserved:  # outside the CRC, so a flipped bit here is only caught by this check
+        raise SegmentCorrupt("nonzero reserved header bytes", position=pos)
     if length != HEADER_SIZE - LENGTH_PREFIX + body_len:
         raise SegmentCorrupt("batch length disagrees with body length", position=pos)
     return BatchHeader(base, count, ts, pid, seq, body_len, crc)

@@ -192,11 +192,14 @@ class Segment:
         truncated at the first batch that is incomplete or fails its CRC.
         """
         start_pos, start_offset = (0, None) if sealed else self._trusted_index_start()
+        prefix = self._trusted_prefix(start_pos, start_offset)
+        if prefix is None:  # the headers do not chain up to the index entry: check the whole file
+            start_pos, start_offset, prefix = 0, None, []
         result = self.scan(start_pos, start_offset)
         if result.error is not None and sealed:
             raise result.error
-        self._adopt_scan(result, start_pos)
-        self.recovered_headers = self.walk_headers(0, start_pos) + [h for h, _p in result.headers]
+        self._adopt_scan(prefix, result)
+        self.recovered_headers = [h for h, _p in prefix] + [h for h, _p in result.headers]
         cut = self.size - result.valid_size
         if cut:
             log.warning("%s: truncating torn tail, %d bytes after offset %d", self.path, cut, result.next_offset)
@@ -217,20 +220,36 @@ class Segment:
             self._index_positions.pop()
         return 0, None
 
-    def _adopt_scan(self, result: ScanResult, start_pos: int) -> None:
-        if start_pos == 0:
-            self._index_offsets, self._index_positions = array("q"), array("q")
-        else:  # the trusted entry is re-added by the scan below
-            self._index_offsets.pop()
-            self._index_positions.pop()
+    def _trusted_prefix(self, end: int, end_offset: int | None) -> list[tuple[BatchHeader, int]] | None:
+        """Headers and positions before ``end``, or None if they do not chain up to ``end_offset``.
+
+        Not CRC-checked (the data was synced before the index entry was written),
+        but walked, so the rebuilt index never keeps a stale or garbage entry.
+        """
+        if end_offset is None:
+            return []
+        try:
+            headers = self.walk_headers(0, end)
+        except SegmentCorrupt:
+            return None
+        out: list[tuple[BatchHeader, int]] = []
+        position, expected = 0, self.base_offset
+        for header in headers:
+            if header.base_offset != expected or header.count < 1:
+                return None
+            out.append((header, position))
+            position += header.size
+            expected = header.next_offset
+        return out if (position, expected) == (end, end_offset) else None
+
+    def _adopt_scan(self, prefix: list[tuple[BatchHeader, int]], result: ScanResult) -> None:
+        self._index_offsets, self._index_positions = array("q"), array("q")
         self._bytes_since_index = self.index_interval
-        for header, position in result.headers:
+        for header, position in [*prefix, *result.headers]:
             self._maybe_index(header.base_offset, position, header.size)
         self.next_offset = result.next_offset
         if result.headers:
             self.last_timestamp_ms = result.last_timestamp_ms
-        elif start_pos:
-            self.last_timestamp_ms = 0
         self._rewrite_index()
 
     def _load_index(self) -> None:

@@ -68,7 +68,7 @@ class TailCache:
         del self._batches[i:]
         del self._bases[i:]
         self._head = min(self._head, len(self._batches))
-        if self._batches and self._batches[-1].next_offset > offset:
+        if len(self._batches) > self._head and self._batches[-1].next_offset > offset:  # live entries only
             # a batch straddling the cut: drop it too; the log re-reads from disk
             self.bytes -= len(self._batches[-1].body)
             self._batches.pop()

@@ -1,0 +1,198 @@
+"""ADMIN operations and the state the metrics collector reads.
+
+Kept out of the event loop's module: these are request/response
+operations over broker state, not part of the data path.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import shutil
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from broker.errors import InvalidRequest, UnknownGroup
+from broker.storage import TopicConfig, TopicLog
+from broker.store import check_name
+
+if TYPE_CHECKING:
+    from broker.groups import Group
+    from broker.server import Broker
+
+Rows = list[tuple[tuple[str, ...], float]]
+
+
+def resolve_position(log: TopicLog, position: Any) -> int:
+    """``earliest``, ``latest``, an offset, or ``{"timestamp": ms}`` to an offset."""
+    if position in (None, "earliest"):
+        return log.start_offset
+    if position == "latest":
+        return log.end_offset
+    if isinstance(position, int) and not isinstance(position, bool):
+        return min(max(position, log.start_offset), log.end_offset)
+    if isinstance(position, dict):
+        if "offset" in position:
+            return resolve_position(log, int(position["offset"]))
+        if "timestamp" in position:
+            return log.offset_for_timestamp(int(position["timestamp"]))
+    if isinstance(position, str) and position.lstrip("-").isdigit():
+        return resolve_position(log, int(position))
+    raise InvalidRequest(f"position must be earliest, latest, an offset or {{'timestamp': ms}}, not {position!r}")
+
+
+def describe_topic(broker: Broker, name: str) -> dict[str, Any]:
+    log = broker.store.topic(name)
+    return {
+        "name": name,
+        "start_offset": log.start_offset,
+        "end_offset": log.end_offset,
+        "durable_offset": log.durable_offset,
+        "segments": log.segment_count(),
+        "size_bytes": log.size_bytes(),
+        "config": {k: v for k, v in log.config.to_dict().items() if k != "extra"},
+        "groups": sorted(g for (t, g) in broker.groups if t == name),
+    }
+
+
+def describe_group(broker: Broker, topic: str, name: str) -> dict[str, Any]:
+    group = _group(broker, topic, name)
+    log = broker.store.topic(topic)
+    committed = group.committed_offset
+    return {
+        "topic": topic,
+        "group": name,
+        "committed_offset": committed,
+        "next_offset": group.next_offset,
+        "end_offset": log.end_offset,
+        "lag": max(0, log.end_offset - committed),
+        "in_flight": group.in_flight,
+        "pending_redelivery": sum(b - a for p in group.pending for a, b in p.ranges),
+        "members": [
+            {"peer": m.peer.hex(), "sub": m.sub_id, "credit": m.credit, "in_flight": m.in_flight}
+            for m in group.members + group.joining
+        ],
+        "settings": group.settings.to_dict(),
+    }
+
+
+def _group(broker: Broker, topic: str, name: str) -> Group:
+    broker.store.topic(topic)
+    group = broker.groups.get((topic, name))
+    if group is None:
+        raise UnknownGroup(f"no group {name} on topic {topic}", topic=topic, group=name)
+    return group
+
+
+def reset_offsets(broker: Broker, topic: str, name: str, to: Any) -> dict[str, Any]:
+    log = broker.store.topic(topic)
+    group = broker.groups.get((topic, name))
+    if group is None:
+        group = broker._make_group(topic, check_name(name, "group"), {"committed_offset": log.start_offset})
+    group.reset(resolve_position(log, to))
+    broker.store.save_group(topic, name, {**group.settings.to_dict(), "committed_offset": group.next_offset})
+    broker.store.write_groups()
+    broker.to_dispatch.add(group)
+    return describe_group(broker, topic, name)
+
+
+def delete_group(broker: Broker, topic: str, name: str) -> dict[str, Any]:
+    group = _group(broker, topic, name)
+    for member in list(group.members + group.joining):
+        peer = broker.peers.get(member.peer)
+        if peer is not None:
+            peer.members.pop(member.sub_id, None)
+    del broker.groups[(topic, name)]
+    broker.store.delete_group(topic, name)
+    broker.store.write_groups()
+    return {"deleted": name, "topic": topic}
+
+
+def delete_topic(broker: Broker, name: str) -> dict[str, Any]:
+    for topic, group in [k for k in broker.groups if k[0] == name]:
+        delete_group(broker, topic, group)
+    broker.store.delete_topic(name)
+    return {"deleted": name}
+
+
+def create_topic(broker: Broker, name: str, config: dict[str, Any]) -> dict[str, Any]:
+    known = set(TopicConfig().to_dict()) - {"extra", "storage"} | {"storage"}
+    unknown = set(config) - known
+    if unknown:
+        raise InvalidRequest(f"unknown topic settings: {', '.join(sorted(unknown))}")
+    broker.store.create_topic(name, **config)
+    return describe_topic(broker, name)
+
+
+def _arg(header: dict[str, Any], key: str, kind: type) -> Any:
+    value = header.get(key)
+    if not isinstance(value, kind):
+        raise InvalidRequest(f"ADMIN needs {key!r} ({kind.__name__})", field=key)
+    return value
+
+
+OPS: dict[str, Callable[[Broker, dict[str, Any]], Any]] = {
+    "list_topics": lambda b, h: [describe_topic(b, name) for name in sorted(b.store.logs)],
+    "describe_topic": lambda b, h: describe_topic(b, _arg(h, "topic", str)),
+    "create_topic": lambda b, h: create_topic(b, _arg(h, "topic", str), h.get("config") or {}),
+    "delete_topic": lambda b, h: delete_topic(b, _arg(h, "topic", str)),
+    "list_groups": lambda b, h: [describe_group(b, t, g) for (t, g) in sorted(b.groups) if h.get("topic") in (None, t)],
+    "describe_group": lambda b, h: describe_group(b, _arg(h, "topic", str), _arg(h, "group", str)),
+    "reset_offsets": lambda b, h: reset_offsets(b, _arg(h, "topic", str), _arg(h, "group", str), h.get("to")),
+    "delete_group": lambda b, h: delete_group(b, _arg(h, "topic", str), _arg(h, "group", str)),
+}
+
+
+def run(broker: Broker, op: str, header: dict[str, Any]) -> Any:
+    handler = OPS.get(op)
+    if handler is None:
+        raise InvalidRequest(f"unknown ADMIN op {op!r}; known: {', '.join(sorted(OPS))}", field="op")
+    return handler(broker, header)
+
+
+# --- state for the metrics collector ---------------------------------------------------
+
+
+def state_snapshot(broker: Broker) -> dict[str, Rows]:
+    rows: dict[str, Rows] = {}
+
+    def add(name: str, labels: tuple[str, ...], value: float) -> None:
+        rows.setdefault(name, []).append((labels, float(value)))
+
+    for topic_log in broker.store:
+        one = (topic_log.name,)
+        add("conveyor_log_start_offset", one, topic_log.start_offset)
+        add("conveyor_log_end_offset", one, topic_log.end_offset)
+        add("conveyor_log_durable_offset", one, topic_log.durable_offset)
+        add("conveyor_log_segments", one, topic_log.segment_count())
+        add("conveyor_log_size_bytes", one, topic_log.size_bytes())
+    now_ms = time.time() * 1000
+    for (topic, group_name), group in list(broker.groups.items()):
+        log = broker.store.logs.get(topic)
+        if log is None:
+            continue
+        labels = (topic, group_name)
+        committed = group.committed_offset
+        add("conveyor_group_committed_offset", labels, committed)
+        add("conveyor_group_lag_messages", labels, max(0, log.end_offset - committed))
+        add("conveyor_group_lag_seconds", labels, _lag_seconds(log, committed, now_ms))
+        add("conveyor_group_in_flight_messages", labels, group.in_flight)
+        add(
+            "conveyor_group_pending_redelivery_messages", labels, sum(b - a for p in group.pending for a, b in p.ranges)
+        )
+        add("conveyor_group_credit_messages", labels, sum(m.credit for m in group.members))
+        add("conveyor_group_members", labels, len(group.members) + len(group.joining))
+    add("conveyor_connected_clients", (), len(broker.peers))
+    with contextlib.suppress(OSError):
+        add("conveyor_disk_free_bytes", (), shutil.disk_usage(broker.settings.data_dir).free)
+    return rows
+
+
+def _lag_seconds(log: TopicLog, committed: int, now_ms: float) -> float:
+    if committed >= log.end_offset:
+        return 0.0
+    try:
+        batches = log.read(committed, max_bytes=1)
+    except Exception:
+        return 0.0
+    return max(0.0, (now_ms - batches[0].timestamp_ms) / 1000) if batches else 0.0

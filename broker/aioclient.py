@@ -1,0 +1,206 @@
+"""``AsyncProducer``: the producer for asyncio code, on ``zmq.asyncio``.
+
+Same wire behaviour as ``Producer`` (linger, batches, idempotent resends);
+``send()`` returns an ``asyncio.Future`` of the offset without waiting for
+the confirm, ``send_and_wait()`` waits for it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import random
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import tenacity
+import zmq
+import zmq.asyncio
+
+from broker.codec import make_record
+from broker.config import DEFAULT_BROKER
+from broker.errors import ConveyorError, RequestTimeout
+from broker.protocol import Command, decode, encode, error_from_header
+from broker.record import pack_records
+
+
+@dataclass(slots=True)
+class _Batch:
+    topic: str
+    records: list[Any] = field(default_factory=list)
+    futures: list[asyncio.Future[int]] = field(default_factory=list)
+    size: int = 0
+    seq: int = -1
+    body: bytes = b""
+    first_sent: float = 0.0
+    sent_at: float = 0.0
+    attempts: int = 0
+
+
+class AsyncProducer:
+    def __init__(
+        self,
+        address: str = DEFAULT_BROKER,
+        *,
+        linger_ms: float = 5.0,
+        batch_size: int = 1000,
+        max_batch_bytes: int = 1 << 20,
+        request_timeout_ms: int = 5000,
+        delivery_timeout_ms: int = 120_000,
+        retry_wait: Any = None,
+    ) -> None:
+        self.address = address
+        self.linger = linger_ms / 1000
+        self.batch_size = batch_size
+        self.max_batch_bytes = max_batch_bytes
+        self.request_timeout = request_timeout_ms / 1000
+        self.delivery_timeout = delivery_timeout_ms / 1000
+        self.retry_wait = retry_wait or tenacity.wait_exponential_jitter(initial=0.05, max=2.0)
+        self.producer_id = random.getrandbits(62) or 1
+        self._ctx = zmq.asyncio.Context.instance()
+        self._sock: zmq.asyncio.Socket | None = None
+        self._buffers: dict[str, _Batch] = {}
+        self._in_flight: dict[int, _Batch] = {}
+        self._seqs: dict[str, int] = {}
+        self._rids = itertools.count(1)
+        self._tasks: list[asyncio.Task[None]] = []
+        self._linger_handles: dict[str, asyncio.TimerHandle] = {}
+
+    async def start(self) -> AsyncProducer:
+        self._sock = self._new_socket()
+        self._tasks = [asyncio.create_task(self._reader()), asyncio.create_task(self._watchdog())]
+        return self
+
+    def _new_socket(self) -> zmq.asyncio.Socket:
+        sock = self._ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(self.address)
+        return sock
+
+    async def send(
+        self, topic: str, value: Any, *, key: str | bytes | None = None, headers: dict[str, str] | None = None
+    ) -> asyncio.Future[int]:
+        """Queue one message; the returned future resolves to its offset."""
+        if self._sock is None:
+            await self.start()
+        record = make_record(value, key, headers)
+        size = len(record[2]) + 16
+        batch = self._buffers.get(topic)
+        if batch is not None and batch.size + size > self.max_batch_bytes:
+            self._ship(topic)
+            batch = None
+        if batch is None:
+            batch = self._buffers[topic] = _Batch(topic)
+            loop = asyncio.get_running_loop()
+            self._linger_handles[topic] = loop.call_later(self.linger, self._ship, topic)
+        future: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+        batch.records.append(record)
+        batch.futures.append(future)
+        batch.size += size
+        if len(batch.records) >= self.batch_size:
+            self._ship(topic)
+        return future
+
+    async def send_and_wait(self, topic: str, value: Any, **kwargs: Any) -> int:
+        return await (await self.send(topic, value, **kwargs))
+
+    def _ship(self, topic: str) -> None:
+        handle = self._linger_handles.pop(topic, None)
+        if handle:
+            handle.cancel()
+        batch = self._buffers.pop(topic, None)
+        if batch is None or not batch.records:
+            return
+        batch.seq = self._seqs.get(topic, 0)
+        self._seqs[topic] = batch.seq + 1
+        batch.body = pack_records(batch.records)
+        batch.first_sent = time.monotonic()
+        rid = next(self._rids)
+        self._in_flight[rid] = batch
+        self._transmit(rid, batch)
+
+    def _transmit(self, rid: int, batch: _Batch) -> None:
+        assert self._sock is not None
+        header = {"rid": rid, "topic": batch.topic, "pid": self.producer_id, "seq": batch.seq}
+        batch.sent_at = time.monotonic()
+        batch.attempts += 1
+        self._sock.send_multipart(encode(Command.PUBLISH, header, batch.body))
+
+    async def _reader(self) -> None:
+        while True:
+            assert self._sock is not None
+            sock = self._sock
+            try:
+                frames = await sock.recv_multipart()
+            except zmq.ZMQError:
+                await asyncio.sleep(0.01)  # the socket was replaced under us
+                continue
+            try:
+                reply = decode(frames)
+            except ConveyorError:
+                continue
+            batch = self._in_flight.pop(reply.get("rid"), None)
+            if batch is None:
+                continue
+            if reply.command is Command.PUBLISHED:
+                base = int(reply.get("base_offset"))
+                for i, future in enumerate(batch.futures):
+                    if not future.done():
+                        future.set_result(base + i)
+            elif reply.command is Command.ERROR:
+                self._on_error(reply.get("rid"), batch, error_from_header(reply.header))
+
+    def _on_error(self, rid: int, batch: _Batch, exc: ConveyorError) -> None:
+        if exc.retriable and time.monotonic() - batch.first_sent < self.delivery_timeout:
+            self._in_flight[rid] = batch
+            asyncio.get_running_loop().call_later(self.request_timeout / 10, self._transmit, rid, batch)
+            return
+        for future in batch.futures:
+            if not future.done():
+                future.set_exception(exc)
+
+    async def _watchdog(self) -> None:
+        """Resend on a fresh socket when confirms stop coming."""
+        while True:
+            await asyncio.sleep(min(1.0, self.request_timeout / 2))
+            now = time.monotonic()
+            for rid, batch in list(self._in_flight.items()):
+                if now - batch.first_sent > self.delivery_timeout:
+                    del self._in_flight[rid]
+                    for future in batch.futures:
+                        if not future.done():
+                            future.set_exception(RequestTimeout(f"no confirm from {self.address} in time"))
+            if any(now - b.sent_at > self.request_timeout for b in self._in_flight.values()):
+                old, self._sock = self._sock, self._new_socket()
+                if old is not None:
+                    old.close(linger=0)
+                for rid, batch in sorted(self._in_flight.items(), key=lambda item: (item[1].topic, item[1].seq)):
+                    self._transmit(rid, batch)
+
+    async def flush(self, timeout: float | None = None) -> None:
+        """Ship every buffer and wait for all confirms."""
+        for topic in list(self._buffers):
+            self._ship(topic)
+        pending = [f for b in self._in_flight.values() for f in b.futures]
+        if pending:
+            await asyncio.wait_for(asyncio.gather(*pending, return_exceptions=True), timeout)
+
+    async def close(self, timeout: float | None = 30.0) -> None:
+        try:
+            await self.flush(timeout)
+        finally:
+            for task in self._tasks:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+            if self._sock is not None:
+                self._sock.close(linger=0)
+                self._sock = None
+
+    async def __aenter__(self) -> AsyncProducer:
+        return await self.start()
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()

@@ -1,0 +1,341 @@
+"""The ``conveyor`` command: broker, publish, tail, topics, groups, run, bench.
+
+Every option also comes from ``CONVEYOR_<OPTION>`` and from a TOML file
+named by ``--config``. Client commands take ``--broker ADDR``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from collections.abc import Callable, Sequence
+from datetime import datetime
+from typing import Any
+
+from broker.config import DEFAULT_BROKER, Option, add_options, resolve
+from broker.errors import ConveyorError
+from broker.settings import BrokerSettings, broker_options
+
+CLIENT_OPTIONS = [Option("broker", DEFAULT_BROKER, "broker address")]
+
+Handler = Callable[[argparse.Namespace], int]
+COMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Handler]] = {}
+
+
+def command(
+    name: str, help_text: str, setup: Callable[[argparse.ArgumentParser], None]
+) -> Callable[[Handler], Handler]:
+    def register(handler: Handler) -> Handler:
+        COMMANDS[name] = (help_text, setup, handler)
+        return handler
+
+    return register
+
+
+# --- broker ---------------------------------------------------------------------------
+
+
+def _broker_setup(parser: argparse.ArgumentParser) -> None:
+    add_options(parser, broker_options())
+
+
+@command("broker", "start a broker", _broker_setup)
+def cmd_broker(args: argparse.Namespace) -> int:
+    from broker.server import Broker
+
+    values = resolve(args, broker_options(), "broker")
+    settings = BrokerSettings(**values)
+    logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    broker = Broker(settings)
+    endpoint = broker.bind()
+    metrics = f"http://{settings.metrics_bind}:{broker.metrics_server.port}/metrics" if broker.metrics_server else "off"
+
+    def ready(_: Broker) -> None:
+        print(
+            f"conveyor broker ready on {endpoint} (data {settings.data_dir}, fsync {settings.fsync}, "
+            f"metrics {metrics})",
+            flush=True,
+        )
+
+    broker.serve_forever(ready=ready)
+    print("conveyor broker stopped cleanly", flush=True)
+    return 0
+
+
+# --- publish ----------------------------------------------------------------------------
+
+
+def _publish_setup(parser: argparse.ArgumentParser) -> None:
+    add_options(parser, CLIENT_OPTIONS)
+    parser.add_argument("topic")
+    parser.add_argument("messages", nargs="*", help="values to send; one per stdin line when none are given")
+    parser.add_argument("--key", help="key for every message")
+    parser.add_argument("--header", action="append", default=[], metavar="K=V", help="a header (repeatable)")
+    parser.add_argument(
+        "--format",
+        choices=["text", "json", "bytes"],
+        default="text",
+        help="text: UTF-8 strings; json: parse each value and send it as an object; bytes: raw",
+    )
+    parser.add_argument("--quiet", action="store_true", help="do not print offsets")
+
+
+@command("publish", "publish messages to a topic", _publish_setup)
+def cmd_publish(args: argparse.Namespace) -> int:
+    from broker.client import Producer
+
+    opts = resolve(args, CLIENT_OPTIONS, "publish")
+    headers = dict(_pair(h) for h in args.header) or None
+    values = args.messages or (line.rstrip("\n") for line in sys.stdin)
+    futures = []
+    with Producer(opts["broker"], request_timeout_ms=5000, delivery_timeout_ms=30_000) as producer:
+        for raw in values:
+            futures.append(producer.send(args.topic, _parse_value(raw, args.format), key=args.key, headers=headers))
+        producer.flush(timeout=60)
+    offsets = [f.result() for f in futures]
+    if not args.quiet:
+        for offset in offsets:
+            print(offset)
+    print(f"published {len(offsets)} message(s) to {args.topic}", file=sys.stderr)
+    return 0
+
+
+def _parse_value(raw: str, fmt: str) -> Any:
+    if fmt == "json":
+        return json.loads(raw)
+    if fmt == "bytes":
+        return raw.encode()
+    return raw
+
+
+def _pair(text: str) -> tuple[str, str]:
+    key, sep, value = text.partition("=")
+    if not sep:
+        raise ConveyorError(f"expected K=V, got {text!r}")
+    return key, value
+
+
+# --- tail ---------------------------------------------------------------------------------
+
+
+def _tail_setup(parser: argparse.ArgumentParser) -> None:
+    add_options(parser, CLIENT_OPTIONS)
+    parser.add_argument("topic")
+    parser.add_argument(
+        "--from",
+        dest="start",
+        default="latest",
+        help="earliest, latest, an offset, or an ISO time (2026-11-26T10:00:00)",
+    )
+    parser.add_argument("--count", type=int, default=0, help="exit after N messages (0: follow forever)")
+    parser.add_argument("--format", choices=["json", "text"], default="text")
+    parser.add_argument(
+        "--idle-timeout",
+        type=float,
+        default=0,
+        help="exit when no message arrives for this many seconds (0: wait forever)",
+    )
+
+
+@command("tail", "print messages of a topic", _tail_setup)
+def cmd_tail(args: argparse.Namespace) -> int:
+    import time
+
+    from broker.client import Admin
+
+    opts = resolve(args, CLIENT_OPTIONS, "tail")
+    printed = 0
+    with Admin(opts["broker"]) as admin:
+        offset = _start_offset(admin, args.topic, args.start)
+        last_data = time.monotonic()
+        while args.count <= 0 or printed < args.count:
+            want = 1000 if args.count <= 0 else min(1000, args.count - printed)
+            messages, header = admin.fetch_batch(args.topic, offset, want, wait_ms=1000)
+            if offset < header["start_offset"]:
+                offset = header["start_offset"]  # retention moved past us
+            for message in messages:
+                _print_message(message, args.format)
+            printed += len(messages)
+            if messages:
+                offset = messages[-1].offset + 1
+                last_data = time.monotonic()
+            elif args.idle_timeout and time.monotonic() - last_data >= args.idle_timeout:
+                break
+    return 0
+
+
+def _start_offset(admin: Any, topic: str, start: str) -> int:
+    info = admin.describe_topic(topic)
+    if start == "earliest":
+        return int(info["start_offset"])
+    if start == "latest":
+        return int(info["end_offset"])
+    if start.lstrip("-").isdigit():
+        return max(int(start), int(info["start_offset"]))
+    when = datetime.fromisoformat(start)
+    return _offset_for_time(admin, topic, int(when.timestamp() * 1000), info)
+
+
+def _offset_for_time(admin: Any, topic: str, ts_ms: int, info: dict[str, Any]) -> int:
+    low, high = int(info["start_offset"]), int(info["end_offset"])
+    while low < high:  # timestamps grow with offsets: bisect with FETCH
+        mid = (low + high) // 2
+        messages = admin.fetch(topic, mid, 1)
+        if not messages or messages[0].timestamp * 1000 >= ts_ms:
+            high = mid
+        else:
+            low = mid + 1
+    return low
+
+
+def _print_message(message: Any, fmt: str) -> None:
+    if fmt == "json":
+        print(json.dumps(message.to_dict(), default=_json_default, ensure_ascii=False), flush=True)
+    else:
+        data = message.to_dict()
+        print(f"{data['offset']}\t{data['key'] or ''}\t{data['value']}", flush=True)
+
+
+def _json_default(value: Any) -> Any:
+    if isinstance(value, bytes):
+        return value.decode("utf-8", errors="replace")
+    return str(value)
+
+
+# --- topics and groups ----------------------------------------------------------------------
+
+
+def _topics_setup(parser: argparse.ArgumentParser) -> None:
+    add_options(parser, CLIENT_OPTIONS)
+    parser.add_argument("action", choices=["list", "create", "describe", "delete"], nargs="?", default="list")
+    parser.add_argument("name", nargs="?")
+    parser.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="K=V",
+        help="topic setting for create (segment_bytes, retention_bytes, retention_ms, ...)",
+    )
+    parser.add_argument("--format", choices=["table", "json"], default="table")
+
+
+@command("topics", "list, create, describe or delete topics", _topics_setup)
+def cmd_topics(args: argparse.Namespace) -> int:
+    from broker.client import Admin
+
+    opts = resolve(args, CLIENT_OPTIONS, "topics")
+    with Admin(opts["broker"]) as admin:
+        if args.action == "list":
+            result: Any = admin.list_topics()
+        else:
+            if not args.name:
+                raise ConveyorError(f"topics {args.action} needs a topic name")
+            if args.action == "create":
+                config = {k: _number(v) for k, v in (_pair(s) for s in args.set)}
+                result = admin.create_topic(args.name, **config)
+            elif args.action == "describe":
+                result = admin.describe_topic(args.name)
+            else:
+                result = admin.delete_topic(args.name)
+    _show(result, args.format, ["name", "start_offset", "end_offset", "segments", "size_bytes"])
+    return 0
+
+
+def _groups_setup(parser: argparse.ArgumentParser) -> None:
+    add_options(parser, CLIENT_OPTIONS)
+    parser.add_argument("action", choices=["list", "describe", "reset", "delete"], nargs="?", default="list")
+    parser.add_argument("topic", nargs="?")
+    parser.add_argument("group", nargs="?")
+    parser.add_argument("--to", help="reset target: earliest, latest, an offset, or an ISO time")
+    parser.add_argument("--format", choices=["table", "json"], default="table")
+
+
+@command("groups", "list, describe, reset or delete consumer groups", _groups_setup)
+def cmd_groups(args: argparse.Namespace) -> int:
+    from broker.client import Admin
+
+    opts = resolve(args, CLIENT_OPTIONS, "groups")
+    with Admin(opts["broker"]) as admin:
+        if args.action == "list":
+            result: Any = admin.list_groups(args.topic)
+        else:
+            if not (args.topic and args.group):
+                raise ConveyorError(f"groups {args.action} needs TOPIC GROUP")
+            if args.action == "describe":
+                result = admin.describe_group(args.topic, args.group)
+            elif args.action == "delete":
+                result = admin.delete_group(args.topic, args.group)
+            else:
+                if not args.to:
+                    raise ConveyorError("groups reset needs --to earliest|latest|OFFSET|ISO-TIME")
+                result = admin.reset_offsets(args.topic, args.group, _reset_target(args.to))
+    _show(result, args.format, ["topic", "group", "committed_offset", "end_offset", "lag", "in_flight"])
+    return 0
+
+
+def _reset_target(text: str) -> Any:
+    if text in ("earliest", "latest"):
+        return text
+    if text.lstrip("-").isdigit():
+        return int(text)
+    return {"timestamp": int(datetime.fromisoformat(text).timestamp() * 1000)}
+
+
+def _number(text: str) -> Any:
+    try:
+        return int(text)
+    except ValueError:
+        return {"true": True, "false": False}.get(text.lower(), text)
+
+
+def _show(result: Any, fmt: str, columns: list[str]) -> None:
+    if fmt == "json" or not isinstance(result, list):
+        print(json.dumps(result, indent=None if isinstance(result, list) else 2, default=str))
+        return
+    rows = [[str(item.get(c, "")) for c in columns] for item in result]
+    widths = [max(len(c), *(len(r[i]) for r in rows)) if rows else len(c) for i, c in enumerate(columns)]
+    print("  ".join(c.upper().ljust(w) for c, w in zip(columns, widths, strict=True)))
+    for row in rows:
+        print("  ".join(v.ljust(w) for v, w in zip(row, widths, strict=True)))
+
+
+# --- entry point ----------------------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    _load_plugins()
+    parser = argparse.ArgumentParser(prog="conveyor", description="Conveyor message broker")
+    subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name, (help_text, setup, handler) in COMMANDS.items():
+        sub = subparsers.add_parser(name, help=help_text, description=help_text)
+        setup(sub)
+        sub.set_defaults(handler=handler)
+    return parser
+
+
+def _load_plugins() -> None:
+    """Subcommands that live in other packages register themselves on import."""
+    for module in ("consumers.cli", "benchmarks.cli"):
+        try:
+            __import__(module)
+        except ImportError as exc:
+            if exc.name != module:
+                raise
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.handler(args))
+    except ConveyorError as exc:
+        print(f"conveyor {args.command}: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,447 @@
+"""Producer and Admin clients.
+
+``Producer`` batches by linger and size in the caller's thread and does all
+socket work in one background I/O thread. Every batch carries the
+producer's id and a per-topic sequence, so after a timeout it can
+reconnect and resend everything unconfirmed: the broker stores each batch
+once and answers a resend with the original offsets.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import os
+import random
+import socket
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
+
+import tenacity
+import zmq
+
+from broker.aioclient import AsyncProducer
+from broker.codec import make_record
+from broker.config import DEFAULT_BROKER
+from broker.errors import BrokerUnavailable, ConveyorError, RequestTimeout
+from broker.futures import BatchFutures
+from broker.protocol import Command, decode, encode, error_from_header
+from broker.record import pack_records
+from consumers.message import Message, messages_from_entries
+
+__all__ = ["DEFAULT_BROKER", "Admin", "AsyncProducer", "Producer"]
+
+
+def new_dealer(ctx: zmq.Context[Any], address: str) -> zmq.Socket[Any]:
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.SNDHWM, 100_000)
+    sock.setsockopt(zmq.RCVHWM, 100_000)
+    sock.connect(address)
+    return sock
+
+
+def backoff_seconds(strategy: Any, attempt: int) -> float:
+    """Ask a tenacity wait strategy for the delay before ``attempt``."""
+    state = tenacity.RetryCallState(retry_object=None, fn=None, args=(), kwargs={})  # type: ignore[arg-type]
+    state.attempt_number = attempt
+    return float(strategy(state))
+
+
+@dataclass(slots=True)
+class _Buffer:
+    records: list[Any] = field(default_factory=list)
+    futures: BatchFutures = field(default_factory=BatchFutures)
+    bytes: int = 0
+    opened: float = 0.0
+
+
+@dataclass(slots=True)
+class _InFlight:
+    rid: int
+    topic: str
+    seq: int
+    body: bytes
+    count: int
+    futures: BatchFutures
+    sent_at: float
+    first_sent: float
+    attempts: int = 1
+
+
+class Producer:
+    """A thread-safe, batching, idempotent producer with publisher confirms.
+
+    ``send()`` returns a ``concurrent.futures.Future`` of the message's offset,
+    resolved when the broker confirms the batch as durable.
+    """
+
+    def __init__(
+        self,
+        address: str = DEFAULT_BROKER,
+        *,
+        linger_ms: float = 5.0,
+        batch_size: int = 1000,
+        max_batch_bytes: int = 1 << 20,
+        max_in_flight: int = 8,
+        request_timeout_ms: int = 5000,
+        delivery_timeout_ms: int = 120_000,
+        retry_wait: Any = None,
+        context: zmq.Context[Any] | None = None,
+    ) -> None:
+        self.address = address
+        self.linger = linger_ms / 1000
+        self.batch_size = batch_size
+        self.max_batch_bytes = max_batch_bytes
+        self.max_in_flight = max_in_flight
+        self.request_timeout = request_timeout_ms / 1000
+        self.delivery_timeout = delivery_timeout_ms / 1000
+        self.retry_wait = retry_wait or tenacity.wait_exponential_jitter(initial=0.05, max=2.0)
+        self.producer_id = random.getrandbits(62) or 1
+        self._ctx = context or zmq.Context.instance()
+        self._lock = threading.Lock()
+        self._idle = threading.Condition(self._lock)
+        self._buffers: dict[str, _Buffer] = {}
+        self._outstanding = 0
+        self._closed = False
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_r.setblocking(False)
+        self._wake_w.setblocking(False)
+        self._woken = False
+        self._io = _ProducerIO(self)
+        self._thread = threading.Thread(target=self._io.run, name="conveyor-producer", daemon=True)
+        self._thread.start()
+
+    # --- the caller's side ----------------------------------------------------------
+
+    def send(
+        self,
+        topic: str,
+        value: Any,
+        *,
+        key: str | bytes | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> Future[int]:
+        """Queue one message; the future resolves to its offset once durable."""
+        record = make_record(value, key, headers)
+        size = len(record[2]) + 16
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("producer is closed")
+            buf = self._buffers.get(topic)
+            if buf is None or (buf.bytes + size > self.max_batch_bytes and buf.records):
+                if buf is not None:
+                    self._io.ready.append((topic, self._buffers.pop(topic)))
+                buf = self._buffers[topic] = _Buffer(opened=time.monotonic())
+                first = True
+            else:
+                first = False
+            buf.records.append(record)
+            buf.bytes += size
+            future = buf.futures.new()
+            self._outstanding += 1
+            full = len(buf.records) >= self.batch_size
+            if full:
+                self._io.ready.append((topic, self._buffers.pop(topic)))
+            if (full or first) and not self._woken:
+                self._woken = True
+                self._wake()
+        return future
+
+    def _wake(self) -> None:
+        with contextlib.suppress(BlockingIOError):
+            self._wake_w.send(b"\0")
+
+    def flush(self, timeout: float | None = None) -> None:
+        """Send everything now and wait until every message is confirmed or failed."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._lock:
+            for topic in list(self._buffers):
+                self._io.ready.append((topic, self._buffers.pop(topic)))
+            self._woken = True
+            self._wake()
+            while self._outstanding:
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    raise TimeoutError(f"{self._outstanding} messages still unconfirmed")
+                self._idle.wait(remaining if remaining is not None else 1.0)
+
+    def close(self, timeout: float | None = 30.0) -> None:
+        if self._closed:
+            return
+        try:
+            self.flush(timeout)
+        finally:
+            with self._lock:
+                self._closed = True
+                self._wake()
+            self._thread.join(timeout=5)
+            self._wake_r.close()
+            self._wake_w.close()
+
+    def __enter__(self) -> Producer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _settled(self, count: int) -> None:
+        with self._lock:
+            self._outstanding -= count
+            if self._outstanding <= 0:
+                self._idle.notify_all()
+
+
+class _ProducerIO:
+    """Everything the I/O thread owns: the socket, in-flight batches, resends."""
+
+    def __init__(self, producer: Producer) -> None:
+        self.p = producer
+        self.ready: deque[tuple[str, _Buffer]] = deque()  # appended under the producer's lock
+        self.queued: deque[tuple[str, _Buffer]] = deque()  # waiting for an in-flight slot
+        self.in_flight: dict[int, _InFlight] = {}
+        self.per_topic: dict[str, int] = {}
+        self.seqs: dict[str, int] = {}
+        self.rids = itertools.count(1)
+        self.retry_at: dict[int, float] = {}
+        self.reconnects = 0
+        self.sock = new_dealer(producer._ctx, producer.address)
+
+    def run(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self.sock, zmq.POLLIN)
+        poller.register(self.p._wake_r.fileno(), zmq.POLLIN)
+        while True:
+            timeout = self._timeout_ms()
+            events = dict(poller.poll(timeout))
+            if self.p._wake_r.fileno() in events:
+                self._drain_wake()
+            if self.sock in events:
+                self._read_replies()
+            self._collect_lingering()
+            self._send_queued()
+            self._check_timeouts(poller)
+            if self.p._closed and not self.in_flight and not self.queued and not self.ready:
+                break
+        self.sock.close(linger=0)
+
+    def _drain_wake(self) -> None:
+        try:
+            while self.p._wake_r.recv(4096):
+                pass
+        except BlockingIOError:
+            pass
+        with self.p._lock:
+            self.p._woken = False
+
+    def _timeout_ms(self) -> int:
+        now = time.monotonic()
+        deadlines = [now + 1.0]
+        with self.p._lock:
+            deadlines += [buf.opened + self.p.linger for buf in self.p._buffers.values()]
+        deadlines += [f.sent_at + self.p.request_timeout for f in self.in_flight.values()]
+        deadlines += list(self.retry_at.values())
+        return max(0, int((min(deadlines) - now) * 1000) + 1)
+
+    def _collect_lingering(self) -> None:
+        now = time.monotonic()
+        with self.p._lock:
+            for topic, buf in list(self.p._buffers.items()):
+                if now - buf.opened >= self.p.linger:
+                    self.ready.append((topic, self.p._buffers.pop(topic)))
+            while self.ready:
+                self.queued.append(self.ready.popleft())
+
+    def _send_queued(self) -> None:
+        blocked: deque[tuple[str, _Buffer]] = deque()
+        while self.queued:
+            topic, buf = self.queued.popleft()
+            if self.per_topic.get(topic, 0) >= self.p.max_in_flight or any(t == topic for t, _ in blocked):
+                blocked.append((topic, buf))  # keep per-topic order
+                continue
+            self._publish(topic, buf)
+        self.queued = blocked
+
+    def _publish(self, topic: str, buf: _Buffer) -> None:
+        seq = self.seqs.get(topic, 0)
+        self.seqs[topic] = seq + 1
+        now = time.monotonic()
+        flight = _InFlight(
+            next(self.rids), topic, seq, pack_records(buf.records), len(buf.records), buf.futures, now, now
+        )
+        self.in_flight[flight.rid] = flight
+        self.per_topic[topic] = self.per_topic.get(topic, 0) + 1
+        self._transmit(flight)
+
+    def _transmit(self, flight: _InFlight) -> None:
+        header = {"rid": flight.rid, "topic": flight.topic, "pid": self.p.producer_id, "seq": flight.seq}
+        self.sock.send_multipart(encode(Command.PUBLISH, header, flight.body), copy=False)
+        flight.sent_at = time.monotonic()
+
+    def _read_replies(self) -> None:
+        while True:
+            try:
+                frames = self.sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            try:
+                reply = decode(frames)
+            except ConveyorError:
+                continue
+            flight = self.in_flight.get(reply.get("rid"))
+            if flight is None:
+                continue  # an answer to a batch already settled (a resend's twin)
+            if reply.command is Command.PUBLISHED:
+                self._finish(flight)
+                flight.futures.resolve(int(reply.get("base_offset")))
+            elif reply.command is Command.ERROR:
+                self._on_error(flight, error_from_header(reply.header))
+
+    def _on_error(self, flight: _InFlight, exc: ConveyorError) -> None:
+        if exc.retriable and time.monotonic() - flight.first_sent < self.p.delivery_timeout:
+            flight.attempts += 1
+            self.retry_at[flight.rid] = time.monotonic() + backoff_seconds(self.p.retry_wait, flight.attempts)
+            flight.sent_at = float("inf")  # not waiting for an answer until resent
+            return
+        self._finish(flight)
+        flight.futures.fail(exc)
+
+    def _finish(self, flight: _InFlight) -> None:
+        del self.in_flight[flight.rid]
+        self.retry_at.pop(flight.rid, None)
+        self.per_topic[flight.topic] -= 1
+        self.p._settled(flight.count)
+
+    def _check_timeouts(self, poller: zmq.Poller) -> None:
+        now = time.monotonic()
+        for rid, when in list(self.retry_at.items()):
+            if when <= now:
+                del self.retry_at[rid]
+                self._transmit(self.in_flight[rid])
+        expired = [f for f in self.in_flight.values() if now - f.first_sent >= self.p.delivery_timeout]
+        for flight in expired:
+            self._finish(flight)
+            flight.futures.fail(RequestTimeout(f"no confirm from {self.p.address} in time", topic=flight.topic))
+        if any(now - f.sent_at >= self.p.request_timeout for f in self.in_flight.values()):
+            self._reconnect(poller)
+
+    def _reconnect(self, poller: zmq.Poller) -> None:
+        """A fresh socket, then every unconfirmed batch again, in order."""
+        self.reconnects += 1
+        poller.unregister(self.sock)
+        self.sock.close(linger=0)
+        time.sleep(backoff_seconds(self.p.retry_wait, min(self.reconnects, 10)))
+        self.sock = new_dealer(self.p._ctx, self.p.address)
+        poller.register(self.sock, zmq.POLLIN)
+        for flight in sorted(self.in_flight.values(), key=lambda f: (f.topic, f.seq)):
+            flight.attempts += 1
+            self.retry_at.pop(flight.rid, None)
+            self._transmit(flight)
+
+
+# --- Admin ----------------------------------------------------------------------------------
+
+
+class Admin:
+    """Topics, groups and offsets; also ``fetch`` to read a range without a group."""
+
+    def __init__(
+        self, address: str = DEFAULT_BROKER, *, timeout_ms: int = 10_000, context: zmq.Context[Any] | None = None
+    ) -> None:
+        self.address = address
+        self.timeout = timeout_ms / 1000
+        self._ctx = context or zmq.Context.instance()
+        self._lock = threading.Lock()
+        self._rids = itertools.count(1)
+        self._sock = new_dealer(self._ctx, address)
+
+    def request(self, command: Command, header: dict[str, Any], *, timeout: float | None = None) -> Any:
+        """One request, one reply; raises the broker's error as its own class."""
+        with self._lock:
+            rid = next(self._rids)
+            self._sock.send_multipart(encode(command, {**header, "rid": rid}))
+            deadline = time.monotonic() + (timeout if timeout is not None else self.timeout)
+            while True:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0 or not self._sock.poll(int(remaining * 1000) + 1):
+                    self._reset_socket()
+                    raise BrokerUnavailable(f"no answer from {self.address} in time")
+                reply = decode(self._sock.recv_multipart())
+                if reply.get("rid") != rid:
+                    continue  # a late answer to an abandoned request
+                if reply.command is Command.ERROR:
+                    raise error_from_header(reply.header)
+                return reply
+
+    def _reset_socket(self) -> None:
+        self._sock.close(linger=0)
+        self._sock = new_dealer(self._ctx, self.address)
+
+    def _admin(self, op: str, **args: Any) -> Any:
+        return self.request(Command.ADMIN, {"op": op, **args}).get("result")
+
+    def create_topic(self, name: str, **config: Any) -> dict[str, Any]:
+        return self._admin("create_topic", topic=name, config=config)
+
+    def delete_topic(self, name: str) -> dict[str, Any]:
+        return self._admin("delete_topic", topic=name)
+
+    def list_topics(self) -> list[dict[str, Any]]:
+        return self._admin("list_topics")
+
+    def describe_topic(self, name: str) -> dict[str, Any]:
+        return self._admin("describe_topic", topic=name)
+
+    def list_groups(self, topic: str | None = None) -> list[dict[str, Any]]:
+        return self._admin("list_groups", **({"topic": topic} if topic else {}))
+
+    def describe_group(self, topic: str, group: str) -> dict[str, Any]:
+        return self._admin("describe_group", topic=topic, group=group)
+
+    def reset_offsets(self, topic: str, group: str, to: str | int | dict[str, int]) -> dict[str, Any]:
+        """``to``: ``"earliest"``, ``"latest"``, an offset, or ``{"timestamp": ms}``."""
+        return self._admin("reset_offsets", topic=topic, group=group, to=to)
+
+    def delete_group(self, topic: str, group: str) -> dict[str, Any]:
+        return self._admin("delete_group", topic=topic, group=group)
+
+    def hello(self) -> dict[str, Any]:
+        return self.request(Command.HELLO, {"client": f"conveyor-admin/{os.getpid()}"}).header
+
+    def fetch(
+        self, topic: str, offset: int, max_messages: int = 1000, *, wait_ms: int = 0, max_bytes: int = 1 << 20
+    ) -> list[Message]:
+        """Read up to ``max_messages`` from ``offset`` without a group (FETCH)."""
+        return self.fetch_batch(topic, offset, max_messages, wait_ms=wait_ms, max_bytes=max_bytes)[0]
+
+    def fetch_batch(
+        self, topic: str, offset: int, max_messages: int = 1000, *, wait_ms: int = 0, max_bytes: int = 1 << 20
+    ) -> tuple[list[Message], dict[str, Any]]:
+        """Messages and the reply header (``start_offset``, ``end_offset``)."""
+        header = {
+            "topic": topic,
+            "offset": offset,
+            "max_messages": max_messages,
+            "wait_ms": wait_ms,
+            "max_bytes": max_bytes,
+        }
+        reply = self.request(Command.FETCH, header, timeout=self.timeout + wait_ms / 1000)
+        messages = messages_from_entries(topic, reply.get("entries", []), [bytes(b) for b in reply.payload])
+        return messages[:max_messages], reply.header
+
+    def close(self) -> None:
+        self._sock.close(linger=0)
+
+    def __enter__(self) -> Admin:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+Callback = Callable[[Future[int]], None]

@@ -1,0 +1,552 @@
+"""Consumer groups: who holds which offsets, and who gets the next batch.
+
+No sockets here. A ``Group`` turns "the log grew" or "a member has credit"
+into ``Delivery`` plans, and acks, nacks, lease expiry and departures into
+state changes. In-flight work is tracked per delivered chunk as offset
+ranges, never per message, so a whole-batch ack is O(1).
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgpack
+
+from broker.record import Batch, pack_records, unpack_records
+from broker.storage import TopicLog
+
+Range = tuple[int, int]
+
+
+@dataclass(slots=True)
+class GroupSettings:
+    max_deliveries: int = 10
+    ack_timeout_ms: int = 30_000
+    dead_letter_topic: str = ""
+    key_affinity: bool = False
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "max_deliveries": self.max_deliveries,
+            "ack_timeout_ms": self.ack_timeout_ms,
+            "dead_letter_topic": self.dead_letter_topic,
+            "key_affinity": self.key_affinity,
+        }
+
+
+@dataclass(eq=False, slots=True)
+class Member:
+    """One subscription of one connected peer to one group."""
+
+    peer: bytes
+    sub_id: int
+    credit: int
+    batch_size: int
+    in_flight: int = 0
+    chunks: dict[int, Chunk] = field(default_factory=dict)
+    busy: bool = False  # the last send hit EAGAIN: wait until it talks again
+
+    @property
+    def available(self) -> int:
+        return 0 if self.busy else max(0, self.credit - self.in_flight)
+
+    @property
+    def key(self) -> bytes:
+        return self.peer + self.sub_id.to_bytes(4, "big")
+
+
+@dataclass(eq=False, slots=True)
+class Chunk:
+    """Offsets delivered together to one member and not yet settled."""
+
+    id: int
+    member: Member
+    ranges: list[Range]
+    deliveries: int
+    deadline: float
+
+    @property
+    def size(self) -> int:
+        return sum(end - start for start, end in self.ranges)
+
+
+@dataclass(slots=True)
+class Pending:
+    """Offsets waiting to be delivered again."""
+
+    ranges: list[Range]
+    deliveries: int  # how many times they were delivered already
+    not_before: float
+    last_error: str = ""
+    avoid: bytes = b""  # the member key that failed them, tried last
+
+
+@dataclass(slots=True)
+class Entry:
+    """One batch (or a slice of one) inside a DELIVER."""
+
+    batch: Batch
+    first: int
+    end: int
+    deliveries: int
+    offsets: list[int] | None = None  # a non-contiguous subset (key affinity)
+
+    def header(self) -> dict[str, Any]:
+        head: dict[str, Any] = {
+            "b": self.batch.base_offset,
+            "n": self.batch.count,
+            "t": self.batch.timestamp_ms,
+            "f": self.first,
+            "e": self.end,
+            "d": self.deliveries,
+        }
+        if self.offsets is not None:
+            head["o"] = self.offsets
+        return head
+
+
+@dataclass(slots=True)
+class Delivery:
+    member: Member
+    entries: list[Entry]
+    chunks: list[Chunk]
+
+
+@dataclass(slots=True)
+class DeadLetter:
+    """Messages past ``max_deliveries`` (or terminated), for the DLQ."""
+
+    ranges: list[Range]
+    deliveries: int
+    reason: str
+
+
+_chunk_ids = itertools.count(1)
+
+
+def subtract(ranges: list[Range], start: int, end: int) -> tuple[list[Range], int]:
+    """``ranges`` minus ``[start, end)``, and how many offsets were removed."""
+    out: list[Range] = []
+    removed = 0
+    for a, b in ranges:
+        if b <= start or a >= end:
+            out.append((a, b))
+            continue
+        removed += min(b, end) - max(a, start)
+        if a < start:
+            out.append((a, start))
+        if b > end:
+            out.append((end, b))
+    return out, removed
+
+
+def intersect(ranges: list[Range], start: int, end: int) -> list[Range]:
+    return [(max(a, start), min(b, end)) for a, b in ranges if b > start and a < end]
+
+
+def to_ranges(offsets: list[int]) -> list[Range]:
+    out: list[Range] = []
+    for offset in offsets:
+        if out and out[-1][1] == offset:
+            out[-1] = (out[-1][0], offset + 1)
+        else:
+            out.append((offset, offset + 1))
+    return out
+
+
+class Group:
+    def __init__(
+        self,
+        topic: str,
+        name: str,
+        settings: GroupSettings,
+        *,
+        next_offset: int,
+        clock: Callable[[], float],
+    ) -> None:
+        self.topic = topic
+        self.name = name
+        self.settings = settings
+        self.next_offset = next_offset  # first offset never delivered
+        self.clock = clock
+        self.members: list[Member] = []
+        self.joining: list[Member] = []  # key affinity: wait for in-flight to drain
+        self.chunks: dict[int, Chunk] = {}
+        self.pending: list[Pending] = []
+        self._leases: list[tuple[float, int]] = []
+        self._rr = 0
+        self.dead: list[DeadLetter] = []
+
+    # --- membership --------------------------------------------------------------
+
+    def join(self, member: Member) -> None:
+        if self.settings.key_affinity and self.chunks:
+            self.joining.append(member)  # a new owner now would break per-key order
+        else:
+            self.members.append(member)
+
+    def leave(self, member: Member, *, reason: str = "member left") -> None:
+        """Take a member out; what it held is redelivered to the others first."""
+        if member in self.joining:
+            self.joining.remove(member)
+        if member in self.members:
+            self.members.remove(member)
+        now = self.clock()
+        for chunk in list(member.chunks.values()):
+            self._drop_chunk(chunk)
+            self._requeue(chunk.ranges, chunk.deliveries, now, reason, member.key)
+
+    def _admit_joiners(self) -> None:
+        if self.joining and not self.chunks:
+            self.members.extend(self.joining)
+            self.joining.clear()
+
+    # --- settling --------------------------------------------------------------------
+
+    def settle(self, member: Member, ranges: list[Range]) -> list[Chunk]:
+        """Remove acked offsets; return the chunks they touched."""
+        touched = []
+        for chunk in list(member.chunks.values()):
+            before = chunk.size
+            for start, end in ranges:
+                chunk.ranges, _ = subtract(chunk.ranges, start, end)
+            if chunk.size != before:
+                touched.append(chunk)
+                member.in_flight -= before - chunk.size
+                if not chunk.ranges:
+                    self._drop_chunk(chunk, keep_inflight=True)
+        return touched
+
+    def nack(self, member: Member, ranges: list[Range], *, delay_ms: int = 0, error: str = "nack") -> int:
+        """Take nacked offsets back; they come again after ``delay_ms``."""
+        taken = self._take(member, ranges)
+        now = self.clock()
+        for chunk_ranges, deliveries in taken:
+            self._requeue(chunk_ranges, deliveries, now + delay_ms / 1000, error, member.key)
+        return sum(end - start for rs, _d in taken for start, end in rs)
+
+    def terminate(self, member: Member, ranges: list[Range], reason: str) -> int:
+        taken = self._take(member, ranges)
+        for chunk_ranges, deliveries in taken:
+            self.dead.append(DeadLetter(chunk_ranges, deliveries, reason))
+        return sum(end - start for rs, _d in taken for start, end in rs)
+
+    def renew(self, member: Member, ranges: list[Range]) -> int:
+        """IN_PROGRESS: push the lease of the chunks holding these offsets."""
+        deadline = self.clock() + self.settings.ack_timeout_ms / 1000
+        renewed = 0
+        for chunk in member.chunks.values():
+            if any(intersect(chunk.ranges, start, end) for start, end in ranges):
+                chunk.deadline = deadline
+                heapq.heappush(self._leases, (deadline, chunk.id))
+                renewed += 1
+        return renewed
+
+    def undeliver(self, plan: Delivery) -> None:
+        """A DELIVER could not be sent: put its offsets back, uncounted."""
+        for chunk in plan.chunks:
+            if chunk.id in self.chunks:
+                self._drop_chunk(chunk)
+                self.pending.append(Pending(chunk.ranges, chunk.deliveries - 1, self.clock(), "", plan.member.key))
+
+    def _take(self, member: Member, ranges: list[Range]) -> list[tuple[list[Range], int]]:
+        """Remove ``ranges`` from the member's chunks, keeping their delivery counts."""
+        taken: list[tuple[list[Range], int]] = []
+        for chunk in list(member.chunks.values()):
+            picked: list[Range] = []
+            for start, end in ranges:
+                picked += intersect(chunk.ranges, start, end)
+                chunk.ranges, _ = subtract(chunk.ranges, start, end)
+            if picked:
+                count = sum(b - a for a, b in picked)
+                member.in_flight -= count
+                taken.append((sorted(picked), chunk.deliveries))
+                if not chunk.ranges:
+                    self._drop_chunk(chunk, keep_inflight=True)
+        return taken
+
+    def _drop_chunk(self, chunk: Chunk, *, keep_inflight: bool = False) -> None:
+        self.chunks.pop(chunk.id, None)
+        chunk.member.chunks.pop(chunk.id, None)
+        if not keep_inflight:
+            chunk.member.in_flight -= chunk.size
+
+    def _requeue(self, ranges: list[Range], deliveries: int, not_before: float, error: str, avoid: bytes) -> None:
+        if not ranges:
+            return
+        if deliveries >= self.settings.max_deliveries:
+            self.dead.append(DeadLetter(ranges, deliveries, error))
+            return
+        self.pending.append(Pending(list(ranges), deliveries, not_before, error, avoid))
+
+    # --- time ------------------------------------------------------------------------
+
+    def expire_leases(self) -> int:
+        """Redeliver chunks whose ack timeout passed; return how many messages."""
+        now = self.clock()
+        expired = 0
+        while self._leases and self._leases[0][0] <= now:
+            deadline, chunk_id = heapq.heappop(self._leases)
+            chunk = self.chunks.get(chunk_id)
+            if chunk is None or chunk.deadline != deadline:
+                continue  # settled or renewed since
+            expired += chunk.size
+            self._drop_chunk(chunk)
+            self._requeue(chunk.ranges, chunk.deliveries, now, "lease expired", chunk.member.key)
+        return expired
+
+    def next_deadline(self) -> float | None:
+        while self._leases and self._leases[0][1] not in self.chunks:
+            heapq.heappop(self._leases)
+        times = [self._leases[0][0]] if self._leases else []
+        times += [p.not_before for p in self.pending]
+        return min(times) if times else None
+
+    # --- offsets -------------------------------------------------------------------------
+
+    @property
+    def committed_offset(self) -> int:
+        """The lowest offset not yet settled: where a restarted group resumes."""
+        low = self.next_offset
+        for chunk in self.chunks.values():
+            low = min(low, chunk.ranges[0][0])
+        for pending in self.pending:
+            low = min(low, pending.ranges[0][0])
+        return low
+
+    @property
+    def in_flight(self) -> int:
+        return sum(m.in_flight for m in self.members)
+
+    def reset(self, offset: int) -> None:
+        """Move the group; in-flight and pending work is forgotten."""
+        for chunk in list(self.chunks.values()):
+            self._drop_chunk(chunk)
+        self.pending.clear()
+        self._leases.clear()
+        self.next_offset = offset
+
+    # --- dispatch ------------------------------------------------------------------------
+
+    def dispatch(self, log: TopicLog, *, max_bytes: int = 1 << 20) -> list[Delivery]:
+        """Plan deliveries for everything deliverable now, round-robin by credit."""
+        self._admit_joiners()
+        if not self.members:
+            return []
+        plans: dict[int, Delivery] = {}
+        if self.pending:
+            self._dispatch_pending(log, plans)
+        if self.settings.key_affinity:
+            if not self.pending:
+                self._dispatch_keyed(log, plans, max_bytes)
+        else:
+            self._dispatch_new(log, plans, max_bytes)
+        return list(plans.values())
+
+    def _members_with_credit(self, avoid: bytes = b"") -> Iterator[Member]:
+        """Members in round-robin order, the one to avoid last."""
+        n = len(self.members)
+        order = [self.members[(self._rr + i) % n] for i in range(n)]
+        order.sort(key=lambda m: m.key == avoid)  # stable: keeps the rotation
+        for member in order:
+            if member.available > 0:
+                yield member
+
+    def _advance_rr(self, member: Member) -> None:
+        self._rr = (self.members.index(member) + 1) % len(self.members)
+
+    def _dispatch_new(self, log: TopicLog, plans: dict[int, Delivery], max_bytes: int) -> None:
+        limit = log.durable_offset
+        while self.next_offset < limit:
+            member = next(self._members_with_credit(), None)
+            if member is None:
+                return
+            batches = log.read(self.next_offset, max_bytes=max_bytes, max_messages=member.available)
+            if not batches:
+                return
+            self._give(member, batches, limit, plans)
+
+    def _give(self, member: Member, batches: list[Batch], limit: int, plans: dict[int, Delivery]) -> None:
+        """One member takes whole batches from ``next_offset`` while it has credit."""
+        take = min(member.available, member.batch_size)
+        entries: list[Entry] = []
+        start = self.next_offset
+        for batch in batches:
+            first = max(self.next_offset, batch.base_offset)
+            end = min(batch.next_offset, first + take, limit)
+            if end <= first:
+                break
+            entries.append(slice_entry(batch, first, end, 1))
+            take -= end - first
+            self.next_offset = end
+            if take <= 0:
+                break
+        if entries:
+            self._record(member, [(start, self.next_offset)], 1, entries, plans)
+            self._advance_rr(member)
+
+    def _record(
+        self, member: Member, ranges: list[Range], deliveries: int, entries: list[Entry], plans: dict[int, Delivery]
+    ) -> None:
+        deadline = self.clock() + self.settings.ack_timeout_ms / 1000
+        chunk = Chunk(next(_chunk_ids), member, ranges, deliveries, deadline)
+        self.chunks[chunk.id] = chunk
+        member.chunks[chunk.id] = chunk
+        member.in_flight += chunk.size
+        heapq.heappush(self._leases, (deadline, chunk.id))
+        plan = plans.get(id(member))
+        if plan is None:
+            plans[id(member)] = Delivery(member, entries, [chunk])
+        else:
+            plan.entries.extend(entries)
+            plan.chunks.append(chunk)
+
+    def _dispatch_pending(self, log: TopicLog, plans: dict[int, Delivery]) -> None:
+        now = self.clock()
+        still: list[Pending] = []
+        for item in sorted(self.pending, key=lambda p: p.ranges[0][0]):
+            if item.not_before > now:
+                still.append(item)
+                continue
+            remaining = self._redeliver(log, item, plans)
+            if remaining:
+                still.append(Pending(remaining, item.deliveries, item.not_before, item.last_error, item.avoid))
+        self.pending = still
+
+    def _redeliver(self, log: TopicLog, item: Pending, plans: dict[int, Delivery]) -> list[Range]:
+        ranges = [r for r in item.ranges if r[1] > log.start_offset]
+        ranges = [(max(a, log.start_offset), b) for a, b in ranges]  # retention took the rest
+        if self.settings.key_affinity:
+            return self._redeliver_keyed(log, item, ranges, plans)
+        for member in self._members_with_credit(item.avoid):
+            if not ranges:
+                break
+            taken, ranges = _take_prefix(ranges, min(member.available, member.batch_size))
+            entries = [e for a, b in taken for e in _entries_for(log, a, b, item.deliveries + 1)]
+            self._record(member, taken, item.deliveries + 1, entries, plans)
+            self._advance_rr(member)
+        return ranges
+
+    # --- key affinity ------------------------------------------------------------------
+
+    def owner(self, key: bytes | None) -> Member:
+        """Rendezvous hashing: a key stays with its member while that member lives."""
+        if key is None:
+            key = b""
+        return max(self.members, key=lambda m: hash((key, m.key)))
+
+    def _dispatch_keyed(self, log: TopicLog, plans: dict[int, Delivery], max_bytes: int) -> None:
+        limit = log.durable_offset
+        while self.next_offset < limit:
+            batches = log.read(self.next_offset, max_bytes=max_bytes)
+            if not batches or not self._give_keyed(batches, limit, 1, plans):
+                return
+
+    def _give_keyed(self, batches: list[Batch], limit: int, deliveries: int, plans: dict[int, Delivery]) -> bool:
+        """Route each message to its key's owner, in offset order, until one lacks credit."""
+        for batch in batches:
+            keys = [record[0] for record in unpack_records(batch.body)]
+            picked: dict[int, tuple[Member, list[int]]] = {}
+            for offset in range(max(self.next_offset, batch.base_offset), min(batch.next_offset, limit)):
+                member = self.owner(keys[offset - batch.base_offset])
+                _, offsets = picked.setdefault(id(member), (member, []))
+                if member.available - len(offsets) <= 0:
+                    self._flush_keyed(batch, picked, deliveries, plans)
+                    return False  # head-of-line: order beats throughput here
+                offsets.append(offset)
+                self.next_offset = offset + 1
+            self._flush_keyed(batch, picked, deliveries, plans)
+        return True
+
+    def _flush_keyed(
+        self, batch: Batch, picked: dict[int, tuple[Member, list[int]]], deliveries: int, plans: dict[int, Delivery]
+    ) -> None:
+        for member, offsets in picked.values():
+            if offsets:
+                entry = Entry(batch, offsets[0], offsets[-1] + 1, deliveries, offsets)
+                self._record(member, to_ranges(offsets), deliveries, [entry], plans)
+
+    def _redeliver_keyed(
+        self, log: TopicLog, item: Pending, ranges: list[Range], plans: dict[int, Delivery]
+    ) -> list[Range]:
+        for i, (start, end) in enumerate(ranges):
+            for batch in _batches_between(log, start, end):
+                keys = [record[0] for record in unpack_records(batch.body)]
+                picked: dict[int, tuple[Member, list[int]]] = {}
+                for off in range(max(start, batch.base_offset), min(batch.next_offset, end)):
+                    member = self.owner(keys[off - batch.base_offset])
+                    _, offsets = picked.setdefault(id(member), (member, []))
+                    if member.available - len(offsets) <= 0:
+                        self._flush_keyed(batch, picked, item.deliveries + 1, plans)
+                        return [(off, end), *ranges[i + 1 :]]
+                    offsets.append(off)
+                self._flush_keyed(batch, picked, item.deliveries + 1, plans)
+        return []
+
+    # --- dead letters ------------------------------------------------------------------
+
+    def take_dead(self) -> list[DeadLetter]:
+        dead, self.dead = self.dead, []
+        return dead
+
+
+def _take_prefix(ranges: list[Range], n: int) -> tuple[list[Range], list[Range]]:
+    taken: list[Range] = []
+    rest = list(ranges)
+    while rest and n > 0:
+        a, b = rest.pop(0)
+        if b - a > n:
+            taken.append((a, a + n))
+            rest.insert(0, (a + n, b))
+            n = 0
+        else:
+            taken.append((a, b))
+            n -= b - a
+    return taken, rest
+
+
+def _batches_between(log: TopicLog, start: int, end: int) -> Iterator[Batch]:
+    offset = start
+    while offset < end:
+        batches = log.read(offset, max_bytes=1 << 20)
+        if not batches:
+            return
+        for batch in batches:
+            if batch.base_offset >= end:
+                return
+            yield batch
+            offset = batch.next_offset
+
+
+def _entries_for(log: TopicLog, start: int, end: int, deliveries: int) -> list[Entry]:
+    return [
+        slice_entry(batch, max(start, batch.base_offset), min(end, batch.next_offset), deliveries)
+        for batch in _batches_between(log, start, end)
+    ]
+
+
+def slice_entry(batch: Batch, first: int, end: int, deliveries: int) -> Entry:
+    """An entry for ``[first, end)`` of a batch; re-encode only a small slice.
+
+    Forwarding the stored body costs nothing but bandwidth; when the slice is
+    under half of a large batch, re-packing just the slice is cheaper.
+    """
+    if batch.count > 16 and (end - first) * 2 < batch.count:
+        records = unpack_records(batch.body)[first - batch.base_offset : end - batch.base_offset]
+        body = pack_records(list(records))
+        batch = Batch(first, end - first, batch.timestamp_ms, body)
+    return Entry(batch, first, end, deliveries)
+
+
+def records_in(batch: Batch, ranges: list[Range]) -> list[tuple[int, Any]]:
+    """(offset, record) pairs of a batch that fall inside ``ranges``."""
+    records = msgpack.unpackb(batch.body, raw=True, use_list=False, strict_map_key=False)
+    return [
+        (offset, records[offset - batch.base_offset])
+        for start, end in ranges
+        for offset in range(max(start, batch.base_offset), min(end, batch.next_offset))
+    ]

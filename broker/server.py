@@ -1,0 +1,724 @@
+"""The broker: one event loop around one ROUTER socket.
+
+Each pass reads every waiting message, appends all PUBLISH batches, syncs
+once under the fsync policy (the group commit), then confirms and
+dispatches; housekeeping (heartbeats, leases, delayed redeliveries, offset
+commits, retention) runs on deadlines that set the poll timeout. Nothing
+polls on a timer for work: an append triggers dispatch in the same pass.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import logging
+import os
+import shutil
+import signal
+import socket
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import zmq
+from prometheus_client import CollectorRegistry
+
+from broker import admin_ops
+from broker.deadletter import dead_letter_body, dead_letter_topic
+from broker.errors import (
+    ConveyorError,
+    InvalidRequest,
+    MessageTooLarge,
+    NotSubscribed,
+    ReadOnlyTopic,
+    ShuttingDown,
+    UnknownTopic,
+)
+from broker.groups import Delivery, Group, GroupSettings, Member
+from broker.protocol import Command, Frame, decode, encode, error_header
+from broker.protocol import field as hfield
+from broker.protocol import ranges as hranges
+from broker.record import NO_PRODUCER, validate_body
+from broker.settings import BrokerSettings
+from broker.storage import FsyncPolicy, TopicConfig, TopicLog
+from broker.store import Store, check_name
+from monitoring.http import MetricsServer
+from monitoring.metrics import BrokerMetrics, StateCollector
+
+log = logging.getLogger("conveyor.broker")
+
+READ_BURST = 4096  # messages read per pass before the group commit
+
+
+@dataclass(slots=True)
+class Peer:
+    identity: bytes
+    last_seen: float
+    last_sent: float = 0.0
+    members: dict[int, tuple[Group, Member]] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class Confirm:
+    peer: bytes
+    rid: Any
+    log: TopicLog
+    base_offset: int
+    count: int
+    duplicate: bool
+    received: float
+
+
+@dataclass(slots=True)
+class FetchWait:
+    peer: bytes
+    frame: Frame
+    deadline: float
+
+
+class Broker:
+    def __init__(self, settings: BrokerSettings, *, registry: CollectorRegistry | None = None) -> None:
+        self.settings = settings
+        self.clock: Callable[[], float] = time.monotonic
+        self.registry = registry or CollectorRegistry(auto_describe=True)
+        self.metrics = BrokerMetrics(self.registry)
+        self.registry.register(StateCollector(self._state_snapshot))
+        self.store: Store = Store(
+            settings.data_dir,
+            fsync=FsyncPolicy.parse(settings.fsync),
+            defaults=TopicConfig(
+                segment_bytes=settings.segment_bytes,
+                retention_bytes=settings.retention_bytes,
+                retention_ms=settings.retention_ms,
+            ),
+            quarantine=settings.quarantine,
+        )
+        self.groups: dict[tuple[str, str], Group] = {}
+        self.peers: dict[bytes, Peer] = {}
+        self.confirms: list[Confirm] = []
+        self.fetch_waits: dict[str, list[FetchWait]] = defaultdict(list)
+        self.appended: set[str] = set()
+        self.to_dispatch: set[Group] = set()
+        self.running = False
+        self.endpoint = ""
+        self.metrics_server: MetricsServer | None = None
+        self._next_housekeeping = 0.0
+        self._next_commit = 0.0
+        self._load_groups()
+        for topic in self.store:
+            if topic.truncated_bytes:
+                self.metrics.truncated_bytes.labels(topic.name).inc(topic.truncated_bytes)
+
+    # --- setup -------------------------------------------------------------------
+
+    def _load_groups(self) -> None:
+        for topic, groups in self.store.groups.items():
+            for name, state in groups.items():
+                self._make_group(topic, name, state)
+
+    def _make_group(self, topic: str, name: str, state: dict[str, Any]) -> Group:
+        log_ = self.store.topic(topic)
+        settings = GroupSettings(
+            max_deliveries=int(state.get("max_deliveries", self.settings.max_deliveries)),
+            ack_timeout_ms=int(state.get("ack_timeout_ms", self.settings.ack_timeout_ms)),
+            dead_letter_topic=str(state.get("dead_letter_topic", "")),
+            key_affinity=bool(state.get("key_affinity", False)),
+        )
+        offset = int(state.get("committed_offset", log_.start_offset))
+        group = Group(topic, name, settings, next_offset=max(offset, log_.start_offset), clock=self.clock)
+        self.groups[(topic, name)] = group
+        return group
+
+    def bind(self) -> str:
+        self.ctx = zmq.Context()
+        sock = self.ctx.socket(zmq.ROUTER)
+        sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        sock.setsockopt(zmq.LINGER, 1000)
+        sock.setsockopt(zmq.SNDHWM, self.settings.sndhwm)
+        sock.setsockopt(zmq.RCVHWM, self.settings.rcvhwm)
+        sock.setsockopt(zmq.MAXMSGSIZE, self.settings.max_batch_bytes + 65536)
+        sock.bind(self.settings.bind)
+        self.socket = sock
+        self.endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        if self.settings.metrics_port >= 0:
+            self.metrics_server = MetricsServer(
+                self.registry, self.health, host=self.settings.metrics_bind, port=self.settings.metrics_port
+            ).start()
+        return self.endpoint
+
+    # --- the loop ----------------------------------------------------------------------
+
+    def serve_forever(self, *, install_signals: bool = True, ready: Callable[[Broker], None] | None = None) -> None:
+        wake_r, wake_w = socket.socketpair()
+        wake_r.setblocking(False)
+        wake_w.setblocking(False)
+        if install_signals:
+            signal.set_wakeup_fd(wake_w.fileno(), warn_on_full_buffer=False)
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                signal.signal(sig, lambda *_: self.stop())
+        self._wake = wake_w
+        poller = zmq.Poller()
+        poller.register(self.socket, zmq.POLLIN)
+        poller.register(wake_r.fileno(), zmq.POLLIN)
+        self.running = True
+        if ready:
+            ready(self)
+        try:
+            while self.running:
+                events = dict(poller.poll(self._poll_timeout_ms()))
+                started = time.perf_counter()
+                if self.socket in events:
+                    self._read_burst()
+                if wake_r.fileno() in events:
+                    _drain(wake_r)
+                self._after_reads()
+                self.metrics.loop_seconds.observe(time.perf_counter() - started)
+        finally:
+            self._shutdown()
+            if install_signals:
+                signal.set_wakeup_fd(-1)
+            wake_r.close()
+            wake_w.close()
+
+    def stop(self) -> None:
+        """Ask the loop to stop after this pass; safe from signal handlers and threads."""
+        self.running = False
+        with contextlib.suppress(AttributeError, OSError):
+            self._wake.send(b"x")
+
+    def _read_burst(self) -> None:
+        sock = self.socket
+        for _ in range(READ_BURST):
+            try:
+                frames = sock.recv_multipart(zmq.NOBLOCK, copy=True)
+            except zmq.Again:
+                return
+            self._handle(frames)
+
+    def _after_reads(self) -> None:
+        if self.appended or self.store.next_sync_due() is not None:
+            self._group_commit()
+        now = self.clock()
+        if now >= self._next_housekeeping:
+            self._housekeeping(now)
+        self._handle_dead_letters()
+        self._dispatch()
+
+    def _poll_timeout_ms(self) -> int:
+        now = self.clock()
+        deadlines = [self._next_housekeeping]
+        for group in self.groups.values():
+            due = group.next_deadline()
+            if due is not None:
+                deadlines.append(due)
+        for waits in self.fetch_waits.values():
+            deadlines.extend(w.deadline for w in waits)
+        sync_due = self.store.next_sync_due()
+        if sync_due is not None:
+            deadlines.append(sync_due - time.time() + now)
+        return max(0, int((min(deadlines) - now) * 1000) + 1)
+
+    # --- sending ---------------------------------------------------------------------
+
+    def _send(self, peer: bytes, frames: list[Any]) -> bool:
+        """Non-blocking send; EAGAIN means busy, EHOSTUNREACH means gone."""
+        try:
+            self.socket.send_multipart([peer, *frames], zmq.NOBLOCK, copy=False)
+        except zmq.Again:
+            self.metrics.router_send_errors.labels("EAGAIN").inc()
+            return False
+        except zmq.ZMQError as exc:
+            if exc.errno != errno.EHOSTUNREACH:
+                raise
+            self.metrics.router_send_errors.labels("EHOSTUNREACH").inc()
+            self._peer_gone(peer, "unreachable")
+            return False
+        known = self.peers.get(peer)
+        if known is not None:
+            known.last_sent = self.clock()
+        return True
+
+    def _reply_error(self, peer: bytes, exc: ConveyorError, rid: Any = None) -> None:
+        self.metrics.protocol_errors.labels(str(exc.code), exc.name).inc()
+        self._send(peer, encode(Command.ERROR, error_header(exc, rid)))
+
+    # --- dispatching commands -------------------------------------------------------------
+
+    def _handle(self, frames: list[bytes]) -> None:
+        peer, body = frames[0], frames[1:]
+        rid = None
+        try:
+            frame = decode(body, max_batch_bytes=self.settings.max_batch_bytes)
+            rid = frame.header.get("rid")
+            self._touch(peer)
+            handler = self._handlers.get(frame.command)
+            if handler is None:
+                raise InvalidRequest(f"{frame.command.name} is not a client command")
+            handler(self, peer, frame)
+        except ConveyorError as exc:
+            self._reply_error(peer, exc, rid)
+        except Exception as exc:  # the broker never dies of a client's bytes
+            log.exception("internal error handling a request from %s", peer.hex())
+            self._reply_error(peer, ConveyorError(f"internal error: {type(exc).__name__}"), rid)
+
+    def _touch(self, identity: bytes) -> Peer:
+        peer = self.peers.get(identity)
+        now = self.clock()
+        if peer is None:
+            peer = self.peers[identity] = Peer(identity, now)
+        peer.last_seen = now
+        for group, member in peer.members.values():
+            if member.busy:
+                member.busy = False  # it talks, so it reads: try again
+                self.to_dispatch.add(group)
+        return peer
+
+    def _on_hello(self, peer: bytes, frame: Frame) -> None:
+        self._send(
+            peer,
+            encode(
+                Command.WELCOME,
+                {
+                    "rid": frame.get("rid"),
+                    "version": 1,
+                    "heartbeat_ms": self.settings.heartbeat_ms,
+                    "liveness": self.settings.liveness,
+                    "max_message_bytes": self.settings.max_message_bytes,
+                    "max_batch_bytes": self.settings.max_batch_bytes,
+                    "max_credit": self.settings.max_credit,
+                },
+            ),
+        )
+
+    def _on_heartbeat(self, peer: bytes, frame: Frame) -> None:
+        return None  # _touch already counted it
+
+    def _on_bye(self, peer: bytes, frame: Frame) -> None:
+        self._peer_gone(peer, "member_gone")
+
+    # --- publish ---------------------------------------------------------------------
+
+    def _on_publish(self, peer: bytes, frame: Frame) -> None:
+        received = self.clock()
+        topic = check_name(hfield(frame, "topic", str))
+        producer_id = hfield(frame, "pid", int, NO_PRODUCER)
+        sequence = hfield(frame, "seq", int, -1)
+        if producer_id != NO_PRODUCER and sequence < 0:
+            raise InvalidRequest("an idempotent PUBLISH needs seq >= 0", field="seq")
+        body = bytes(frame.payload[0])
+        count = self._validate(body)
+        log_ = self._topic_for_write(topic)
+        started = time.perf_counter()
+        result = log_.append(body, count, producer_id=producer_id, sequence=sequence)
+        self.metrics.append_seconds.observe(time.perf_counter() - started)
+        if result.duplicate:
+            self.metrics.duplicate_batches.labels(topic).inc()
+        else:
+            self.metrics.published_messages.labels(topic).inc(count)
+            self.metrics.published_bytes.labels(topic).inc(len(body))
+            self.metrics.published_batches.labels(topic).inc()
+            self.appended.add(topic)
+        self.confirms.append(
+            Confirm(peer, frame.get("rid"), log_, result.base_offset, count, result.duplicate, received)
+        )
+
+    def _validate(self, body: bytes) -> int:
+        try:
+            return validate_body(body, max_message_bytes=self.settings.max_message_bytes)
+        except ConveyorError as exc:
+            if "exceeds max" in exc.message:
+                raise MessageTooLarge(
+                    f"a message exceeds the limit of {self.settings.max_message_bytes} bytes",
+                    limit=self.settings.max_message_bytes,
+                ) from None
+            raise
+
+    def _topic_for_write(self, topic: str) -> TopicLog:
+        if topic not in self.store.logs:
+            if not self.settings.auto_create_topics:
+                raise UnknownTopic(f"no topic {topic} (auto-create is off)", topic=topic)
+            self.store.create_topic(topic)
+        log_ = self.store.topic(topic)
+        if log_.config.read_only:
+            raise ReadOnlyTopic(f"topic {topic} is read-only", topic=topic)
+        return log_
+
+    def _group_commit(self) -> None:
+        """One fsync for everything appended this pass, then the confirms."""
+        started = time.perf_counter()
+        try:
+            if self.store.fsync.mode == "interval":
+                self.store.maybe_sync()
+            else:
+                self.store.sync()
+        except ConveyorError as exc:
+            log.error("group commit failed: %s", exc)
+            self._fail_confirms(exc)
+            return
+        self.metrics.fsync_seconds.observe(time.perf_counter() - started)
+        self._send_confirms()
+        for topic in self.appended:
+            self._wake_fetches(topic)
+            self.to_dispatch.update(g for (t, _n), g in self.groups.items() if t == topic)
+        self.appended.clear()
+
+    def _send_confirms(self) -> None:
+        now = self.clock()
+        waiting: list[Confirm] = []
+        for confirm in self.confirms:
+            if confirm.base_offset + confirm.count > confirm.log.durable_offset:
+                waiting.append(confirm)  # interval policy: not synced yet
+                continue
+            self.metrics.publish_seconds.observe(now - confirm.received)
+            self._send(
+                confirm.peer,
+                encode(
+                    Command.PUBLISHED,
+                    {
+                        "rid": confirm.rid,
+                        "topic": confirm.log.name,
+                        "base_offset": confirm.base_offset,
+                        "count": confirm.count,
+                        "duplicate": confirm.duplicate,
+                    },
+                ),
+            )
+        self.confirms = waiting
+
+    def _fail_confirms(self, exc: ConveyorError) -> None:
+        for confirm in self.confirms:
+            self._reply_error(confirm.peer, exc, confirm.rid)
+        self.confirms = []
+
+    # --- subscriptions ------------------------------------------------------------------
+
+    def _on_subscribe(self, peer: bytes, frame: Frame) -> None:
+        topic = check_name(hfield(frame, "topic", str))
+        name = check_name(hfield(frame, "group", str), "group")
+        sub_id = hfield(frame, "sub", int)
+        credit = self._credit(hfield(frame, "credit", int, self.settings.default_credit))
+        batch_size = max(1, min(hfield(frame, "batch_size", int, credit), credit))
+        if topic not in self.store.logs:
+            self._topic_for_write(topic)  # subscribing first is normal: create it
+        group = self.groups.get((topic, name)) or self._create_group(topic, name, frame)
+        known = self.peers[peer]
+        if sub_id in known.members:
+            raise InvalidRequest(f"subscription {sub_id} already exists on this connection", field="sub")
+        member = Member(peer, sub_id, credit, batch_size)
+        group.join(member)
+        known.members[sub_id] = (group, member)
+        self.to_dispatch.add(group)
+        log_ = self.store.topic(topic)
+        self._send(
+            peer,
+            encode(
+                Command.SUBSCRIBED,
+                {
+                    "rid": frame.get("rid"),
+                    "sub": sub_id,
+                    "topic": topic,
+                    "group": name,
+                    "committed_offset": group.committed_offset,
+                    "end_offset": log_.end_offset,
+                    "heartbeat_ms": self.settings.heartbeat_ms,
+                },
+            ),
+        )
+
+    def _credit(self, credit: int) -> int:
+        if not 1 <= credit <= self.settings.max_credit:
+            raise InvalidRequest(
+                f"credit must be between 1 and {self.settings.max_credit}", limit=self.settings.max_credit
+            )
+        return credit
+
+    def _create_group(self, topic: str, name: str, frame: Frame) -> Group:
+        log_ = self.store.topic(topic)
+        start = frame.get("start", "earliest")
+        state = {
+            "committed_offset": admin_ops.resolve_position(log_, start),
+            "max_deliveries": hfield(frame, "max_deliveries", int, self.settings.max_deliveries),
+            "ack_timeout_ms": hfield(frame, "ack_timeout_ms", int, self.settings.ack_timeout_ms),
+            "dead_letter_topic": hfield(frame, "dead_letter_topic", str, ""),
+            "key_affinity": hfield(frame, "key_affinity", bool, False),
+        }
+        if state["dead_letter_topic"]:
+            check_name(state["dead_letter_topic"])
+        group = self._make_group(topic, name, state)
+        self.store.save_group(topic, name, {**group.settings.to_dict(), "committed_offset": group.next_offset})
+        return group
+
+    def _member(self, peer: bytes, frame: Frame) -> tuple[Group, Member]:
+        sub_id = hfield(frame, "sub", int)
+        found = self.peers[peer].members.get(sub_id)
+        if found is None:
+            raise NotSubscribed(f"no subscription {sub_id} on this connection; subscribe again", sub=sub_id)
+        return found
+
+    def _on_unsubscribe(self, peer: bytes, frame: Frame) -> None:
+        group, member = self._member(peer, frame)
+        self.peers[peer].members.pop(member.sub_id, None)
+        self._leave(group, member, "member_gone")
+
+    def _on_ack(self, peer: bytes, frame: Frame) -> None:
+        group, member = self._member(peer, frame)
+        before = member.in_flight
+        group.settle(member, hranges(frame))
+        acked = before - member.in_flight
+        if acked:
+            self.metrics.acked_messages.labels(group.topic, group.name).inc(acked)
+            self.to_dispatch.add(group)
+
+    def _on_nack(self, peer: bytes, frame: Frame) -> None:
+        group, member = self._member(peer, frame)
+        delay = max(0, hfield(frame, "delay_ms", int, 0))
+        error = str(frame.get("error") or "nack")
+        count = group.nack(member, hranges(frame), delay_ms=delay, error=error)
+        if count:
+            self.metrics.nacked_messages.labels(group.topic, group.name).inc(count)
+            self.metrics.redelivered_messages.labels(group.topic, group.name, "nack").inc(count)
+            self.to_dispatch.add(group)
+
+    def _on_in_progress(self, peer: bytes, frame: Frame) -> None:
+        group, member = self._member(peer, frame)
+        group.renew(member, hranges(frame))
+
+    def _on_term(self, peer: bytes, frame: Frame) -> None:
+        group, member = self._member(peer, frame)
+        group.terminate(member, hranges(frame), str(frame.get("reason") or "terminated"))
+        self.to_dispatch.add(group)
+
+    def _on_credit(self, peer: bytes, frame: Frame) -> None:
+        group, member = self._member(peer, frame)
+        member.credit = self._credit(hfield(frame, "credit", int))
+        member.batch_size = max(1, min(hfield(frame, "batch_size", int, member.batch_size), member.credit))
+        self.to_dispatch.add(group)
+
+    # --- delivering ----------------------------------------------------------------------
+
+    def _dispatch(self) -> None:
+        groups, self.to_dispatch = self.to_dispatch, set()
+        for group in groups:
+            log_ = self.store.logs.get(group.topic)
+            if log_ is None or (group.topic, group.name) not in self.groups:
+                continue
+            for plan in group.dispatch(log_):
+                self._deliver(group, plan)
+
+    def _deliver(self, group: Group, plan: Delivery) -> None:
+        entries = plan.entries
+        header = {"sub": plan.member.sub_id, "topic": group.topic, "entries": [e.header() for e in entries]}
+        frames = encode(Command.DELIVER, header, *(e.batch.body for e in entries))
+        if not self._send(plan.member.peer, frames):
+            if plan.member.peer in self.peers:
+                plan.member.busy = True
+                group.undeliver(plan)
+            return
+        messages = sum(e.end - e.first if e.offsets is None else len(e.offsets) for e in entries)
+        self.metrics.delivered_messages.labels(group.topic, group.name).inc(messages)
+        self.metrics.delivered_bytes.labels(group.topic, group.name).inc(sum(len(e.batch.body) for e in entries))
+
+    def _handle_dead_letters(self) -> None:
+        for group in list(self.groups.values()):
+            if not group.dead:
+                continue
+            source = self.store.logs.get(group.topic)
+            for dead in group.take_dead():
+                if source is None:
+                    continue
+                built = dead_letter_body(
+                    source, dead.ranges, group=group.name, deliveries=dead.deliveries, reason=dead.reason
+                )
+                if built is None:
+                    continue
+                target = self.store.get_or_create(dead_letter_topic(group.topic, group.settings.dead_letter_topic))
+                target.append(built[0], built[1])
+                self.appended.add(target.name)
+                self.metrics.dead_lettered_messages.labels(group.topic, group.name).inc(built[1])
+            self.to_dispatch.add(group)
+
+    # --- fetch ---------------------------------------------------------------------------
+
+    def _on_fetch(self, peer: bytes, frame: Frame) -> None:
+        topic = check_name(hfield(frame, "topic", str))
+        log_ = self.store.topic(topic)
+        offset = hfield(frame, "offset", int, log_.start_offset)
+        wait_ms = max(0, min(hfield(frame, "wait_ms", int, 0), self.settings.max_fetch_wait_ms))
+        if offset >= log_.durable_offset and wait_ms > 0:
+            self.fetch_waits[topic].append(FetchWait(peer, frame, self.clock() + wait_ms / 1000))
+            return
+        self._answer_fetch(peer, frame, log_)
+
+    def _answer_fetch(self, peer: bytes, frame: Frame, log_: TopicLog) -> None:
+        offset = hfield(frame, "offset", int, log_.start_offset)
+        max_messages = max(1, hfield(frame, "max_messages", int, 10_000))
+        max_bytes = max(1, min(hfield(frame, "max_bytes", int, 1 << 20), self.settings.max_batch_bytes))
+        batches = []
+        if offset < log_.durable_offset:
+            batches = log_.read(offset, max_bytes=max_bytes, max_messages=max_messages)
+            batches = [b for b in batches if b.base_offset < log_.durable_offset]
+        entries = [
+            {
+                "b": b.base_offset,
+                "n": b.count,
+                "t": b.timestamp_ms,
+                "f": max(offset, b.base_offset),
+                "e": b.next_offset,
+                "d": 0,
+            }
+            for b in batches
+        ]
+        self._send(
+            peer,
+            encode(
+                Command.FETCHED,
+                {
+                    "rid": frame.get("rid"),
+                    "topic": log_.name,
+                    "start_offset": log_.start_offset,
+                    "end_offset": log_.durable_offset,
+                    "entries": entries,
+                },
+                *(b.body for b in batches),
+            ),
+        )
+
+    def _wake_fetches(self, topic: str) -> None:
+        waits = self.fetch_waits.pop(topic, [])
+        log_ = self.store.logs.get(topic)
+        for wait in waits:
+            if log_ is not None:
+                self._answer_fetch(wait.peer, wait.frame, log_)
+
+    def _expire_fetches(self, now: float) -> None:
+        for topic, waits in list(self.fetch_waits.items()):
+            due = [w for w in waits if w.deadline <= now]
+            if not due:
+                continue
+            self.fetch_waits[topic] = [w for w in waits if w.deadline > now]
+            log_ = self.store.logs.get(topic)
+            for wait in due:
+                if log_ is not None:
+                    self._answer_fetch(wait.peer, wait.frame, log_)
+
+    # --- admin ----------------------------------------------------------------------------
+
+    def _on_admin(self, peer: bytes, frame: Frame) -> None:
+        op = hfield(frame, "op", str)
+        result = admin_ops.run(self, op, frame.header)
+        self._send(peer, encode(Command.RESULT, {"rid": frame.get("rid"), "result": result}))
+
+    # --- liveness and time ----------------------------------------------------------------
+
+    def _housekeeping(self, now: float) -> None:
+        interval = self.settings.heartbeat_ms / 1000
+        self._next_housekeeping = now + min(interval, 0.25)
+        dead_after = interval * self.settings.liveness
+        for identity, peer in list(self.peers.items()):
+            if now - peer.last_seen > dead_after:
+                if peer.members:
+                    log.info("peer %s missed its heartbeats: evicting", identity.hex())
+                self._peer_gone(identity, "member_gone")
+            elif peer.members and now - peer.last_sent >= interval:
+                self._send(identity, encode(Command.HEARTBEAT))
+        for group in self.groups.values():
+            expired = group.expire_leases()
+            if expired:
+                self.metrics.redelivered_messages.labels(group.topic, group.name, "lease_expired").inc(expired)
+            if group.pending and any(p.not_before <= now for p in group.pending):
+                self.to_dispatch.add(group)
+            if expired:
+                self.to_dispatch.add(group)
+        self._expire_fetches(now)
+        if now >= self._next_commit:
+            self._commit_offsets()
+            self.store.apply_retention()
+            self._next_commit = now + self.settings.offsets_commit_ms / 1000
+
+    def _commit_offsets(self) -> None:
+        offsets = {(g.topic, g.name): g.committed_offset for g in self.groups.values()}
+        self.store.commit_offsets(offsets)
+        try:
+            self.store.write_groups()
+        except ConveyorError as exc:
+            log.error("committing group offsets failed: %s", exc)
+
+    def _peer_gone(self, identity: bytes, reason: str) -> None:
+        peer = self.peers.pop(identity, None)
+        if peer is None:
+            return
+        for group, member in peer.members.values():
+            self._leave(group, member, reason)
+
+    def _leave(self, group: Group, member: Member, reason: str) -> None:
+        held = member.in_flight
+        group.leave(member, reason=reason)
+        if held:
+            self.metrics.redelivered_messages.labels(group.topic, group.name, reason).inc(held)
+        self.to_dispatch.add(group)
+
+    # --- shutdown and health ----------------------------------------------------------------
+
+    def _shutdown(self) -> None:
+        """Stop taking work, make everything durable, say goodbye."""
+        for identity, peer in list(self.peers.items()):
+            if peer.members:
+                self._send(identity, encode(Command.BYE, {"reason": "broker shutting down"}))
+        for waits in self.fetch_waits.values():
+            for wait in waits:
+                self._reply_error(wait.peer, ShuttingDown("broker shutting down"), wait.frame.get("rid"))
+        try:
+            self.store.sync(force=True)
+            self._send_confirms()
+            self._commit_offsets()
+        finally:
+            self.store.close()
+            self.socket.close(linger=500)
+            self.ctx.term()
+            if self.metrics_server:
+                self.metrics_server.stop()
+
+    def health(self) -> dict[str, Any]:
+        checks: dict[str, Any] = {}
+        status = "HEALTHY"
+        try:
+            usage = shutil.disk_usage(self.settings.data_dir)
+            checks["disk_free_bytes"] = usage.free
+            if usage.free < self.settings.disk_free_min_bytes:
+                status = "DEGRADED"
+        except OSError as exc:
+            checks["disk"] = str(exc)
+            status = "UNHEALTHY"
+        checks["disk_writable"] = os.access(self.settings.data_dir, os.W_OK)
+        if not checks["disk_writable"]:
+            status = "UNHEALTHY"
+        return {"status": status, "checks": checks}
+
+    def _state_snapshot(self) -> dict[str, list[tuple[tuple[str, ...], float]]]:
+        return admin_ops.state_snapshot(self)
+
+    _handlers: dict[Command, Callable[[Broker, bytes, Frame], None]] = {
+        Command.HELLO: _on_hello,
+        Command.HEARTBEAT: _on_heartbeat,
+        Command.BYE: _on_bye,
+        Command.PUBLISH: _on_publish,
+        Command.SUBSCRIBE: _on_subscribe,
+        Command.UNSUBSCRIBE: _on_unsubscribe,
+        Command.ACK: _on_ack,
+        Command.NACK: _on_nack,
+        Command.IN_PROGRESS: _on_in_progress,
+        Command.TERM: _on_term,
+        Command.CREDIT: _on_credit,
+        Command.FETCH: _on_fetch,
+        Command.ADMIN: _on_admin,
+    }
+
+
+def _drain(sock: socket.socket) -> None:
+    try:
+        while sock.recv(4096):
+            pass
+    except (BlockingIOError, OSError):
+        pass

@@ -1,0 +1,59 @@
+"""``/metrics`` and ``/healthz`` over HTTP, in a daemon thread.
+
+Health is JSON ``{"status": "HEALTHY"|"DEGRADED"|"UNHEALTHY", "checks": {...}}``
+with 503 when unhealthy, so load balancers and Kubernetes probes can use it.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Callable
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+
+HealthCheck = Callable[[], dict[str, Any]]
+
+
+def _handler(registry: CollectorRegistry, health: HealthCheck) -> type[BaseHTTPRequestHandler]:
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # http.server names handlers this way
+            path = self.path.split("?", 1)[0]
+            if path == "/metrics":
+                self._send(200, CONTENT_TYPE_LATEST, generate_latest(registry))
+            elif path in ("/healthz", "/health"):
+                report = health()
+                status = 503 if report.get("status") == "UNHEALTHY" else 200
+                self._send(status, "application/json", json.dumps(report).encode())
+            else:
+                self._send(404, "text/plain", b"not found: try /metrics or /healthz\n")
+
+        def _send(self, status: int, content_type: str, body: bytes) -> None:
+            self.send_response(status)
+            self.send_header("Content-Type", content_type)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, format: str, *args: Any) -> None:
+            return None
+
+    return Handler
+
+
+class MetricsServer:
+    def __init__(self, registry: CollectorRegistry, health: HealthCheck, *, host: str, port: int) -> None:
+        self.httpd = ThreadingHTTPServer((host, port), _handler(registry, health))
+        self.httpd.daemon_threads = True
+        self.port = self.httpd.server_address[1]
+        self.thread = threading.Thread(target=self.httpd.serve_forever, name="conveyor-metrics", daemon=True)
+
+    def start(self) -> MetricsServer:
+        self.thread.start()
+        return self
+
+    def stop(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()

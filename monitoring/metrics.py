@@ -1,0 +1,166 @@
+"""Every Conveyor metric is defined here, and nowhere else.
+
+Names: the ``conveyor_`` prefix, base units (seconds, bytes), ``_total`` on
+counters. Each family is built against an injected registry so tests use a
+fresh one. Broker state that already lives in memory (offsets, lag,
+in-flight, segments) is read at scrape time by a collector instead of being
+copied into gauges on the hot path.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, Info
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+HANDLER_BUCKETS = (0.0005, 0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+
+def build_info(registry: CollectorRegistry, component: str) -> Info:
+    from broker import __version__
+
+    info = Info("conveyor_build", "Conveyor version and component", registry=registry)
+    info.info({"version": __version__, "component": component})
+    return info
+
+
+class BrokerMetrics:
+    """Counters and histograms the broker updates once per batch, never per message."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.registry = registry
+        build_info(registry, "broker")
+        topic, group = ["topic"], ["topic", "group"]
+        self.published_messages = Counter(
+            "conveyor_published_messages", "Messages appended by producers", topic, registry=registry
+        )
+        self.published_bytes = Counter(
+            "conveyor_published_bytes", "Batch body bytes appended by producers", topic, registry=registry
+        )
+        self.published_batches = Counter(
+            "conveyor_published_batches", "Batches appended by producers", topic, registry=registry
+        )
+        self.duplicate_batches = Counter(
+            "conveyor_duplicate_batches",
+            "Batches resent by idempotent producers and answered with their original offsets",
+            topic,
+            registry=registry,
+        )
+        self.delivered_messages = Counter(
+            "conveyor_delivered_messages",
+            "Messages delivered to consumers (first deliveries and redeliveries)",
+            group,
+            registry=registry,
+        )
+        self.delivered_bytes = Counter(
+            "conveyor_delivered_bytes", "Batch body bytes delivered to consumers", group, registry=registry
+        )
+        self.acked_messages = Counter("conveyor_acked_messages", "Messages acked", group, registry=registry)
+        self.nacked_messages = Counter("conveyor_nacked_messages", "Messages nacked", group, registry=registry)
+        self.redelivered_messages = Counter(
+            "conveyor_redelivered_messages",
+            "Messages queued for redelivery, by reason (nack, lease_expired, member_gone)",
+            [*group, "reason"],
+            registry=registry,
+        )
+        self.dead_lettered_messages = Counter(
+            "conveyor_dead_lettered_messages", "Messages moved to a dead-letter topic", group, registry=registry
+        )
+        self.protocol_errors = Counter(
+            "conveyor_protocol_errors",
+            "Requests answered with ERROR, by stable code",
+            ["code", "name"],
+            registry=registry,
+        )
+        self.router_send_errors = Counter(
+            "conveyor_router_send_errors",
+            "ROUTER sends that failed: EAGAIN (peer busy) or EHOSTUNREACH (peer gone)",
+            ["error"],
+            registry=registry,
+        )
+        self.truncated_bytes = Counter(
+            "conveyor_log_truncated_bytes", "Bytes of torn tails cut when the log opened", topic, registry=registry
+        )
+        self.publish_seconds = Histogram(
+            "conveyor_publish_duration_seconds",
+            "From receiving a PUBLISH to sending its confirm (includes the group commit)",
+            buckets=LATENCY_BUCKETS,
+            registry=registry,
+        )
+        self.fsync_seconds = Histogram(
+            "conveyor_fsync_duration_seconds",
+            "Duration of one group commit",
+            buckets=LATENCY_BUCKETS,
+            registry=registry,
+        )
+        self.append_seconds = Histogram(
+            "conveyor_append_duration_seconds",
+            "Duration of one batch append (CRC and write)",
+            buckets=LATENCY_BUCKETS,
+            registry=registry,
+        )
+        self.end_to_end_seconds = Histogram(
+            "conveyor_end_to_end_duration_seconds",
+            "From a batch's append to the ack that settles it",
+            ["topic", "group"],
+            buckets=HANDLER_BUCKETS,
+            registry=registry,
+        )
+        self.loop_seconds = Histogram(
+            "conveyor_loop_iteration_duration_seconds",
+            "Busy time of one event-loop pass",
+            buckets=LATENCY_BUCKETS,
+            registry=registry,
+        )
+
+
+class StateCollector(Collector):
+    """Reads live broker state at scrape time through ``snapshot()``.
+
+    ``snapshot`` returns ``{metric name: [(label values, value), ...]}`` for
+    the names declared in ``STATE_GAUGES``; a family with no rows still
+    appears, so a group that empties reads zero instead of vanishing stale.
+    """
+
+    def __init__(self, snapshot: Callable[[], dict[str, list[tuple[tuple[str, ...], float]]]]) -> None:
+        self.snapshot = snapshot
+
+    def describe(self) -> Iterable[Metric]:
+        return [
+            GaugeMetricFamily(name, help_text, labels=list(labels))
+            for name, (help_text, labels) in STATE_GAUGES.items()
+        ]
+
+    def collect(self) -> Iterable[Metric]:
+        state = self.snapshot()
+        for name, (help_text, labels) in STATE_GAUGES.items():
+            family = GaugeMetricFamily(name, help_text, labels=list(labels))
+            for label_values, value in state.get(name, []):
+                family.add_metric(list(label_values), value)
+            yield family
+
+
+TOPIC, GROUP = ("topic",), ("topic", "group")
+STATE_GAUGES: dict[str, tuple[str, tuple[str, ...]]] = {
+    "conveyor_log_start_offset": ("First offset still stored (moves with retention)", TOPIC),
+    "conveyor_log_end_offset": ("Next offset to be written", TOPIC),
+    "conveyor_log_durable_offset": ("Offsets below this are fsynced under the topic's policy", TOPIC),
+    "conveyor_log_segments": ("Segment files of the topic", TOPIC),
+    "conveyor_log_size_bytes": ("Bytes of the topic's segments", TOPIC),
+    "conveyor_group_committed_offset": ("Lowest offset not yet acked by the group", GROUP),
+    "conveyor_group_lag_messages": ("Messages appended but not yet acked by the group", GROUP),
+    "conveyor_group_lag_seconds": ("Age of the oldest message the group has not acked", GROUP),
+    "conveyor_group_in_flight_messages": ("Messages delivered and not yet settled", GROUP),
+    "conveyor_group_pending_redelivery_messages": ("Messages waiting to be delivered again", GROUP),
+    "conveyor_group_credit_messages": ("Sum of the members' credit (max unacked messages)", GROUP),
+    "conveyor_group_members": ("Consumers subscribed in the group", GROUP),
+    "conveyor_connected_clients": ("Peers the broker heard from within the liveness window", ()),
+    "conveyor_disk_free_bytes": ("Free bytes on the data directory's file system", ()),
+}
+
+
+def fresh_registry() -> CollectorRegistry:
+    return CollectorRegistry(auto_describe=True)

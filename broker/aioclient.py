@@ -57,7 +57,7 @@ class AsyncProducer:
         self.max_batch_bytes = max_batch_bytes
         self.request_timeout = request_timeout_ms / 1000
         self.delivery_timeout = delivery_timeout_ms / 1000
-        self.retry_wait = retry_wait or tenacity.wait_exponential_jitter(initial=0.05, max=2.0)
+        self.retry_wait = retry_wait or tenacity.wait_random_exponential(multiplier=0.05, max=2.0)
         self.producer_id = random.getrandbits(62) or 1
         self._ctx = zmq.asyncio.Context.instance()
         self._sock: zmq.asyncio.Socket | None = None

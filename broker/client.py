@@ -101,7 +101,7 @@ class Producer:
         self.max_in_flight = max_in_flight
         self.request_timeout = request_timeout_ms / 1000
         self.delivery_timeout = delivery_timeout_ms / 1000
-        self.retry_wait = retry_wait or tenacity.wait_exponential_jitter(initial=0.05, max=2.0)
+        self.retry_wait = retry_wait or tenacity.wait_random_exponential(multiplier=0.05, max=2.0)
         self.producer_id = random.getrandbits(62) or 1
         self._ctx = context or zmq.Context.instance()
         self._lock = threading.Lock()
@@ -128,7 +128,10 @@ class Producer:
         headers: dict[str, str] | None = None,
     ) -> Future[int]:
         """Queue one message; the future resolves to its offset once durable."""
-        record = make_record(value, key, headers)
+        if type(value) is bytes and headers is None:
+            record: tuple[Any, Any, bytes] = (key, None, value)  # the fast path: nothing to encode
+        else:
+            record = make_record(value, key, headers)
         size = len(record[2]) + 16
         with self._lock:
             if self._closed:

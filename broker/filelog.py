@@ -55,11 +55,16 @@ class FileLog(TopicLog):
         if not bases:
             self._new_segment(0)
             return
+        lost_from: int | None = None  # base of the oldest segments quarantined before any was kept
         for i, base in enumerate(bases):
             segment = Segment(self.directory, base, index_interval=self.config.index_interval_bytes)
             newest = i == len(bases) - 1
             if not self._recover(segment, sealed=not newest):
+                if not self.segments and lost_from is None:
+                    lost_from = base
                 continue
+            if not self.segments and lost_from is not None:
+                self.gaps.append((lost_from, base))
             self._check_continuity(segment)
             self.segments.append(segment)
             self._bases.append(base)

@@ -239,11 +239,20 @@ class Group:
         """IN_PROGRESS: push the lease of the chunks holding these offsets."""
         deadline = self.clock() + self.settings.ack_timeout_ms / 1000
         renewed = 0
-        for chunk in member.chunks.values():
-            if any(intersect(chunk.ranges, start, end) for start, end in ranges):
+        for chunk in list(member.chunks.values()):
+            picked = sorted(r for start, end in ranges for r in intersect(chunk.ranges, start, end))
+            if not picked:
+                continue
+            rest = chunk.ranges
+            for start, end in picked:
+                rest, _ = subtract(rest, start, end)
+            if rest:  # only part of the chunk is renewed: it becomes a chunk of its own
+                chunk.ranges = rest
+                chunk = self._add_chunk(member, picked, chunk.deliveries, deadline, count_in_flight=False)
+            else:
                 chunk.deadline = deadline
                 heapq.heappush(self._leases, (deadline, chunk.id))
-                renewed += 1
+            renewed += sum(b - a for a, b in picked)
         return renewed
 
     def undeliver(self, plan: Delivery) -> None:
@@ -393,17 +402,24 @@ class Group:
         self, member: Member, ranges: list[Range], deliveries: int, entries: list[Entry], plans: dict[int, Delivery]
     ) -> None:
         deadline = self.clock() + self.settings.ack_timeout_ms / 1000
-        chunk = Chunk(next(_chunk_ids), member, ranges, deliveries, deadline)
-        self.chunks[chunk.id] = chunk
-        member.chunks[chunk.id] = chunk
-        member.in_flight += chunk.size
-        heapq.heappush(self._leases, (deadline, chunk.id))
+        chunk = self._add_chunk(member, ranges, deliveries, deadline)
         plan = plans.get(id(member))
         if plan is None:
             plans[id(member)] = Delivery(member, entries, [chunk])
         else:
             plan.entries.extend(entries)
             plan.chunks.append(chunk)
+
+    def _add_chunk(
+        self, member: Member, ranges: list[Range], deliveries: int, deadline: float, *, count_in_flight: bool = True
+    ) -> Chunk:
+        chunk = Chunk(next(_chunk_ids), member, ranges, deliveries, deadline)
+        self.chunks[chunk.id] = chunk
+        member.chunks[chunk.id] = chunk
+        if count_in_flight:
+            member.in_flight += chunk.size
+        heapq.heappush(self._leases, (deadline, chunk.id))
+        return chunk
 
     def _dispatch_pending(self, log: TopicLog, plans: dict[int, Delivery]) -> None:
         now = self.clock()

@@ -9,7 +9,7 @@ from __future__ import annotations
 from bisect import bisect_right
 from typing import Any
 
-from broker.record import Batch
+from broker.record import Batch, decode_header
 from broker.storage import TopicLog
 
 
@@ -20,7 +20,8 @@ class MemoryLog(TopicLog):
         self._bases: list[int] = []
 
     def _write(self, header: bytes, body: bytes, base_offset: int, count: int, timestamp_ms: int) -> None:
-        self._batches.append(Batch(base_offset, count, timestamp_ms, body))
+        head = decode_header(header)  # keep the producer id and sequence, as FileLog's reads return them
+        self._batches.append(Batch(base_offset, count, timestamp_ms, body, head.producer_id, head.sequence))
         self._bases.append(base_offset)
 
     def _read_stored(self, offset: int, max_bytes: int) -> list[Batch]:

@@ -116,9 +116,7 @@ def _decode_header(frame: bytes | memoryview) -> dict[str, Any]:
     if len(frame) > MAX_HEADER_BYTES:
         raise MalformedFrame(f"header larger than {MAX_HEADER_BYTES} bytes", limit=MAX_HEADER_BYTES)
     try:
-        header = msgpack.unpackb(
-            frame, raw=False, strict_map_key=True, max_array_len=65536
-        )
+        header = msgpack.unpackb(frame, raw=False, strict_map_key=True, max_array_len=65536)
     except Exception as exc:  # msgpack raises several unrelated types on bad input
         raise MalformedFrame(f"header is not valid msgpack: {type(exc).__name__}") from None
     if not isinstance(header, dict):

@@ -275,6 +275,7 @@ class Segment:
         """
         i = bisect_right(self._index_offsets, offset) - 1
         position = self._index_positions[i] if i >= 0 else 0
+        expected = self._index_offsets[i] if i >= 0 else self.base_offset
         batches: list[Batch] = []
         taken = 0
         while position < self.size and len(batches) < max_batches:
@@ -285,7 +286,11 @@ class Segment:
                     break
                 try:
                     header = check_batch(buf, rel)
+                    if header.base_offset != expected:  # the base offset is outside the CRC
+                        raise SegmentCorrupt(f"offset {header.base_offset} where {expected} was expected")
                 except SegmentCorrupt as exc:
+                    if batches:  # serve the good batches before it; a read at the bad one raises
+                        return batches
                     raise SegmentCorrupt(
                         f"{self.path}: {exc.message} at position {position + rel}",
                         path=str(self.path),
@@ -307,7 +312,10 @@ class Segment:
                     )
                     taken += header.size
                 rel += header.size
+                expected = header.next_offset
             if rel == 0:
+                if batches:
+                    return batches
                 raise SegmentCorrupt(
                     f"{self.path}: unreadable batch at position {position}", path=str(self.path), position=position
                 )

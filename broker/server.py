@@ -198,12 +198,12 @@ class Broker:
             self._handle(frames)
 
     def _after_reads(self) -> None:
-        if self.appended or self.store.next_sync_due() is not None:
-            self._group_commit()
         now = self.clock()
         if now >= self._next_housekeeping:
             self._housekeeping(now)
         self._handle_dead_letters()
+        if self.appended or self.store.next_sync_due() is not None:
+            self._group_commit()
         self._dispatch()
 
     def _poll_timeout_ms(self) -> int:

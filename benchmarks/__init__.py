@@ -1,0 +1,1 @@
+"""Benchmarks: measured numbers for the claims the design makes about speed."""

@@ -1,0 +1,225 @@
+"""The low-level consumer: one DEALER socket, one subscription.
+
+It subscribes with credit, hands out delivered batches as ``Message``
+lists, settles them (ack, nack with delay, in-progress, terminate) and
+keeps the connection alive with heartbeats. When the broker goes quiet for
+longer than its liveness window, or says BYE, it starts over on a new
+socket and subscribes again; what it held unacked is redelivered by the
+broker, so nothing is lost (at-least-once).
+
+Not thread-safe: one thread calls ``receive`` and the settle methods. The
+runner keeps that thread free and runs handlers elsewhere.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import time
+from collections.abc import Iterable
+from typing import Any
+
+import zmq
+
+from broker.config import DEFAULT_BROKER
+from broker.errors import ConveyorError
+from broker.groups import to_ranges
+from broker.protocol import Command, Frame, decode, encode, error_from_header
+from consumers.message import Message, messages_from_entries
+
+log = logging.getLogger("conveyor.consumer")
+
+
+def offset_ranges(messages: Iterable[Message | int]) -> list[list[int]]:
+    """``[[start, end), ...]`` for messages or offsets; one range in the common case."""
+    offsets = [m.offset if isinstance(m, Message) else int(m) for m in messages]
+    if not offsets:
+        return []
+    first, last = offsets[0], offsets[-1]
+    if last - first + 1 == len(offsets) and offsets == list(range(first, last + 1)):
+        return [[first, last + 1]]  # contiguous and in order: the common case
+    return [list(r) for r in to_ranges(sorted(set(offsets)))]
+
+
+class Subscription:
+    def __init__(
+        self,
+        topic: str,
+        group: str,
+        *,
+        address: str = DEFAULT_BROKER,
+        credit: int = 1000,
+        batch_size: int | None = None,
+        start: str | int | dict[str, int] = "earliest",
+        key_affinity: bool = False,
+        max_deliveries: int | None = None,
+        ack_timeout_ms: int | None = None,
+        dead_letter_topic: str | None = None,
+        heartbeat_ms: int = 1000,
+        liveness: int = 3,
+        context: zmq.Context[Any] | None = None,
+    ) -> None:
+        self.topic = topic
+        self.group = group
+        self.address = address
+        self.credit = credit
+        self.batch_size = batch_size or credit
+        self.options: dict[str, Any] = {"start": start, "key_affinity": key_affinity}
+        for name, value in (
+            ("max_deliveries", max_deliveries),
+            ("ack_timeout_ms", ack_timeout_ms),
+            ("dead_letter_topic", dead_letter_topic),
+        ):
+            if value is not None:
+                self.options[name] = value
+        self.heartbeat = heartbeat_ms / 1000
+        self.liveness = liveness
+        self.reconnects = 0
+        self.subscribed = False
+        self._ctx = context or zmq.Context.instance()
+        self._rids = itertools.count(1)
+        self._sock: zmq.Socket[Any] | None = None
+        self._last_heard = self._last_sent = time.monotonic()
+        self._connect()
+
+    # --- connection -----------------------------------------------------------------
+
+    def _connect(self) -> None:
+        sock = self._ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.RCVHWM, 0)  # credit bounds what can arrive
+        sock.connect(self.address)
+        self._sock = sock
+        self._send(Command.HELLO, {"rid": next(self._rids), "client": f"conveyor-consumer/{os.getpid()}"})
+        self._send(
+            Command.SUBSCRIBE,
+            {
+                "rid": next(self._rids),
+                "sub": 1,
+                "topic": self.topic,
+                "group": self.group,
+                "credit": self.credit,
+                "batch_size": self.batch_size,
+                **self.options,
+            },
+        )
+        self._last_heard = time.monotonic()
+        self.subscribed = False
+
+    def _reconnect(self, why: str) -> None:
+        log.warning("consumer %s/%s: %s; reconnecting to %s", self.topic, self.group, why, self.address)
+        self.reconnects += 1
+        if self._sock is not None:
+            self._sock.close(linger=0)
+        self._connect()
+
+    def _send(self, command: Command, header: dict[str, Any]) -> None:
+        assert self._sock is not None
+        self._sock.send_multipart(encode(command, header))
+        self._last_sent = time.monotonic()
+
+    # --- receiving --------------------------------------------------------------------
+
+    def receive(self, timeout: float | None = None) -> list[Message]:
+        """The next delivered batch, or ``[]`` when ``timeout`` passes first.
+
+        Heartbeats and reconnects happen inside, so keep calling it.
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            now = time.monotonic()
+            wait = self._next_tick(now)
+            if deadline is not None:
+                wait = min(wait, max(0.0, deadline - now))
+            assert self._sock is not None
+            if self._sock.poll(int(wait * 1000) + 1):
+                messages = self._read()
+                if messages:
+                    return messages
+            self._tick()
+            if deadline is not None and time.monotonic() >= deadline:
+                return []
+
+    def _next_tick(self, now: float) -> float:
+        return max(0.0, min(self._last_sent + self.heartbeat, self._last_heard + self.heartbeat * self.liveness) - now)
+
+    def _tick(self) -> None:
+        now = time.monotonic()
+        if now - self._last_heard > self.heartbeat * self.liveness:
+            self._reconnect("broker silent")
+        elif now - self._last_sent >= self.heartbeat:
+            self._send(Command.HEARTBEAT, {})
+
+    def _read(self) -> list[Message]:
+        assert self._sock is not None
+        messages: list[Message] = []
+        while True:
+            try:
+                frames = self._sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return messages
+            self._last_heard = time.monotonic()
+            try:
+                frame = decode(frames)
+            except ConveyorError as exc:
+                log.error("undecodable message from the broker: %s", exc)
+                continue
+            messages += self._on_frame(frame)
+
+    def _on_frame(self, frame: Frame) -> list[Message]:
+        if frame.command is Command.DELIVER:
+            return messages_from_entries(self.topic, frame.get("entries", []), [bytes(b) for b in frame.payload])
+        if frame.command is Command.SUBSCRIBED:
+            self.subscribed = True
+        elif frame.command is Command.BYE:
+            self._reconnect(str(frame.get("reason") or "broker said goodbye"))
+        elif frame.command is Command.ERROR:
+            exc = error_from_header(frame.header)
+            if exc.name == "NOT_SUBSCRIBED":
+                self._reconnect("broker forgot this subscription")
+            else:
+                raise exc
+        return []
+
+    # --- settling --------------------------------------------------------------------------
+
+    def ack(self, messages: Iterable[Message | int]) -> None:
+        self._settle(Command.ACK, messages)
+
+    def nack(self, messages: Iterable[Message | int], *, delay_ms: int = 0, error: str = "") -> None:
+        self._settle(Command.NACK, messages, delay_ms=delay_ms, error=error[:4096])
+
+    def in_progress(self, messages: Iterable[Message | int]) -> None:
+        self._settle(Command.IN_PROGRESS, messages)
+
+    def term(self, messages: Iterable[Message | int], *, reason: str = "") -> None:
+        self._settle(Command.TERM, messages, reason=reason[:4096])
+
+    def _settle(self, command: Command, messages: Iterable[Message | int], **extra: Any) -> None:
+        ranges = offset_ranges(messages)
+        if ranges:
+            self._send(command, {"sub": 1, "ranges": ranges, **extra})
+
+    def set_credit(self, credit: int, batch_size: int | None = None) -> None:
+        self.credit = credit
+        self.batch_size = batch_size or credit
+        self._send(Command.CREDIT, {"sub": 1, "credit": credit, "batch_size": self.batch_size})
+
+    # --- lifecycle ----------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Say goodbye so the broker redelivers anything unacked at once."""
+        if self._sock is None:
+            return
+        try:
+            self._send(Command.BYE, {})
+        finally:
+            self._sock.close(linger=200)
+            self._sock = None
+
+    def __enter__(self) -> Subscription:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -221,12 +221,19 @@ class Group:
                     self._drop_chunk(chunk, keep_inflight=True)
         return touched
 
-    def nack(self, member: Member, ranges: list[Range], *, delay_ms: int = 0, error: str = "nack") -> int:
-        """Take nacked offsets back; they come again after ``delay_ms``."""
+    def nack(
+        self, member: Member, ranges: list[Range], *, delay_ms: int = 0, error: str = "nack", release: bool = False
+    ) -> int:
+        """Take nacked offsets back; they come again after ``delay_ms``.
+
+        ``release`` gives back messages the consumer never tried (a draining
+        runner): their delivery does not count against ``max_deliveries``.
+        """
         taken = self._take(member, ranges)
         now = self.clock()
         for chunk_ranges, deliveries in taken:
-            self._requeue(chunk_ranges, deliveries, now + delay_ms / 1000, error, member.key)
+            count = deliveries - 1 if release else deliveries
+            self._requeue(chunk_ranges, count, now + delay_ms / 1000, error, member.key)
         return sum(end - start for rs, _d in taken for start, end in rs)
 
     def terminate(self, member: Member, ranges: list[Range], reason: str) -> int:

@@ -427,10 +427,10 @@ class Broker:
             ),
         )
 
-    def _credit(self, credit: int) -> int:
-        if not 1 <= credit <= self.settings.max_credit:
+    def _credit(self, credit: int, *, minimum: int = 1) -> int:
+        if not minimum <= credit <= self.settings.max_credit:
             raise InvalidRequest(
-                f"credit must be between 1 and {self.settings.max_credit}", limit=self.settings.max_credit
+                f"credit must be between {minimum} and {self.settings.max_credit}", limit=self.settings.max_credit
             )
         return credit
 
@@ -475,10 +475,12 @@ class Broker:
         group, member = self._member(peer, frame)
         delay = max(0, hfield(frame, "delay_ms", int, 0))
         error = str(frame.get("error") or "nack")
-        count = group.nack(member, hranges(frame), delay_ms=delay, error=error)
+        release = bool(frame.get("release", False))
+        count = group.nack(member, hranges(frame), delay_ms=delay, error=error, release=release)
         if count:
             self.metrics.nacked_messages.labels(group.topic, group.name).inc(count)
-            self.metrics.redelivered_messages.labels(group.topic, group.name, "nack").inc(count)
+            reason = "released" if release else "nack"
+            self.metrics.redelivered_messages.labels(group.topic, group.name, reason).inc(count)
             self.to_dispatch.add(group)
 
     def _on_in_progress(self, peer: bytes, frame: Frame) -> None:
@@ -492,7 +494,7 @@ class Broker:
 
     def _on_credit(self, peer: bytes, frame: Frame) -> None:
         group, member = self._member(peer, frame)
-        member.credit = self._credit(hfield(frame, "credit", int))
+        member.credit = self._credit(hfield(frame, "credit", int), minimum=0)  # 0 pauses the member
         member.batch_size = max(1, min(hfield(frame, "batch_size", int, member.batch_size), member.credit))
         self.to_dispatch.add(group)
 

@@ -141,6 +141,22 @@ class Subscription:
             if deadline is not None and time.monotonic() >= deadline:
                 return []
 
+    # --- for event loops that poll many subscriptions (the runner) ----------------
+
+    @property
+    def socket(self) -> zmq.Socket[Any]:
+        assert self._sock is not None
+        return self._sock
+
+    def read_ready(self) -> list[Message]:
+        """Messages already waiting on the socket; never blocks."""
+        return self._read()
+
+    def tick(self) -> float:
+        """Heartbeat or reconnect if due; return seconds until the next tick."""
+        self._tick()
+        return self._next_tick(time.monotonic())
+
     def _next_tick(self, now: float) -> float:
         return max(0.0, min(self._last_sent + self.heartbeat, self._last_heard + self.heartbeat * self.liveness) - now)
 
@@ -187,8 +203,14 @@ class Subscription:
     def ack(self, messages: Iterable[Message | int]) -> None:
         self._settle(Command.ACK, messages)
 
-    def nack(self, messages: Iterable[Message | int], *, delay_ms: int = 0, error: str = "") -> None:
-        self._settle(Command.NACK, messages, delay_ms=delay_ms, error=error[:4096])
+    def nack(
+        self, messages: Iterable[Message | int], *, delay_ms: int = 0, error: str = "", release: bool = False
+    ) -> None:
+        """Give messages back; ``release`` for ones never tried (not counted as a delivery)."""
+        extra: dict[str, Any] = {"delay_ms": int(delay_ms), "error": error[:4096]}
+        if release:
+            extra["release"] = True
+        self._settle(Command.NACK, messages, **extra)
 
     def in_progress(self, messages: Iterable[Message | int]) -> None:
         self._settle(Command.IN_PROGRESS, messages)

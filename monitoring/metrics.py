@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, Info
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -164,3 +164,33 @@ STATE_GAUGES: dict[str, tuple[str, tuple[str, ...]]] = {
 
 def fresh_registry() -> CollectorRegistry:
     return CollectorRegistry(auto_describe=True)
+
+
+class RunnerMetrics:
+    """The consumer runner's metrics, labelled like FastStream's: handler, topic, group."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        build_info(registry, "runner")
+        labels = ["handler", "topic", "group"]
+        self.handled = Counter(
+            "conveyor_runner_messages",
+            "Messages handled, by outcome: ok, retried, dead_lettered, failed (dropped after the last attempt)",
+            [*labels, "outcome"],
+            registry=registry,
+        )
+        self.retries = Counter(
+            "conveyor_runner_retries", "Retries scheduled (nacks with a delay)", labels, registry=registry
+        )
+        self.duration = Histogram(
+            "conveyor_runner_handler_duration_seconds",
+            "Time spent in the handler per call (one message, or one batch for batch handlers)",
+            labels,
+            buckets=HANDLER_BUCKETS,
+            registry=registry,
+        )
+        self.in_process = Gauge(
+            "conveyor_runner_in_process_messages",
+            "Messages received and not yet settled (queued or running)",
+            labels,
+            registry=registry,
+        )

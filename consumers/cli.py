@@ -1,0 +1,54 @@
+"""``conveyor run MODULE[:ATTR] ...``: the consumer runner on the command line."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+
+from broker.cli import CLIENT_OPTIONS, command
+from broker.config import Option, add_options, resolve
+
+RUN_OPTIONS = [
+    *CLIENT_OPTIONS,
+    Option("metrics-port", 9101, "port for /metrics and /healthz (-1: off)", int),
+    Option("metrics-bind", "127.0.0.1", "address for the metrics HTTP server"),
+    Option("concurrency", 0, "lanes per consumer, overriding each @consumer (0: as declared)", int),
+    Option("graceful-timeout", 15.0, "seconds to finish in-flight messages on SIGTERM", float),
+    Option("log-level", "INFO", "DEBUG, INFO, WARNING or ERROR"),
+]
+
+
+def _setup(parser: argparse.ArgumentParser) -> None:
+    add_options(parser, RUN_OPTIONS)
+    parser.add_argument("modules", nargs="+", metavar="MODULE[:ATTR]", help="modules holding @consumer functions")
+
+
+@command("run", "run the @consumer functions of some modules", _setup)
+def cmd_run(args: argparse.Namespace) -> int:
+    from consumers.loader import load_consumers
+    from consumers.runner import Runner
+
+    opts = resolve(args, RUN_OPTIONS, "run")
+    logging.basicConfig(level=opts["log_level"].upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    consumers = load_consumers(args.modules)
+    runner = Runner(
+        consumers,
+        broker=opts["broker"],
+        concurrency=opts["concurrency"] or None,
+        graceful_timeout=opts["graceful_timeout"],
+        metrics_port=opts["metrics_port"],
+        metrics_bind=opts["metrics_bind"],
+    )
+
+    def ready(r: Runner) -> None:
+        names = ", ".join(f"{c.name} ({c.topic}/{c.group})" for c in consumers)
+        port = r.metrics_server.port if r.metrics_server else None
+        metrics = f"http://{opts['metrics_bind']}:{port}/metrics" if port else "off"
+        print(
+            f"conveyor runner ready: {len(consumers)} consumer(s) on {opts['broker']}: {names} (metrics {metrics})",
+            flush=True,
+        )
+
+    code = runner.run(ready=ready)
+    print("conveyor runner stopped cleanly", flush=True)
+    return code

@@ -1,0 +1,310 @@
+"""The consumer runner: every ``@consumer`` of some modules, one subscription each.
+
+The main thread is the I/O thread: it owns the sockets, hands delivered
+messages to lanes (threads for sync handlers, tasks on one event loop for
+``async def`` ones), settles what lanes report in offset ranges, renews
+leases of everything it holds, and heartbeats. Handlers never touch a
+socket, so a slow handler never makes the broker think the runner died.
+
+SIGTERM/SIGINT: pause credit, give back what no lane started, let lanes
+finish within ``graceful_timeout``, give back the rest, say BYE, exit 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import signal
+import socket
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import zmq
+from prometheus_client import CollectorRegistry
+
+from broker.config import DEFAULT_BROKER
+from consumers.lanes import AsyncLane, Report, ThreadLane, split
+from consumers.message import Message
+from consumers.session import Subscription
+from decorators.consumer import AckPolicy, Consumer
+from monitoring.http import MetricsServer
+from monitoring.metrics import RunnerMetrics
+
+log = logging.getLogger("conveyor.runner")
+
+Lane = ThreadLane | AsyncLane
+
+
+@dataclass(eq=False)
+class Slot:
+    """One consumer at run time: its subscription, lanes and held offsets."""
+
+    consumer: Consumer
+    subscription: Subscription
+    lanes: list[Lane]
+    held: set[int] = field(default_factory=set)
+    next_lane: int = 0
+    last_renewal: float = 0.0
+    labels: tuple[str, str, str] = ("", "", "")
+
+
+class Runner:
+    def __init__(
+        self,
+        consumers: list[Consumer],
+        *,
+        broker: str = DEFAULT_BROKER,
+        concurrency: int | None = None,
+        graceful_timeout: float = 15.0,
+        metrics_port: int = 9101,
+        metrics_bind: str = "127.0.0.1",
+        registry: CollectorRegistry | None = None,
+    ) -> None:
+        if not consumers:
+            raise ValueError("no @consumer to run")
+        self.consumers = consumers
+        self.broker = broker
+        self.concurrency = concurrency
+        self.graceful_timeout = graceful_timeout
+        self.registry = registry or CollectorRegistry(auto_describe=True)
+        self.metrics = RunnerMetrics(self.registry)
+        self.metrics_server: MetricsServer | None = None
+        if metrics_port >= 0:
+            self.metrics_server = MetricsServer(self.registry, self.health, host=metrics_bind, port=metrics_port)
+        self.stopping = threading.Event()
+        self.slots: list[Slot] = []
+        self._reports: collections.deque[Report] = collections.deque()
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_r.setblocking(False)
+        self._wake_w.setblocking(False)
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._running = False
+
+    # --- setup ----------------------------------------------------------------------------
+
+    def _start(self) -> None:
+        if any(c.is_async for c in self.consumers):
+            self._loop = asyncio.new_event_loop()
+            threading.Thread(target=self._loop.run_forever, name="conveyor-async", daemon=True).start()
+        for consumer in self.consumers:
+            self.slots.append(self._slot(consumer))
+        if self.metrics_server:
+            self.metrics_server.start()
+
+    def _slot(self, consumer: Consumer) -> Slot:
+        lanes_n = self.concurrency or consumer.concurrency
+        policy = consumer.policy
+        dead_letter = policy.dead_letter if isinstance(policy.dead_letter, str) else None
+        subscription = Subscription(
+            consumer.topic,
+            consumer.group,
+            address=self.broker,
+            credit=max(consumer.credit, lanes_n),
+            start=consumer.start,
+            key_affinity=consumer.key_ordered,
+            max_deliveries=policy.attempts_limit,
+            ack_timeout_ms=consumer.ack_timeout_ms,
+            dead_letter_topic=dead_letter,
+        )
+        lanes: list[Lane] = []
+        for i in range(lanes_n):
+            if consumer.is_async:
+                assert self._loop is not None
+                lanes.append(AsyncLane(consumer, self._report, self.stopping, self._loop))
+            else:
+                lanes.append(ThreadLane(consumer, self._report, self.stopping, f"{consumer.__name__}-{i}"))
+        labels = (consumer.name, consumer.topic, consumer.group)
+        return Slot(consumer, subscription, lanes, labels=labels)
+
+    def _report(self, report: Report) -> None:
+        """Called from lanes: hand the report to the I/O thread and wake it."""
+        self._reports.append(report)
+        try:
+            self._wake_w.send(b"\0")
+        except BlockingIOError:
+            pass  # already awake with bytes pending
+
+    # --- the loop ---------------------------------------------------------------------------
+
+    def run(self, *, install_signals: bool = True, ready: Callable[[Runner], None] | None = None) -> int:
+        self._start()
+        if install_signals:
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                signal.signal(sig, lambda *_: self.stop())
+            signal.set_wakeup_fd(self._wake_w.fileno(), warn_on_full_buffer=False)
+        self._running = True
+        if ready:
+            ready(self)
+        try:
+            while self._running and not self.stopping.is_set():
+                self._pass(self._poll_timeout())
+            self._drain()
+        finally:
+            if install_signals:
+                signal.set_wakeup_fd(-1)
+            self._close()
+        return 0
+
+    def stop(self) -> None:
+        """Begin the graceful shutdown; safe from signal handlers and other threads."""
+        self.stopping.set()
+        try:
+            self._wake_w.send(b"\0")
+        except OSError:
+            pass
+
+    def _poll_timeout(self) -> float:
+        ticks = [slot.subscription.tick() for slot in self.slots]
+        return min([*ticks, self._renewal_due()])
+
+    def _pass(self, timeout: float) -> None:
+        poller = zmq.Poller()
+        by_socket = {}
+        for slot in self.slots:
+            poller.register(slot.subscription.socket, zmq.POLLIN)
+            by_socket[slot.subscription.socket] = slot
+        poller.register(self._wake_r.fileno(), zmq.POLLIN)
+        events = dict(poller.poll(int(timeout * 1000) + 1))
+        if self._wake_r.fileno() in events:
+            _drain_fd(self._wake_r)
+        for sock, slot in by_socket.items():
+            if sock in events:
+                self._deliver(slot, slot.subscription.read_ready())
+        self._settle_reports()
+        self._renew_leases()
+
+    def _deliver(self, slot: Slot, messages: list[Message]) -> None:
+        if not messages:
+            return
+        fresh = [m for m in messages if m.offset not in slot.held]  # a redelivery we still hold is a twin
+        slot.held.update(m.offset for m in fresh)
+        if slot.consumer.ack_policy is AckPolicy.EARLY:
+            slot.subscription.ack(fresh)
+        self.metrics.in_process.labels(*slot.labels).inc(len(fresh))
+        chunks = split(slot.consumer, fresh, len(slot.lanes))
+        for i, chunk in enumerate(chunks):
+            if chunk:
+                lane = slot.lanes[i] if slot.consumer.key_ordered else self._least_busy(slot)
+                lane.submit(slot, chunk)
+
+    def _least_busy(self, slot: Slot) -> Lane:
+        slot.next_lane = (slot.next_lane + 1) % len(slot.lanes)
+        rotated = slot.lanes[slot.next_lane :] + slot.lanes[: slot.next_lane]
+        return min(rotated, key=lambda lane: lane.busy)
+
+    # --- settling ---------------------------------------------------------------------------
+
+    def _settle_reports(self) -> None:
+        while self._reports:
+            report = self._reports.popleft()
+            slot: Slot = report.slot
+            self._settle(slot, report)
+
+    def _settle(self, slot: Slot, report: Report) -> None:
+        sub = slot.subscription
+        early = slot.consumer.ack_policy is AckPolicy.EARLY
+        if report.acked and not early:
+            sub.ack(report.acked)
+        by_delay: dict[tuple[int, str], list[int]] = collections.defaultdict(list)
+        for offset, delay, error in report.retried:
+            by_delay[(delay, error)].append(offset)
+        if not early:
+            for (delay, error), offsets in by_delay.items():
+                sub.nack(offsets, delay_ms=delay, error=error)
+            if report.released:
+                sub.nack(report.released, release=True, error="runner shutting down")
+            by_reason: dict[str, list[int]] = collections.defaultdict(list)
+            for offset, reason in report.dead:
+                by_reason[reason].append(offset)
+            for reason, offsets in by_reason.items():
+                sub.term(offsets, reason=reason)
+        settled = len(report.acked) + len(report.retried) + len(report.released) + len(report.dead)
+        slot.held.difference_update(
+            report.acked, (o for o, _d, _e in report.retried), report.released, (o for o, _r in report.dead)
+        )
+        self._record(slot, report, settled)
+
+    def _record(self, slot: Slot, report: Report, settled: int) -> None:
+        m, labels = self.metrics, slot.labels
+        m.in_process.labels(*labels).dec(settled)
+        for outcome, count in (
+            ("ok", report.ok),
+            ("retried", len(report.retried)),
+            ("dead_lettered", len(report.dead)),
+            ("failed", report.dropped),
+        ):
+            if count:
+                m.handled.labels(*labels, outcome).inc(count)
+        if report.retried:
+            m.retries.labels(*labels).inc(len(report.retried))
+        duration = m.duration.labels(*labels)
+        for seconds in report.durations:
+            duration.observe(seconds)
+
+    def _renewal_due(self) -> float:
+        """Seconds until held messages need an IN_PROGRESS."""
+        now = time.monotonic()
+        dues = [slot.last_renewal + slot.consumer.ack_timeout_ms / 3000 - now for slot in self.slots if slot.held]
+        return max(0.0, min(dues)) if dues else 1.0
+
+    def _renew_leases(self) -> None:
+        now = time.monotonic()
+        for slot in self.slots:
+            if slot.held and now - slot.last_renewal >= slot.consumer.ack_timeout_ms / 3000:
+                slot.subscription.in_progress(sorted(slot.held))
+                slot.last_renewal = now
+            elif not slot.held:
+                slot.last_renewal = now
+
+    # --- shutdown -----------------------------------------------------------------------------
+
+    def _drain(self) -> None:
+        """Stop taking work, let lanes finish within the timeout, give back the rest."""
+        log.info("draining: up to %.1f s for in-flight messages", self.graceful_timeout)
+        for slot in self.slots:
+            slot.subscription.set_credit(0, 1)
+        deadline = time.monotonic() + self.graceful_timeout
+        while time.monotonic() < deadline and any(lane.busy for slot in self.slots for lane in slot.lanes):
+            self._pass(min(0.05, max(0.0, deadline - time.monotonic())))
+        self._settle_reports()
+        for slot in self.slots:
+            if slot.held:
+                slot.subscription.nack(sorted(slot.held), release=True, error="runner shutting down")
+                slot.held.clear()
+
+    def _close(self) -> None:
+        for slot in self.slots:
+            for lane in slot.lanes:
+                lane.close()
+            slot.subscription.close()
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(self._loop.stop)
+        if self.metrics_server:
+            self.metrics_server.stop()
+        self._wake_r.close()
+        self._wake_w.close()
+
+    def health(self) -> dict[str, Any]:
+        now = time.monotonic()
+        checks = {}
+        status = "HEALTHY"
+        for slot in self.slots:
+            silent = now - slot.subscription._last_heard
+            checks[slot.consumer.name] = {"subscribed": slot.subscription.subscribed, "broker_silent_seconds": silent}
+            if silent > slot.subscription.heartbeat * slot.subscription.liveness:
+                status = "UNHEALTHY"
+            elif not slot.subscription.subscribed and status == "HEALTHY":
+                status = "DEGRADED"
+        return {"status": status, "checks": checks}
+
+
+def _drain_fd(sock: socket.socket) -> None:
+    try:
+        while sock.recv(4096):
+            pass
+    except (BlockingIOError, OSError):
+        pass

@@ -1,0 +1,126 @@
+"""``@consumer``: a plain function becomes a subscription the runner can run.
+
+The decorator returns a ``Consumer`` that holds the function and its
+options as data (the runner and the CLI read them) and stays callable like
+the function itself, so handlers remain easy to unit-test.
+"""
+
+from __future__ import annotations
+
+import enum
+import inspect
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from decorators.retry import RETRY_ATTR, RetryPolicy
+
+
+class AckPolicy(enum.Enum):
+    AUTO = "auto"  # ack after the handler returns (at-least-once)
+    EARLY = "early"  # ack before calling the handler (at-most-once)
+
+
+@dataclass
+class Consumer:
+    fn: Callable[..., Any]
+    topic: str
+    group: str
+    batch: bool = False
+    batch_size: int = 100
+    prefetch: int = 0
+    concurrency: int = 1
+    start: Any = "earliest"
+    key_ordered: bool = False
+    ack_policy: AckPolicy = AckPolicy.AUTO
+    ack_timeout_ms: int = 30_000
+    retry: RetryPolicy | None = None
+    error_handlers: list[Callable[..., Any]] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.retry = self.retry or getattr(self.fn, RETRY_ATTR, None)
+        self.is_async = inspect.iscoroutinefunction(self.fn)
+        if not isinstance(self.ack_policy, AckPolicy):
+            self.ack_policy = AckPolicy(self.ack_policy)
+        if self.concurrency < 1:
+            raise TypeError("concurrency must be at least 1")
+        if self.batch_size < 1:
+            raise TypeError("batch_size must be at least 1")
+        self.__name__ = getattr(self.fn, "__name__", "consumer")
+        self.__doc__ = getattr(self.fn, "__doc__", None)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.fn(*args, **kwargs)
+
+    @property
+    def name(self) -> str:
+        return f"{self.fn.__module__}.{self.fn.__qualname__}"
+
+    @property
+    def credit(self) -> int:
+        """Messages the runner may hold for this consumer (the broker's credit)."""
+        if self.prefetch:
+            return self.prefetch
+        per_lane = self.batch_size * 2 if self.batch else 64
+        return max(100, per_lane * self.concurrency)
+
+    @property
+    def policy(self) -> RetryPolicy:
+        return self.retry or DEFAULT_RETRY
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "topic": self.topic,
+            "group": self.group,
+            "batch": self.batch,
+            "concurrency": self.concurrency,
+            "key_ordered": self.key_ordered,
+            "credit": self.credit,
+            "retry": self.policy.describe(),
+        }
+
+
+DEFAULT_RETRY = RetryPolicy()
+OPTIONS = (
+    "group",
+    "batch",
+    "batch_size",
+    "prefetch",
+    "concurrency",
+    "start",
+    "key_ordered",
+    "ack_policy",
+    "ack_timeout_ms",
+)
+
+
+def consumer(topic: str, **options: Any) -> Callable[[Callable[..., Any]], Consumer]:
+    """Declare a consumer of ``topic``; ``group`` defaults to the function's qualified name."""
+    unknown = set(options) - set(OPTIONS)
+    if unknown:
+        raise TypeError(f"unknown consumer option(s): {', '.join(sorted(unknown))}; known: {', '.join(OPTIONS)}")
+    if not isinstance(topic, str) or not topic:
+        raise TypeError("@consumer needs a topic name")
+
+    def wrap(fn: Callable[..., Any]) -> Consumer:
+        if isinstance(fn, Consumer):
+            raise TypeError(f"{fn.name} is already a consumer")
+        if not callable(fn):
+            raise TypeError("@consumer decorates a function")
+        group = options.get("group") or f"{fn.__module__}.{fn.__qualname__}"
+        return Consumer(fn, topic, **{**options, "group": group})
+
+    return wrap
+
+
+def error_handler(target: Consumer) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Register ``hook(message, exc)``, called when ``target`` dead-letters a message."""
+    if not isinstance(target, Consumer):
+        raise TypeError("@error_handler takes the @consumer it watches")
+
+    def register(hook: Callable[..., Any]) -> Callable[..., Any]:
+        target.error_handlers.append(hook)
+        return hook
+
+    return register

@@ -37,7 +37,9 @@ import os
 import platform
 import queue
 import shutil
+import signal
 import struct
+import subprocess
 import sys
 import tempfile
 import time
@@ -273,13 +275,39 @@ def broker_cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def run_scenario(root: Path, scenario: Scenario, report: Callable[[str], None]) -> Result:
+def start_profilers(out_dir: Path, scenario: Scenario, pids: dict[str, int]) -> list[subprocess.Popen[bytes]]:
+    """One ``py-spy record -f raw`` per process (collapsed stacks, per thread, idle time left out)."""
+    py_spy = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    stem = f"{scenario.kind}-{scenario.fsync}-{scenario.api}"
+    profilers = []
+    for name, pid in pids.items():
+        cmd = [py_spy, "record", "--pid", str(pid), "--format", "raw", "--threads", "--rate", "250", "--nonblocking"]
+        cmd += ["--output", str(out_dir / f"{stem}-{name.replace(' ', '')}.txt")]
+        profilers.append(subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+    time.sleep(1.0)  # let py-spy attach before the clock starts
+    return profilers
+
+
+def stop_profilers(profilers: Sequence[subprocess.Popen[bytes]]) -> None:
+    for profiler in profilers:
+        if profiler.poll() is None:
+            profiler.send_signal(signal.SIGINT)
+    for profiler in profilers:
+        try:
+            profiler.wait(20)
+        except subprocess.TimeoutExpired:
+            profiler.kill()
+
+
+def run_scenario(root: Path, scenario: Scenario, report: Callable[[str], None], profile: Path | None = None) -> Result:
     from consumers.testing import BrokerProcess
 
     ctx: SpawnContext = multiprocessing.get_context("spawn")
     data_dir = Path(tempfile.mkdtemp(prefix=f"{scenario.kind}-{scenario.fsync}-", dir=root))
     broker = BrokerProcess(data_dir, fsync=scenario.fsync).start()
     procs: list[multiprocessing.process.BaseProcess] = []
+    profilers: list[subprocess.Popen[bytes]] = []
     try:
         results: multiprocessing.Queue[Any] = ctx.Queue()
         go, stop = ctx.Event(), ctx.Event()
@@ -295,11 +323,16 @@ def run_scenario(root: Path, scenario: Scenario, report: Callable[[str], None]) 
         for ready in readies:
             if not ready.wait(START_TIMEOUT):
                 raise RuntimeError(f"a process did not get ready in {START_TIMEOUT} s")
+        if profile is not None:
+            pids = {"broker": broker.pid, "producer": procs[-1].pid or 0}
+            pids.update({f"consumer{i + 1}": procs[i].pid or 0 for i in range(CONSUMERS)})
+            profilers = start_profilers(profile, scenario, pids)
         cpu0 = broker_cpu_seconds(broker.pid)
         go.set()
         producer, consumers = _collect(scenario, results, counters, procs[-1], stop)
         broker_cpu = broker_cpu_seconds(broker.pid) - cpu0
     finally:
+        stop_profilers(profilers)
         if procs:
             stop.set()
         for proc in procs:
@@ -539,6 +572,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--no-latency", action="store_true", help="skip the latency runs")
     parser.add_argument("--no-max-rate", action="store_true", help="skip the max-rate runs")
     parser.add_argument("--dir", metavar="DIR", help="where the broker's data goes (default: the system temp dir)")
+    parser.add_argument(
+        "--py-spy", metavar="DIR", help="profile every process with py-spy (raw collapsed stacks into DIR)"
+    )
     parser.add_argument("--check", action="store_true", help="exit 1 when a target is missed or a message is lost")
     return parser.parse_args(argv)
 
@@ -572,7 +608,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         report(f"[e2e_bench] {len(scenarios)} scenarios; broker data in {tmp}")
         for scenario in scenarios:
             report(f"[e2e_bench] running {scenario.label}")
-            result = run_scenario(Path(tmp), scenario, report)
+            result = run_scenario(Path(tmp), scenario, report, Path(args.py_spy) if args.py_spy else None)
             report(progress(result))
             results.append(result)
     checks = check_targets(results)

@@ -390,9 +390,9 @@ class FileLogMachine(LogMachine):
         assert [s.size for s in self.log.segments] == [self.model.size(s.batches) for s in self.model.segments]
         assert all(s.path.exists() for s in self.log.segments)
         # what age-based retention reads: the time of the newest batch still in each segment
-        assert [s.last_timestamp_ms for s, m in zip(self.log.segments, self.model.segments, strict=True) if m.batches] == [
-            m.batches[-1].ts for m in self.model.segments if m.batches
-        ]
+        assert [
+            s.last_timestamp_ms for s, m in zip(self.log.segments, self.model.segments, strict=True) if m.batches
+        ] == [m.batches[-1].ts for m in self.model.segments if m.batches]
         assert len(list(self.directory.glob("*.log"))) == len(self.model.segments)
 
 

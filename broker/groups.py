@@ -68,6 +68,7 @@ class Chunk:
     ranges: list[Range]
     deliveries: int
     deadline: float
+    appended_ms: int = 0  # append time of its first batch, for end-to-end latency
 
     @property
     def size(self) -> int:
@@ -410,6 +411,7 @@ class Group:
     ) -> None:
         deadline = self.clock() + self.settings.ack_timeout_ms / 1000
         chunk = self._add_chunk(member, ranges, deliveries, deadline)
+        chunk.appended_ms = entries[0].batch.timestamp_ms if entries else 0
         plan = plans.get(id(member))
         if plan is None:
             plans[id(member)] = Delivery(member, entries, [chunk])

@@ -106,6 +106,8 @@ class Broker:
         self.metrics_server: MetricsServer | None = None
         self._next_housekeeping = 0.0
         self._next_commit = 0.0
+        self._last_pass = self.clock()
+        self._last_fsync_seconds = 0.0
         self._load_groups()
         for topic in self.store:
             if topic.truncated_bytes:
@@ -169,6 +171,7 @@ class Broker:
             while self.running:
                 events = dict(poller.poll(self._poll_timeout_ms()))
                 started = time.perf_counter()
+                self._last_pass = self.clock()
                 if self.socket in events:
                     self._read_burst()
                 if wake_r.fileno() in events:
@@ -357,7 +360,8 @@ class Broker:
             log.error("group commit failed: %s", exc)
             self._fail_confirms(exc)
             return
-        self.metrics.fsync_seconds.observe(time.perf_counter() - started)
+        self._last_fsync_seconds = time.perf_counter() - started
+        self.metrics.fsync_seconds.observe(self._last_fsync_seconds)
         self._send_confirms()
         for topic in self.appended:
             self._wake_fetches(topic)
@@ -465,11 +469,16 @@ class Broker:
     def _on_ack(self, peer: bytes, frame: Frame) -> None:
         group, member = self._member(peer, frame)
         before = member.in_flight
-        group.settle(member, hranges(frame))
+        touched = group.settle(member, hranges(frame))
         acked = before - member.in_flight
         if acked:
             self.metrics.acked_messages.labels(group.topic, group.name).inc(acked)
             self.to_dispatch.add(group)
+        now_ms = time.time() * 1000
+        for chunk in touched:
+            if not chunk.ranges and chunk.appended_ms:  # once per fully settled chunk, not per message
+                latency = max(0.0, (now_ms - chunk.appended_ms) / 1000)
+                self.metrics.end_to_end_seconds.labels(group.topic, group.name).observe(latency)
 
     def _on_nack(self, peer: bytes, frame: Frame) -> None:
         group, member = self._member(peer, frame)
@@ -696,6 +705,16 @@ class Broker:
         checks["disk_writable"] = os.access(self.settings.data_dir, os.W_OK)
         if not checks["disk_writable"]:
             status = "UNHEALTHY"
+        checks["last_fsync_seconds"] = round(self._last_fsync_seconds, 6)
+        if self._last_fsync_seconds > self.settings.fsync_warn_seconds and status == "HEALTHY":
+            status = "DEGRADED"
+        # The loop passes at least every housekeeping interval; a longer gap means it is stuck.
+        lag = max(0.0, self.clock() - self._last_pass - min(self.settings.heartbeat_ms / 1000, 0.25))
+        checks["event_loop_lag_seconds"] = round(lag, 6)
+        if lag > 5 * self.settings.heartbeat_ms / 1000:
+            status = "UNHEALTHY"
+        elif lag > self.settings.heartbeat_ms / 1000 and status == "HEALTHY":
+            status = "DEGRADED"
         return {"status": status, "checks": checks}
 
     def _state_snapshot(self) -> dict[str, list[tuple[tuple[str, ...], float]]]:

@@ -35,6 +35,7 @@ class BrokerSettings:
     sndhwm: int = 100_000
     rcvhwm: int = 100_000
     disk_free_min_bytes: int = 256 * MiB
+    fsync_warn_seconds: float = 0.5
     log_level: str = "INFO"
 
 
@@ -62,6 +63,7 @@ HELP = {
     "sndhwm": "ZeroMQ send high-water mark (a backstop; credit is the flow control)",
     "rcvhwm": "ZeroMQ receive high-water mark",
     "disk_free_min_bytes": "free space under which /healthz says DEGRADED",
+    "fsync_warn_seconds": "a group commit slower than this makes /healthz say DEGRADED",
     "log_level": "DEBUG, INFO, WARNING or ERROR",
 }
 

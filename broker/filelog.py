@@ -137,7 +137,7 @@ class FileLog(TopicLog):
         sealed = self.segments[-1]
         if self.fsync.mode == "none":
             sealed.flush_index()
-        else:
+        elif sealed not in self._unsynced:  # it is already there if truncate_to made it active again
             self._unsynced.append(sealed)  # synced with the next group commit
         self._new_segment(base_offset)
 
@@ -161,18 +161,24 @@ class FileLog(TopicLog):
         segment = self.segments[-1]
         if segment.base_offset >= offset:
             segment.truncate(0, segment.base_offset)
+            segment.last_timestamp_ms = 0
         else:
-            segment.truncate(*self._boundary_at(segment, offset))
+            position, next_offset, segment.last_timestamp_ms = self._boundary_at(segment, offset)
+            segment.truncate(position, next_offset)
         return segment.next_offset
 
-    def _boundary_at(self, segment: Segment, offset: int) -> tuple[int, int]:
-        """The file position of the first batch ending after ``offset``."""
-        position = 0
+    def _boundary_at(self, segment: Segment, offset: int) -> tuple[int, int, int]:
+        """The file position of the first batch ending after ``offset``, its offset, and the time of the one before.
+
+        That time is what age-based retention reads: it must not be the time of a batch cut away.
+        """
+        position = last_ts = 0
         for header in segment.walk_headers():
             if header.next_offset > offset:
-                return position, header.base_offset
+                return position, header.base_offset, last_ts
             position += header.size
-        return position, segment.next_offset
+            last_ts = header.timestamp_ms
+        return position, segment.next_offset, last_ts
 
     def _delete_newest(self) -> None:
         segment = self.segments.pop()

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 from storage_helpers import FakeClock
 
@@ -11,8 +9,3 @@ from storage_helpers import FakeClock
 @pytest.fixture
 def clock() -> FakeClock:
     return FakeClock()
-
-
-@pytest.fixture
-def topic_dir(tmp_path: Path) -> Path:
-    return tmp_path / "topics" / "t"

@@ -186,3 +186,31 @@ def test_fresh_appends_are_served_from_the_cache_without_touching_disk(tmp_path)
     flip_byte(path, 60)  # the disk copy is bad, the cached one is what was appended
 
     assert bytes(log.read(first.base_offset)[0].body) == first.body
+
+
+@pytest.mark.parametrize(
+    ("field", "caught_at_open"),
+    [("base_offset_low", True), ("magic", True), ("count", True), ("crc", False), ("body_first", False)],
+)
+def test_a_flip_behind_the_newest_segments_last_index_entry(tmp_path, field, caught_at_open):
+    # Given a newest segment indexed often, so recovery trusts (walks, but does not CRC) its synced start
+    rng = random.Random(3)
+    directory = tmp_path / "t"
+    log = file_log(directory, segment_bytes=1 << 20, index_interval_bytes=200)
+    expected = [append_random(log, rng, max_count=2, max_value=100) for _ in range(20)]
+    log.sync()
+    log.close()
+    path = segment_files(directory)[0]
+    position, hit = batches_in(expected, path)[3]
+    flip_byte(path, position + FIELDS[field], 0x01)
+    # When it opens
+    log = file_log(directory, segment_bytes=1 << 20, index_interval_bytes=200)
+    # Then a header that no longer chains up is caught and cut from there; a bad CRC is caught on read
+    if caught_at_open:
+        assert log.end_offset == hit.base_offset
+        assert_log_holds(log, expected[:3])
+    else:
+        assert log.end_offset == expected[-1].next_offset
+        with pytest.raises(SegmentCorrupt):
+            log.read(hit.base_offset)
+        assert bytes(log.read(hit.next_offset)[0].body) == expected[4].body

@@ -7,6 +7,7 @@ resends, bad sequences), read, sync, crash and reopen, apply retention, truncate
 
 from __future__ import annotations
 
+import itertools
 import shutil
 import tempfile
 from dataclasses import dataclass, field
@@ -155,7 +156,7 @@ class LogMachine(RuleBasedStateMachine):
 
     def __init__(self) -> None:
         super().__init__()
-        self.directory = Path(tempfile.mkdtemp(prefix="conveyor-log-sm-")) / "t"
+        self.directory: Path | None = None
         self.clock = FakeClock()
         self.log: FileLog | MemoryLog | None = None
 
@@ -180,7 +181,8 @@ class LogMachine(RuleBasedStateMachine):
     def teardown(self) -> None:
         if self.log is not None:
             self.log.close()
-        shutil.rmtree(self.directory.parent, ignore_errors=True)
+        if self.directory is not None:
+            shutil.rmtree(self.directory.parent, ignore_errors=True)
 
     def do_append(self, vals: list[bytes], pid: int = NO_PRODUCER, seq: int = -1) -> None:
         body = pack_records([(None, None, v) for v in vals])
@@ -261,7 +263,7 @@ class LogMachine(RuleBasedStateMachine):
         batches = self.log.read(offset, max_bytes=max_bytes)
         assert batches
         assert batches[0].base_offset <= offset < batches[0].next_offset
-        for got, following in zip(batches, batches[1:], strict=False):
+        for got, following in itertools.pairwise(batches):
             assert got.next_offset == following.base_offset
         for got in batches:
             self.assert_batch(got, self.model.batch_at(got.base_offset))
@@ -372,11 +374,15 @@ class LogMachine(RuleBasedStateMachine):
         if self.log is None:
             return
         batches = self.model.batches()
-        assert all(a.next == b.base for a, b in zip(batches, batches[1:], strict=False))
+        assert all(a.next == b.base for a, b in itertools.pairwise(batches))
 
 
 class FileLogMachine(LogMachine):
     backend = "file"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.directory = Path(tempfile.mkdtemp(prefix="conveyor-log-sm-")) / "t"
 
     crash_and_reopen = rule()(LogMachine.crash_and_reopen)
     close_and_reopen = rule()(LogMachine.close_and_reopen)
@@ -397,7 +403,7 @@ class FileLogMachine(LogMachine):
 
 
 SETTINGS = settings(
-    max_examples=150,
+    max_examples=80,
     stateful_step_count=50,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import random
 import shutil
 import struct
@@ -65,6 +66,8 @@ def test_cut_at_every_byte_of_the_last_two_batches(built, tmp_path):
     source, expected = built
     newest = segment_files(source)[-1]
     placed = batches_in(expected, newest)
+    newest_base = placed[0][1].base_offset
+    older = [e for e in expected if e.base_offset < newest_base]
     first_cut = placed[-2][0]
     size = newest.stat().st_size
     assert size - first_cut > 2 * HEADER_SIZE  # the cuts cover two whole batches
@@ -76,12 +79,11 @@ def test_cut_at_every_byte_of_the_last_two_batches(built, tmp_path):
             f.truncate(cut)
         # When it is reopened
         log = file_log(directory, **CONFIG)
-        # Then exactly the batches that end at or before the cut survive
-        survivors = [e for pos, e in placed if pos + e.size <= cut]
-        kept_end = max((pos + e.size for pos, e in placed if pos + e.size <= cut), default=0)
-        survivors = [e for e in expected if e.base_offset < placed[0][1].base_offset] + survivors
-        assert log.truncated_bytes == cut - kept_end, f"cut at {cut}"
-        assert_log_holds(log, survivors, every_offset_from=placed[0][1].base_offset)
+        # Then exactly the batches that end at or before the cut survive, and the rest is reported cut
+        whole = [(pos, e) for pos, e in placed if pos + e.size <= cut]
+        survivors = older + [e for _pos, e in whole]
+        assert log.truncated_bytes == cut - (whole[-1][0] + whole[-1][1].size), f"cut at {cut}"
+        assert_log_holds(log, survivors, every_offset_from=newest_base)
         log.close()
         assert_append_continues(directory, survivors)
         shutil.rmtree(directory)
@@ -216,7 +218,7 @@ def test_an_index_with_plausible_but_wrong_entries_is_rebuilt(built, tmp_path):
     directory, newest, expected = copy_of(built, tmp_path / "t")
     real = index_entries(index_of(newest))
     bogus = []
-    for (rel, pos), (next_rel, next_pos) in zip(real, real[1:], strict=False):
+    for (rel, pos), (next_rel, next_pos) in itertools.pairwise(real):
         bogus += [(rel, pos), (rel + 1, pos + 5), (next_rel + 3, (pos + next_pos) // 2)]
     bogus.append(real[-1])
     write_index(index_of(newest), bogus)

@@ -48,7 +48,7 @@ NO_PRODUCER = -1
 assert HEADER_SIZE == 48
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # not frozen: a frozen __init__ costs ~1.3 us more, paid per batch read
 class BatchHeader:
     base_offset: int
     count: int
@@ -67,7 +67,7 @@ class BatchHeader:
         return self.base_offset + self.count
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # not frozen (see BatchHeader); shared with the tail cache, so never mutate one
 class Batch:
     """A stored batch: its header fields and the raw msgpack body."""
 

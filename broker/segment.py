@@ -18,12 +18,13 @@ from pathlib import Path
 
 from broker.errors import SegmentCorrupt
 from broker.fsutil import storage_errors, write_all
-from broker.record import HEADER_SIZE, Batch, BatchHeader, check_batch, decode_header
+from broker.record import HEADER_SIZE, LENGTH_PREFIX, Batch, BatchHeader, check_batch, decode_header
 
 log = logging.getLogger(__name__)
 
 INDEX_ENTRY = struct.Struct(">II")  # offset relative to the segment base, file position
 READ_CHUNK = 1 << 20
+_LENGTH = struct.Struct(">I")  # batch_length, at byte 8 of a header
 
 
 def segment_name(base_offset: int) -> str:
@@ -280,10 +281,12 @@ class Segment:
         taken = 0
         while position < self.size and len(batches) < max_batches:
             buf = self._pread_from(position)
-            rel = 0
-            while rel < len(buf) and len(batches) < max_batches:
-                if len(buf) - rel < HEADER_SIZE or len(buf) - rel < _peek_size(buf, rel):
-                    break
+            rel, end = 0, len(buf)
+            while rel < end and len(batches) < max_batches:
+                # A cheap look at the length field; the header is decoded once, below.
+                left = end - rel
+                if rel and (left < HEADER_SIZE or left < LENGTH_PREFIX + _LENGTH.unpack_from(buf, rel + 8)[0]):
+                    break  # incomplete here: re-read from it (at rel 0, check_batch says what is wrong)
                 try:
                     header = check_batch(buf, rel)
                     if header.base_offset != expected:  # the base offset is outside the CRC
@@ -296,10 +299,11 @@ class Segment:
                         path=str(self.path),
                         position=position + rel,
                     ) from None
+                size = header.size
                 if header.next_offset > offset:
-                    if batches and taken + header.size > max_bytes:
+                    if batches and taken + size > max_bytes:
                         return batches
-                    body = buf[rel + HEADER_SIZE : rel + header.size]
+                    body = buf[rel + HEADER_SIZE : rel + size]
                     batches.append(
                         Batch(
                             header.base_offset,
@@ -310,8 +314,8 @@ class Segment:
                             header.sequence,
                         )
                     )
-                    taken += header.size
-                rel += header.size
+                    taken += size
+                rel += size
                 expected = header.next_offset
             if rel == 0:
                 if batches:

@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-dev
 
-.PHONY: run test lint typecheck unit venv bench-log clean
+.PHONY: run test deps lint typecheck unit venv bench-log clean
 
 $(PY):
 	@$(PYTHON) -c 'import sys; assert sys.version_info >= (3, 11), "Conveyor needs Python 3.11+"'
@@ -22,7 +22,11 @@ run: $(STAMP)
 	$(VENV)/bin/conveyor broker
 
 ## Install what the tests need, lint, type-check and run the whole suite.
-test: $(STAMP) lint typecheck unit
+test: $(STAMP) deps lint typecheck unit
+
+## promtool and prometheus (Debian's prometheus package): the monitoring tests run them.
+deps:
+	@command -v promtool >/dev/null || (apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends prometheus)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check broker consumers decorators monitoring benchmarks tests
@@ -31,7 +35,7 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(VENV)/bin/mypy broker consumers decorators monitoring
 
-unit: $(STAMP)
+unit: $(STAMP) deps
 	$(PY) -m pytest -q
 
 ## Append/read throughput of the topic log under each fsync policy.

@@ -329,15 +329,19 @@ class Group:
     def committed_offset(self) -> int:
         """The lowest offset not yet settled: where a restarted group resumes."""
         low = self.next_offset
-        for chunk in self.chunks.values():
-            low = min(low, chunk.ranges[0][0])
-        for pending in self.pending:
-            low = min(low, pending.ranges[0][0])
+        # list() copies atomically: the metrics thread reads this while the loop changes it.
+        for chunk in list(self.chunks.values()):
+            ranges = chunk.ranges
+            if ranges:
+                low = min(low, ranges[0][0])
+        for pending in list(self.pending):
+            if pending.ranges:
+                low = min(low, pending.ranges[0][0])
         return low
 
     @property
     def in_flight(self) -> int:
-        return sum(m.in_flight for m in self.members)
+        return sum(m.in_flight for m in list(self.members))
 
     def reset(self, offset: int) -> None:
         """Move the group; in-flight and pending work is forgotten."""

@@ -118,7 +118,16 @@ class Runner:
             else:
                 lanes.append(ThreadLane(consumer, self._report, self.stopping, f"{consumer.__name__}-{i}"))
         labels = (consumer.name, consumer.topic, consumer.group)
+        self._declare_series(labels)
         return Slot(consumer, subscription, lanes, labels=labels)
+
+    def _declare_series(self, labels: tuple[str, str, str]) -> None:
+        """Show every handler in /metrics (and dashboards) before its first message."""
+        for outcome in ("ok", "retried", "dead_lettered", "failed"):
+            self.metrics.handled.labels(*labels, outcome)
+        self.metrics.retries.labels(*labels)
+        self.metrics.duration.labels(*labels)
+        self.metrics.in_process.labels(*labels)
 
     def _report(self, report: Report) -> None:
         """Called from lanes: hand the report to the I/O thread and wake it."""

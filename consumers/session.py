@@ -18,6 +18,7 @@ import logging
 import os
 import time
 from collections.abc import Iterable
+from operator import attrgetter
 from typing import Any
 
 import zmq
@@ -31,9 +32,16 @@ from consumers.message import Message, messages_from_entries
 log = logging.getLogger("conveyor.consumer")
 
 
+_offset_of = attrgetter("offset")
+
+
 def offset_ranges(messages: Iterable[Message | int]) -> list[list[int]]:
     """``[[start, end), ...]`` for messages or offsets; one range in the common case."""
-    offsets = [m.offset if isinstance(m, Message) else int(m) for m in messages]
+    items = messages if isinstance(messages, list) else list(messages)
+    try:
+        offsets = list(map(_offset_of, items))  # a C loop: the common case is a list of messages
+    except AttributeError:
+        offsets = [m.offset if isinstance(m, Message) else int(m) for m in items]
     if not offsets:
         return []
     first, last = offsets[0], offsets[-1]

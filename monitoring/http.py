@@ -15,6 +15,7 @@ from typing import Any
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 HealthCheck = Callable[[], dict[str, Any]]
+SHUTDOWN_POLL_SECONDS = 0.1
 
 
 def _handler(registry: CollectorRegistry, health: HealthCheck) -> type[BaseHTTPRequestHandler]:
@@ -24,7 +25,7 @@ def _handler(registry: CollectorRegistry, health: HealthCheck) -> type[BaseHTTPR
             if path == "/metrics":
                 self._send(200, CONTENT_TYPE_LATEST, generate_latest(registry))
             elif path in ("/healthz", "/health"):
-                report = health()
+                report = _report(health)
                 status = 503 if report.get("status") == "UNHEALTHY" else 200
                 self._send(status, "application/json", json.dumps(report).encode())
             else:
@@ -43,17 +44,30 @@ def _handler(registry: CollectorRegistry, health: HealthCheck) -> type[BaseHTTPR
     return Handler
 
 
+def _report(health: HealthCheck) -> dict[str, Any]:
+    """A health check that fails is itself a finding: UNHEALTHY, with the error, not a dropped connection."""
+    try:
+        return health()
+    except Exception as exc:
+        return {"status": "UNHEALTHY", "checks": {"health_check_error": f"{type(exc).__name__}: {exc}"}}
+
+
 class MetricsServer:
     def __init__(self, registry: CollectorRegistry, health: HealthCheck, *, host: str, port: int) -> None:
         self.httpd = ThreadingHTTPServer((host, port), _handler(registry, health))
         self.httpd.daemon_threads = True
         self.port = self.httpd.server_address[1]
-        self.thread = threading.Thread(target=self.httpd.serve_forever, name="conveyor-metrics", daemon=True)
+        self.thread = threading.Thread(target=self._serve, name="conveyor-metrics", daemon=True)
+
+    def _serve(self) -> None:
+        # shutdown() waits for the next poll: 0.1 s instead of the default 0.5 s makes every stop faster.
+        self.httpd.serve_forever(poll_interval=SHUTDOWN_POLL_SECONDS)
 
     def start(self) -> MetricsServer:
         self.thread.start()
         return self
 
     def stop(self) -> None:
-        self.httpd.shutdown()
+        if self.thread.is_alive():  # shutdown() waits for serve_forever(): it would hang if never started
+            self.httpd.shutdown()
         self.httpd.server_close()

@@ -4,14 +4,26 @@ Names: the ``conveyor_`` prefix, base units (seconds, bytes), ``_total`` on
 counters. Each family is built against an injected registry so tests use a
 fresh one. Broker state that already lives in memory (offsets, lag,
 in-flight, segments) is read at scrape time by a collector instead of being
-copied into gauges on the hot path.
+copied into gauges on the hot path. Each registry also carries the standard
+``process_*``, ``python_info`` and ``python_gc_*`` families, so dashboards can
+show CPU, memory and file descriptors per broker and per runner.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
+from prometheus_client import (
+    REGISTRY,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    GCCollector,
+    Histogram,
+    Info,
+    PlatformCollector,
+    ProcessCollector,
+)
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -27,12 +39,26 @@ def build_info(registry: CollectorRegistry, component: str) -> Info:
     return info
 
 
+def register_runtime_collectors(registry: CollectorRegistry) -> None:
+    """Add ``process_*``, ``python_info`` and ``python_gc_*`` to an injected registry.
+
+    prometheus_client puts these on its global ``REGISTRY`` only; ours are
+    separate registries, so without this the process panels would be empty.
+    """
+    if registry is REGISTRY:
+        return  # already there: registering twice raises "Duplicated timeseries"
+    ProcessCollector(registry=registry)
+    PlatformCollector(registry=registry)
+    GCCollector(registry=registry)
+
+
 class BrokerMetrics:
     """Counters and histograms the broker updates once per batch, never per message."""
 
     def __init__(self, registry: CollectorRegistry) -> None:
         self.registry = registry
         build_info(registry, "broker")
+        register_runtime_collectors(registry)
         topic, group = ["topic"], ["topic", "group"]
         self.published_messages = Counter(
             "conveyor_published_messages", "Messages appended by producers", topic, registry=registry
@@ -62,7 +88,7 @@ class BrokerMetrics:
         self.nacked_messages = Counter("conveyor_nacked_messages", "Messages nacked", group, registry=registry)
         self.redelivered_messages = Counter(
             "conveyor_redelivered_messages",
-            "Messages queued for redelivery, by reason (nack, lease_expired, member_gone)",
+            "Messages queued for redelivery, by reason (nack, released, lease_expired, member_gone, unreachable)",
             [*group, "reason"],
             registry=registry,
         )
@@ -170,7 +196,9 @@ class RunnerMetrics:
     """The consumer runner's metrics, labelled like FastStream's: handler, topic, group."""
 
     def __init__(self, registry: CollectorRegistry) -> None:
+        self.registry = registry
         build_info(registry, "runner")
+        register_runtime_collectors(registry)
         labels = ["handler", "topic", "group"]
         self.handled = Counter(
             "conveyor_runner_messages",

@@ -1,0 +1,29 @@
+"""Fixtures for the monitoring tests: real brokers, real runners, a real Prometheus."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+# RunnerProcess lives with the runner tests; share it instead of copying it.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "runner"))
+
+from monitoring_helpers import RunnerProcess, start_runner
+
+
+@pytest.fixture
+def runner_factory(tmp_path: Path) -> Iterator:
+    """Start ``conveyor run app_monitored`` processes; all are killed afterwards."""
+    started: list[RunnerProcess] = []
+
+    def start(address: str, *, env: dict[str, str] | None = None) -> RunnerProcess:
+        runner = start_runner(address, tmp_path / f"runner-{len(started)}", env=env)
+        started.append(runner)
+        return runner
+
+    yield start
+    for runner in started:
+        runner.kill()

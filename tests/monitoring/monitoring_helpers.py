@@ -1,0 +1,243 @@
+"""Scrapes, health checks, promtool and a real Prometheus for the monitoring tests."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import socket
+import subprocess
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+import pytest
+from prometheus_client import CollectorRegistry
+from prometheus_client.parser import text_string_to_metric_families
+from runner_helpers import RunnerProcess
+
+from broker.client import Producer
+from monitoring.metrics import BrokerMetrics, RunnerMetrics, StateCollector
+
+__all__ = ["RunnerProcess", "start_runner"]
+
+APPS = Path(__file__).parent / "apps"
+RUNNER_READY = re.compile(r"\(metrics (http://\S+/metrics)\)")
+SUFFIXES = {
+    "counter": ("_total", "_created"),
+    "histogram": ("_bucket", "_sum", "_count", "_created"),
+    "summary": ("", "_sum", "_count", "_created"),
+    "info": ("_info",),
+    "gauge": ("",),
+}
+
+
+# --- processes ---------------------------------------------------------------------------------------------
+
+
+def start_runner(address: str, out: Path, *, env: dict[str, str] | None = None) -> RunnerProcess:
+    """``conveyor run app_monitored`` against ``address``, with a random metrics port."""
+    return RunnerProcess(address, out, "app_monitored", env={"PYTHONPATH": str(APPS), **(env or {})})
+
+
+def runner_metrics_url(runner: RunnerProcess) -> str:
+    """The runner prints ``(metrics http://127.0.0.1:PORT/metrics)`` in its ready line."""
+    for line in runner.lines:
+        match = RUNNER_READY.search(line)
+        if match:
+            return match.group(1)
+    raise AssertionError("runner printed no metrics URL:\n" + "".join(runner.lines))
+
+
+def healthz_url(metrics_url: str) -> str:
+    return metrics_url.rsplit("/", 1)[0] + "/healthz"
+
+
+def require_tool(name: str) -> str:
+    path = shutil.which(name)
+    if path is None:
+        pytest.fail(f"{name} is not installed: run `make deps` (Debian's prometheus package)")
+    return path
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def publish(address: str, topic: str, values: Iterable[Any]) -> None:
+    with Producer(address, linger_ms=1) as producer:
+        for value in values:
+            producer.send(topic, value)
+        producer.flush(timeout=20)
+
+
+# --- scraping ---------------------------------------------------------------------------------------------
+
+
+def http_get(url: str, timeout: float = 5.0) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as response:
+            return response.status, response.read().decode()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read().decode()
+
+
+def scrape(url: str) -> str:
+    status, body = http_get(url)
+    assert status == 200, f"{url} answered {status}: {body[:500]}"
+    return body
+
+
+def health(metrics_url: str) -> tuple[int, dict[str, Any]]:
+    status, body = http_get(healthz_url(metrics_url))
+    return status, json.loads(body)
+
+
+def sample_value(text: str, name: str, **labels: str) -> float | None:
+    """The value of one sample in an exposition, or None when it is absent."""
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name and sample.labels == labels:
+                return float(sample.value)
+    return None
+
+
+def label_sets(text: str, name: str) -> list[dict[str, str]]:
+    return [s.labels for f in text_string_to_metric_families(text) for s in f.samples if s.name == name]
+
+
+def wait_for(check: Callable[[], Any], *, timeout: float = 15.0, message: str = "condition") -> Any:
+    deadline = time.monotonic() + timeout
+    last: Any = None
+    while time.monotonic() < deadline:
+        last = check()
+        if last:
+            return last
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {message} (last: {last!r})")
+
+
+def promtool_check_metrics(text: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [require_tool("promtool"), "check", "metrics"], input=text, capture_output=True, text=True, timeout=30
+    )
+
+
+# --- what monitoring/ registers ---------------------------------------------------------------------------
+
+
+def registered_families() -> dict[str, str]:
+    """Family name -> type, for everything a broker and a runner expose, built on fresh registries."""
+    broker, runner = CollectorRegistry(), CollectorRegistry()
+    BrokerMetrics(broker)
+    broker.register(StateCollector(lambda: {}))
+    RunnerMetrics(runner)
+    return {family.name: family.type for registry in (broker, runner) for family in registry.collect()}
+
+
+def exposed_names() -> set[str]:
+    """Every sample name Prometheus can see: family names with their type's suffixes."""
+    return {name + suffix for name, kind in registered_families().items() for suffix in SUFFIXES[kind]}
+
+
+# --- a real Prometheus ------------------------------------------------------------------------------------
+
+
+class PrometheusServer:
+    """Debian's ``prometheus`` on a free loopback port, scraping some targets every second."""
+
+    def __init__(self, workdir: Path, targets: dict[str, list[str]], *, scrape_interval: str = "1s") -> None:
+        self.workdir = workdir
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.config = workdir / "prometheus.yml"
+        self.config.write_text(_config(targets, scrape_interval))
+        self.port = 0
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.log = workdir / "prometheus.log"
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self, timeout: float = 20.0) -> PrometheusServer:
+        binary = require_tool("prometheus")
+        for _ in range(5):  # the free port may be taken between probing and binding
+            self.port = free_port()
+            with self.log.open("wb") as log:
+                self.proc = subprocess.Popen(
+                    [
+                        binary,
+                        f"--config.file={self.config}",
+                        f"--storage.tsdb.path={self.workdir / 'data'}",
+                        f"--web.listen-address=127.0.0.1:{self.port}",
+                        "--log.level=warn",
+                    ],
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                )
+            if self._wait_ready(timeout):
+                return self
+            self.stop()
+        raise RuntimeError("prometheus did not start:\n" + self.log.read_text()[-3000:])
+
+    def _wait_ready(self, timeout: float) -> bool:
+        assert self.proc is not None
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and self.proc.poll() is None:
+            try:
+                if http_get(f"{self.url}/-/ready", timeout=1)[0] == 200:
+                    return True
+            except OSError:
+                pass
+            time.sleep(0.1)
+        return False
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+
+    def api(self, path: str, **params: str) -> Any:
+        status, body = http_get(f"{self.url}/api/v1/{path}?{urllib.parse.urlencode(params)}", timeout=10)
+        reply = json.loads(body)
+        if status != 200 or reply.get("status") != "success":
+            raise AssertionError(f"Prometheus rejected {path} {params}: {reply.get('error', body[:500])}")
+        return reply["data"]
+
+    def query(self, expr: str) -> list[dict[str, Any]]:
+        data = self.api("query", query=expr)
+        return data["result"] if data["resultType"] in ("vector", "matrix") else [data["result"]]
+
+    def label_values(self, label: str, match: str) -> list[str]:
+        return list(self.api(f"label/{label}/values", **{"match[]": match}))
+
+    def targets_up(self) -> bool:
+        active = self.api("targets")["activeTargets"]
+        return bool(active) and all(t["health"] == "up" for t in active)
+
+    def __enter__(self) -> PrometheusServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def _config(targets: dict[str, list[str]], scrape_interval: str) -> str:
+    jobs = "".join(
+        f"  - job_name: {job}\n    static_configs:\n      - targets: [{', '.join(repr(t) for t in hosts)}]\n"
+        for job, hosts in targets.items()
+    )
+    return (
+        f"global:\n  scrape_interval: {scrape_interval}\n  evaluation_interval: {scrape_interval}\n"
+        f"scrape_configs:\n{jobs}"
+    )

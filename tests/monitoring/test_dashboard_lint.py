@@ -1,0 +1,229 @@
+"""The shipped Grafana dashboards follow one set of conventions (RabbitMQ's dashboards are the model).
+
+Imported through the UI, Grafana asks for the DS_PROMETHEUS input; provisioned, the hidden datasource
+variable of the same name resolves ``${DS_PROMETHEUS}``. Every query must use only metrics monitoring/
+registers, so a renamed metric breaks this test, not a dashboard in production.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import Counter
+from typing import Any
+
+import pytest
+from dashboard_helpers import (
+    BUILTIN_VARIABLES,
+    DATASOURCE,
+    GRAFANA,
+    all_queries,
+    label_values_query,
+    load_dashboards,
+    metric_names,
+    panels,
+    queries,
+    query_panels,
+    variable_query,
+    variables,
+    variables_used,
+)
+from monitoring_helpers import exposed_names
+
+SCHEMA_VERSION = 39
+EXPECTED = {
+    "conveyor-broker-overview",
+    "conveyor-consumer-groups",
+    "conveyor-storage",
+    "conveyor-consumers",
+}
+RATE_FUNCTIONS = re.compile(r"\b(rate|irate|increase)\s*\(")
+HEATMAP_QUERY = re.compile(r"^sum by \(le\) \(rate\([a-z_:][a-z0-9_:]*_bucket(\{[^{}]*\})?\[\$__rate_interval\]\)\)$")
+DASHBOARDS = load_dashboards()
+IDS = sorted(DASHBOARDS)
+
+
+def _call_argument(expr: str, open_paren: int) -> str:
+    depth = 0
+    for i in range(open_paren, len(expr)):
+        depth += {"(": 1, ")": -1}.get(expr[i], 0)
+        if depth == 0:
+            return expr[open_paren + 1 : i]
+    raise AssertionError(f"unbalanced parentheses in {expr}")
+
+
+def test_the_four_dashboards_ship_with_pinned_unique_uids() -> None:
+    uids = [d["uid"] for d in DASHBOARDS.values()]
+    assert set(uids) >= EXPECTED, f"missing dashboards: {EXPECTED - set(uids)}"
+    assert len(uids) == len(set(uids)), f"duplicate uids: {[u for u, n in Counter(uids).items() if n > 1]}"
+    titles = [d["title"] for d in DASHBOARDS.values()]
+    assert len(titles) == len(set(titles)), "duplicate titles"
+
+
+@pytest.mark.parametrize("name", IDS)
+def test_dashboard_is_shareable(name: str) -> None:
+    dashboard = DASHBOARDS[name]
+    assert dashboard["id"] is None, "id must be null so imports never overwrite another dashboard"
+    assert isinstance(dashboard["uid"], str) and 0 < len(dashboard["uid"]) <= 40
+    assert dashboard["schemaVersion"] == SCHEMA_VERSION
+    assert dashboard.get("description"), "the dashboard needs a description"
+    assert "conveyor" in dashboard.get("tags", [])
+    inputs = {i["name"]: i for i in dashboard.get("__inputs", [])}
+    assert set(inputs) == {"DS_PROMETHEUS"}, "exactly one input: the Prometheus datasource"
+    assert inputs["DS_PROMETHEUS"]["type"] == "datasource" and inputs["DS_PROMETHEUS"]["pluginId"] == "prometheus"
+
+
+@pytest.mark.parametrize("name", IDS)
+def test_one_hidden_datasource_variable_used_by_every_panel_and_target(name: str) -> None:
+    dashboard = DASHBOARDS[name]
+    datasource_vars = [v for v in variables(dashboard) if v["type"] == "datasource"]
+    assert len(datasource_vars) == 1, "exactly one datasource variable"
+    ds = datasource_vars[0]
+    assert ds["name"] == "DS_PROMETHEUS" and ds["query"] == "prometheus" and ds["hide"] == 2
+    for panel in query_panels(dashboard):
+        assert panel.get("datasource") == DATASOURCE, f"panel {panel['title']!r}"
+        assert panel.get("targets"), f"panel {panel['title']!r} has no query"
+        for target in panel["targets"]:
+            assert target.get("datasource") == DATASOURCE, f"a target of {panel['title']!r}"
+            assert target.get("expr"), f"an empty target in {panel['title']!r}"
+    for variable in variables(dashboard):
+        if variable["type"] == "query":
+            assert variable.get("datasource") == DATASOURCE, f"variable {variable['name']}"
+
+
+@pytest.mark.parametrize("name", IDS)
+def test_every_panel_has_a_unit_and_a_description(name: str) -> None:
+    for panel in query_panels(DASHBOARDS[name]):
+        assert panel.get("description", "").strip(), f"panel {panel['title']!r} has no description"
+        assert panel.get("fieldConfig", {}).get("defaults", {}).get("unit"), f"panel {panel['title']!r} has no unit"
+
+
+@pytest.mark.parametrize("name", IDS)
+def test_a_stat_strip_on_top_with_thresholds(name: str) -> None:
+    dashboard = DASHBOARDS[name]
+    top = [p for p in dashboard["panels"] if p["gridPos"]["y"] == 0]
+    assert len(top) >= 4 and all(p["type"] == "stat" for p in top), [p["title"] for p in top]
+    assert sum(p["gridPos"]["w"] for p in top) == 24, "the strip spans the full width"
+    for panel in panels(dashboard):
+        if panel["type"] != "stat":
+            continue
+        steps = panel["fieldConfig"]["defaults"].get("thresholds", {}).get("steps", [])
+        assert len(steps) >= 2 and steps[0]["value"] is None, f"stat {panel['title']!r} needs thresholds"
+        values = [s["value"] for s in steps[1:]]
+        assert values == sorted(values), f"stat {panel['title']!r}: thresholds out of order"
+
+
+@pytest.mark.parametrize("name", IDS)
+def test_panels_have_unique_ids_and_do_not_overlap(name: str) -> None:
+    every = list(panels(DASHBOARDS[name]))
+    ids = [p["id"] for p in every]
+    assert len(ids) == len(set(ids)), "duplicate panel ids"
+    cells: dict[tuple[int, int], str] = {}
+    for panel in every:
+        pos = panel["gridPos"]
+        assert pos["x"] + pos["w"] <= 24, f"{panel['title']!r} is wider than the grid"
+        for x in range(pos["x"], pos["x"] + pos["w"]):
+            for y in range(pos["y"], pos["y"] + pos["h"]):
+                assert (x, y) not in cells, f"{panel['title']!r} overlaps {cells[(x, y)]!r}"
+                cells[(x, y)] = panel["title"]
+
+
+@pytest.mark.parametrize("name", IDS)
+def test_every_rate_uses_rate_interval(name: str) -> None:
+    for query in queries(name, DASHBOARDS[name]):
+        ranges = re.findall(r"\[([^\]]*)\]", query.expr)
+        assert all(r == "$__rate_interval" for r in ranges), f"a range other than $__rate_interval: {query}"
+        for match in RATE_FUNCTIONS.finditer(query.expr):
+            argument = _call_argument(query.expr, match.end() - 1)
+            assert argument.endswith("[$__rate_interval]"), f"{match.group(1)}() without $__rate_interval: {query}"
+
+
+@pytest.mark.parametrize("name", IDS)
+def test_latency_histograms_are_heatmaps_of_bucket_rates(name: str) -> None:
+    dashboard = DASHBOARDS[name]
+    heatmaps = [p for p in query_panels(dashboard) if p["type"] == "heatmap"]
+    assert heatmaps, "every dashboard shows at least one latency histogram as a heatmap"
+    for panel in heatmaps:
+        assert panel["options"]["calculate"] is False, f"{panel['title']!r}: buckets come from Prometheus"
+        for target in panel["targets"]:
+            assert target.get("format") == "heatmap", f"{panel['title']!r}: format must be heatmap"
+            assert HEATMAP_QUERY.match(target["expr"]), f"{panel['title']!r}: {target['expr']}"
+    for query in queries(name, dashboard):
+        if "_bucket" in query.expr and not query.heatmap:
+            assert "histogram_quantile(" in query.expr, f"raw buckets outside a heatmap: {query}"
+
+
+@pytest.mark.parametrize("name", IDS)
+def test_topic_and_group_variables_are_label_values_queries(name: str) -> None:
+    declared = {v["name"]: v for v in variables(DASHBOARDS[name])}
+    assert "topic" in declared, "every dashboard filters by topic"
+    if name != "conveyor-storage.json":
+        assert "group" in declared, "group-level dashboards filter by group"
+    for variable in declared.values():
+        if variable["type"] != "query":
+            continue
+        selector, label = label_values_query(variable_query(variable))
+        assert label == variable["name"], f"${variable['name']} lists the values of {label}"
+        assert metric_names(selector) <= exposed_names(), f"${variable['name']}: unknown metric in {selector}"
+        assert variable.get("includeAll") and variable.get("allValue") == ".*", f"${variable['name']}: All = .*"
+
+
+@pytest.mark.parametrize("name", IDS)
+def test_every_variable_a_query_uses_is_declared(name: str) -> None:
+    dashboard = DASHBOARDS[name]
+    declared = {v["name"] for v in variables(dashboard)}
+    texts = [q.expr for q in queries(name, dashboard)] + [variable_query(v) for v in variables(dashboard)]
+    for text in texts:
+        undeclared = variables_used(text) - declared - BUILTIN_VARIABLES
+        assert not undeclared, f"undeclared {sorted(undeclared)} in {text}"
+    used = set().union(*(variables_used(t) for t in texts))
+    unused = declared - used - {"DS_PROMETHEUS"}
+    assert not unused, f"declared but never used: {sorted(unused)}"
+
+
+def test_every_metric_in_every_query_is_registered_by_monitoring() -> None:
+    known = exposed_names()
+    unknown: dict[str, list[str]] = {}
+    for query in all_queries():
+        names = metric_names(query.expr)
+        assert names, f"no metric in {query}"
+        for name in names - known:
+            unknown.setdefault(name, []).append(str(query))
+    assert not unknown, f"metrics no registry exposes: {unknown}"
+
+
+def test_metric_name_extraction() -> None:
+    expr = (
+        'histogram_quantile(0.99, sum by (topic, le) (rate(conveyor_x_bucket{topic=~"$topic", le!="1e3"}'
+        "[$__rate_interval])))"
+        ' / on (instance) group_left (version) conveyor_build_info{component="broker"} and time() - up2 > 1e-3'
+    )
+    assert metric_names(expr) == {"conveyor_x_bucket", "conveyor_build_info", "up2"}
+
+
+# --- provisioning ------------------------------------------------------------------------------------------
+
+
+def _yaml_values(text: str, key: str) -> list[str]:
+    return [m.strip().strip("'\"") for m in re.findall(rf"^\s*-?\s*{key}:\s*(\S.*?)\s*(?:#.*)?$", text, re.M)]
+
+
+def test_provisioned_datasource_uid_is_the_one_dashboards_default_to() -> None:
+    text = (GRAFANA / "provisioning" / "datasources" / "conveyor.yml").read_text()
+    assert _yaml_values(text, "apiVersion") == ["1"]
+    assert _yaml_values(text, "type") == ["prometheus"]
+    assert _yaml_values(text, "url") == ["http://localhost:9090"]
+    (uid,) = _yaml_values(text, "uid")
+    for dashboard in DASHBOARDS.values():
+        ds: dict[str, Any] = next(v for v in variables(dashboard) if v["name"] == "DS_PROMETHEUS")
+        assert ds["current"]["value"] == uid, f"{dashboard['uid']}: provisioned, ${{DS_PROMETHEUS}} must be {uid}"
+
+
+def test_dashboard_provider_reads_the_dashboards_folder() -> None:
+    text = (GRAFANA / "provisioning" / "dashboards" / "conveyor.yml").read_text()
+    assert _yaml_values(text, "apiVersion") == ["1"]
+    assert _yaml_values(text, "type") == ["file"]
+    (path,) = _yaml_values(text, "path")
+    assert path.startswith("/") and path.rstrip("/").endswith("dashboards/conveyor"), path
+    readme = (GRAFANA / "README.md").read_text()
+    assert path in readme, "the README says where to put the dashboards for the provider"
+    assert "DS_PROMETHEUS" in readme and "Import" in readme

@@ -8,6 +8,7 @@ import time
 from broker_helpers import drain, quiet, wait_for
 
 from broker.client import Admin, Producer
+from broker.errors import UnknownTopic
 from consumers.session import Subscription
 
 
@@ -16,6 +17,14 @@ def publish(address: str, topic: str, values: list, **kwargs) -> list[int]:
         futures = [producer.send(topic, v, **kwargs) for v in values]
         producer.flush(timeout=10)
     return [f.result() for f in futures]
+
+
+def end_offset(admin: Admin, topic: str) -> int:
+    """The topic's end offset, or -1 while it does not exist yet."""
+    try:
+        return admin.describe_topic(topic)["end_offset"]
+    except UnknownTopic:
+        return -1
 
 
 def test_confirms_return_consecutive_offsets_per_topic(conveyor_broker):
@@ -116,7 +125,7 @@ def test_max_deliveries_moves_messages_to_the_dead_letter_topic(conveyor_broker)
                     attempts.append(0)
         assert sorted(attempts) == [0, 1, 2, 3]
         with Admin(conveyor_broker.address) as admin:
-            assert wait_for(lambda: admin.describe_topic("fragile.dlq")["end_offset"] == 1)
+            assert wait_for(lambda: end_offset(admin, "fragile.dlq") == 1)
             (dead,) = admin.fetch("fragile.dlq", 0, 10)
         assert dead.value == "poison"
         assert dead.headers["x-origin-topic"] == "fragile"

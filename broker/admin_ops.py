@@ -13,6 +13,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from broker.errors import InvalidRequest, UnknownGroup
+from broker.mirror import STATUS_CODES
 from broker.storage import TopicConfig, TopicLog
 from broker.store import check_name
 
@@ -124,6 +125,12 @@ def create_topic(broker: Broker, name: str, config: dict[str, Any]) -> dict[str,
     return describe_topic(broker, name)
 
 
+def refresh_topic(broker: Broker, topic: str) -> dict[str, Any]:
+    if broker.mirror is None:
+        raise InvalidRequest("this broker mirrors nothing: refresh a topic on a child broker")
+    return broker.mirror.refresh(topic)
+
+
 def _arg(header: dict[str, Any], key: str, kind: type) -> Any:
     value = header.get(key)
     if not isinstance(value, kind):
@@ -140,6 +147,8 @@ OPS: dict[str, Callable[[Broker, dict[str, Any]], Any]] = {
     "describe_group": lambda b, h: describe_group(b, _arg(h, "topic", str), _arg(h, "group", str)),
     "reset_offsets": lambda b, h: reset_offsets(b, _arg(h, "topic", str), _arg(h, "group", str), h.get("to")),
     "delete_group": lambda b, h: delete_group(b, _arg(h, "topic", str), _arg(h, "group", str)),
+    "refresh_topic": lambda b, h: refresh_topic(b, _arg(h, "topic", str)),
+    "mirror_status": lambda b, h: b.mirror.health() if b.mirror else None,
 }
 
 
@@ -182,9 +191,24 @@ def state_snapshot(broker: Broker) -> dict[str, Rows]:
         add("conveyor_group_credit_messages", labels, sum(m.credit for m in list(group.members)))
         add("conveyor_group_members", labels, len(group.members) + len(group.joining))
     add("conveyor_connected_clients", (), len(broker.peers))
+    _mirror_rows(broker, add)
     with contextlib.suppress(OSError):
         add("conveyor_disk_free_bytes", (), shutil.disk_usage(broker.settings.data_dir).free)
     return rows
+
+
+def _mirror_rows(broker: Broker, add: Callable[[str, tuple[str, ...], float], None]) -> None:
+    mirror = broker.mirror
+    if mirror is None:
+        return
+    upstream = mirror.settings.upstream
+    add("conveyor_mirror_status", (upstream,), STATUS_CODES[mirror.status()])
+    now_ms = time.time() * 1000
+    for name, topic in list(mirror.topics.items()):
+        lag = mirror.lag(topic)
+        add("conveyor_mirror_lag_messages", (name, upstream), lag)
+        behind = (now_ms - topic.last_append_ms) / 1000 if lag and topic.last_append_ms else 0.0
+        add("conveyor_mirror_lag_seconds", (name, upstream), max(0.0, behind))
 
 
 def _lag_seconds(log: TopicLog, committed: int, now_ms: float) -> float:

@@ -209,7 +209,13 @@ def _json_default(value: Any) -> Any:
 
 def _topics_setup(parser: argparse.ArgumentParser) -> None:
     add_options(parser, CLIENT_OPTIONS)
-    parser.add_argument("action", choices=["list", "create", "describe", "delete"], nargs="?", default="list")
+    parser.add_argument(
+        "action",
+        choices=["list", "create", "describe", "delete", "refresh"],
+        nargs="?",
+        default="list",
+        help="refresh: on a child broker, drop and re-mirror a topic from the parent",
+    )
     parser.add_argument("name", nargs="?")
     parser.add_argument(
         "--set",
@@ -237,6 +243,8 @@ def cmd_topics(args: argparse.Namespace) -> int:
                 result = admin.create_topic(args.name, **config)
             elif args.action == "describe":
                 result = admin.describe_topic(args.name)
+            elif args.action == "refresh":
+                result = admin.refresh_topic(args.name)
             else:
                 result = admin.delete_topic(args.name)
     _show(result, args.format, ["name", "start_offset", "end_offset", "segments", "size_bytes"])
@@ -249,6 +257,11 @@ def _groups_setup(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("topic", nargs="?")
     parser.add_argument("group", nargs="?")
     parser.add_argument("--to", help="reset target: earliest, latest, an offset, or an ISO time")
+    parser.add_argument(
+        "--refresh",
+        action="store_true",
+        help="on a child broker: first drop and re-mirror the topic from the parent's start",
+    )
     parser.add_argument("--format", choices=["table", "json"], default="table")
 
 
@@ -268,9 +281,13 @@ def cmd_groups(args: argparse.Namespace) -> int:
             elif args.action == "delete":
                 result = admin.delete_group(args.topic, args.group)
             else:
-                if not args.to:
-                    raise ConveyorError("groups reset needs --to earliest|latest|OFFSET|ISO-TIME")
-                result = admin.reset_offsets(args.topic, args.group, _reset_target(args.to))
+                if args.refresh:
+                    admin.refresh_topic(args.topic)  # the topic's groups restart at the parent's start
+                    result = admin.describe_group(args.topic, args.group)
+                elif not args.to:
+                    raise ConveyorError("groups reset needs --to earliest|latest|OFFSET|ISO-TIME, or --refresh")
+                else:
+                    result = admin.reset_offsets(args.topic, args.group, _reset_target(args.to))
     _show(result, args.format, ["topic", "group", "committed_offset", "end_offset", "lag", "in_flight"])
     return 0
 
@@ -299,6 +316,25 @@ def _show(result: Any, fmt: str, columns: list[str]) -> None:
     print("  ".join(c.upper().ljust(w) for c, w in zip(columns, widths, strict=True)))
     for row in rows:
         print("  ".join(v.ljust(w) for v, w in zip(row, widths, strict=True)))
+
+
+def _registry_setup(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--topology", required=True, help='JSON file: {"nodes": {NAME: {"parent": ADDR, ...}}}')
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8500, help="0: any free port")
+
+
+@command("registry", "serve a topology registry for --registry discovery", _registry_setup)
+def cmd_registry(args: argparse.Namespace) -> int:
+    from broker.registry import serve
+
+    server = serve(args.topology, host=args.host, port=args.port)
+    print(f"conveyor registry ready on http://{args.host}:{server.server_address[1]} ({args.topology})", flush=True)
+    try:
+        server.serve_forever()
+    finally:
+        server.server_close()
+    return 0
 
 
 # --- entry point ----------------------------------------------------------------------------

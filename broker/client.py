@@ -675,6 +675,17 @@ class Admin:
     def delete_group(self, topic: str, group: str) -> dict[str, Any]:
         return self._admin("delete_group", topic=topic, group=group)
 
+    def refresh_topic(self, topic: str) -> dict[str, Any]:
+        """On a child broker: drop the topic and mirror it again from the parent's start.
+
+        Subscribers get a RESET event, re-read from the start, then a READY event.
+        """
+        return self._admin("refresh_topic", topic=topic)
+
+    def mirror_status(self) -> dict[str, Any] | None:
+        """The upstream link of a child broker (None on a broker that mirrors nothing)."""
+        return self._admin("mirror_status")
+
     def hello(self) -> dict[str, Any]:
         return self.request(Command.HELLO, {"client": f"conveyor-admin/{os.getpid()}"}).header
 

@@ -27,6 +27,7 @@ class Option:
     help: str
     type: Callable[[str], Any] = str
     flag: bool = False  # a boolean switch
+    repeat: bool = False  # may be given several times; values are joined with commas
 
     @property
     def dest(self) -> str:
@@ -53,6 +54,8 @@ def add_options(parser: argparse.ArgumentParser, options: Sequence[Option]) -> N
         if opt.flag:
             parser.add_argument(f"--{opt.name}", dest=opt.dest, action="store_const", const=True, help=help_text)
             parser.add_argument(f"--no-{opt.name}", dest=opt.dest, action="store_const", const=False)
+        elif opt.repeat:
+            parser.add_argument(f"--{opt.name}", dest=opt.dest, action="append", default=None, help=help_text)
         else:
             parser.add_argument(f"--{opt.name}", dest=opt.dest, default=None, help=help_text)
 
@@ -72,6 +75,8 @@ def resolve(args: argparse.Namespace, options: Sequence[Option], command: str) -
 
 
 def _convert(opt: Option, raw: Any) -> Any:
+    if opt.repeat and isinstance(raw, list):
+        raw = ",".join(str(item) for item in raw)
     if opt.flag or opt.type is bool:
         return raw if isinstance(raw, bool) else parse_bool(raw)
     if not isinstance(raw, str):

@@ -180,6 +180,14 @@ class FileLog(TopicLog):
             last_ts = header.timestamp_ms
         return position, segment.next_offset, last_ts
 
+    def _reset(self, offset: int) -> None:
+        for segment in self.segments:
+            segment.delete()
+        self.segments.clear()
+        self._bases.clear()
+        self._unsynced.clear()
+        self._new_segment(offset)
+
     def _delete_newest(self) -> None:
         segment = self.segments.pop()
         self._bases.pop()

@@ -41,6 +41,10 @@ class MemoryLog(TopicLog):
     def _sync(self) -> None:
         return None
 
+    def _reset(self, offset: int) -> None:
+        self._batches.clear()
+        self._bases.clear()
+
     def _truncate(self, offset: int) -> int:
         i = bisect_right(self._bases, offset - 1)
         if i and self._batches[i - 1].next_offset > offset:

@@ -61,6 +61,7 @@ class Command(IntEnum):
     FETCHED = 0x24
     RESULT = 0x25
     ERROR = 0x26
+    EVENT = 0x27
 
 
 # Commands that carry batch bodies after the header, and how many at most.

@@ -28,6 +28,7 @@ from prometheus_client import CollectorRegistry
 from broker import admin_ops
 from broker.deadletter import dead_letter_body, dead_letter_topic
 from broker.errors import (
+    ConfigError,
     ConveyorError,
     InvalidRequest,
     MessageTooLarge,
@@ -37,10 +38,12 @@ from broker.errors import (
     UnknownTopic,
 )
 from broker.groups import Delivery, Group, GroupSettings, Member
+from broker.mirror import STATUS_CODES, Mirror, MirrorSettings
 from broker.protocol import Command, Frame, decode, encode, error_header
 from broker.protocol import field as hfield
 from broker.protocol import ranges as hranges
 from broker.record import NO_PRODUCER, validate_body
+from broker.registry import RegistryWatch
 from broker.settings import BrokerSettings
 from broker.storage import FsyncPolicy, TopicConfig, TopicLog
 from broker.store import Store, check_name
@@ -108,6 +111,10 @@ class Broker:
         self._next_commit = 0.0
         self._last_pass = self.clock()
         self._last_fsync_seconds = 0.0
+        self.poller = zmq.Poller()
+        self.mirror: Mirror | None = None
+        self.registry_watch: RegistryWatch | None = None
+        self._next_mirror_tick = 0.0
         self._load_groups()
         for topic in self.store:
             if topic.truncated_bytes:
@@ -144,11 +151,42 @@ class Broker:
         sock.bind(self.settings.bind)
         self.socket = sock
         self.endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        self._setup_mirror()
         if self.settings.metrics_port >= 0:
             self.metrics_server = MetricsServer(
                 self.registry, self.health, host=self.settings.metrics_bind, port=self.settings.metrics_port
             ).start()
         return self.endpoint
+
+    def _setup_mirror(self) -> None:
+        s = self.settings
+        patterns = tuple(p.strip() for p in s.mirror.split(",") if p.strip())
+        if s.registry:
+            self.registry_watch = RegistryWatch(
+                s.registry, s.node, interval=s.registry_poll_ms / 1000, wake=self.stop_wake
+            )
+            upstream = self.registry_watch.read_parent() or s.upstream
+        else:
+            upstream = s.upstream
+        if not (upstream or s.registry):
+            return
+        if s.mirror_gap_policy not in ("resync", "stop"):
+            raise ConfigError("--mirror-gap-policy must be resync or stop")
+        settings = MirrorSettings(
+            upstream=upstream,
+            patterns=patterns or ("*",),
+            gap_policy=s.mirror_gap_policy,
+            lag_threshold=s.mirror_lag_threshold,
+            unreachable_after=s.mirror_unreachable_after_ms / 1000,
+        )
+        self.mirror = Mirror(self, settings)
+        if not upstream:
+            self.mirror.socket = None  # wait for the registry to name a parent
+
+    def stop_wake(self) -> None:
+        """Wake the loop from another thread (the registry watcher)."""
+        with contextlib.suppress(AttributeError, OSError):
+            self._wake.send(b"w")
 
     # --- the loop ----------------------------------------------------------------------
 
@@ -161,12 +199,16 @@ class Broker:
             for sig in (signal.SIGTERM, signal.SIGINT):
                 signal.signal(sig, lambda *_: self.stop())
         self._wake = wake_w
-        poller = zmq.Poller()
+        poller = self.poller
         poller.register(self.socket, zmq.POLLIN)
         poller.register(wake_r.fileno(), zmq.POLLIN)
+        if self.registry_watch is not None:
+            self.registry_watch.start()
         self.running = True
         if ready:
             ready(self)
+        if self.mirror is not None and self.mirror.settings.upstream:
+            self._next_mirror_tick = self.clock()
         try:
             while self.running:
                 events = dict(poller.poll(self._poll_timeout_ms()))
@@ -176,6 +218,8 @@ class Broker:
                     self._read_burst()
                 if wake_r.fileno() in events:
                     _drain(wake_r)
+                if self.mirror is not None:
+                    self._mirror_pass(events)
                 self._after_reads()
                 self.metrics.loop_seconds.observe(time.perf_counter() - started)
         finally:
@@ -209,9 +253,24 @@ class Broker:
             self._group_commit()
         self._dispatch()
 
+    def _mirror_pass(self, events: dict[Any, int]) -> None:
+        mirror = self.mirror
+        assert mirror is not None
+        if self.registry_watch is not None:
+            parent = self.registry_watch.parent
+            if parent and parent != mirror.settings.upstream:
+                mirror.change_upstream(parent)
+        if mirror.socket is not None and mirror.socket in events:
+            mirror.on_readable()
+        now = self.clock()
+        if now >= self._next_mirror_tick and (mirror.settings.upstream or mirror.socket is not None):
+            self._next_mirror_tick = mirror.tick(now)
+
     def _poll_timeout_ms(self) -> int:
         now = self.clock()
         deadlines = [self._next_housekeeping]
+        if self.mirror is not None:
+            deadlines.append(self._next_mirror_tick)
         for group in self.groups.values():
             due = group.next_deadline()
             if due is not None:
@@ -614,6 +673,30 @@ class Broker:
                 if log_ is not None:
                     self._answer_fetch(wait.peer, wait.frame, log_)
 
+    # --- mirrored topics: resync and refresh ---------------------------------------------
+
+    def reset_topic(self, topic: str, offset: int, *, event: str | None = None) -> None:
+        """Empty a topic's log at ``offset``; its groups start there again."""
+        log_ = self.store.topic(topic)
+        log_.reset_to(offset)
+        for (t, name), group in list(self.groups.items()):
+            if t == topic:
+                group.reset(offset)
+                self.store.save_group(t, name, {**group.settings.to_dict(), "committed_offset": offset})
+                self.to_dispatch.add(group)
+        self.store.write_groups()
+        if event:
+            self.announce(topic, event, offset)
+
+    def announce(self, topic: str, event: str, offset: int) -> None:
+        """Tell every subscriber of ``topic`` (an EVENT: RESET or READY)."""
+        for identity, peer in list(self.peers.items()):
+            for sub_id, (group, _member) in list(peer.members.items()):
+                if group.topic == topic:
+                    header = {"sub": sub_id, "topic": topic, "event": event, "offset": offset}
+                    self._send(identity, encode(Command.EVENT, header))
+        log.info("topic %s: %s at offset %d", topic, event, offset)
+
     # --- admin ----------------------------------------------------------------------------
 
     def _on_admin(self, peer: bytes, frame: Frame) -> None:
@@ -686,6 +769,10 @@ class Broker:
             self._commit_offsets()
         finally:
             self.store.close()
+            if self.mirror is not None and self.mirror.socket is not None:
+                self.mirror.socket.close(linger=0)
+            if self.registry_watch is not None:
+                self.registry_watch.stop()
             self.socket.close(linger=500)
             self.ctx.term()
             if self.metrics_server:
@@ -715,6 +802,10 @@ class Broker:
             status = "UNHEALTHY"
         elif lag > self.settings.heartbeat_ms / 1000 and status == "HEALTHY":
             status = "DEGRADED"
+        if self.mirror is not None:
+            upstream = self.mirror.health()
+            checks["upstream"] = upstream
+            status = max(status, upstream["status"], key=lambda s: STATUS_CODES[s])
         return {"status": status, "checks": checks}
 
     def _state_snapshot(self) -> dict[str, list[tuple[tuple[str, ...], float]]]:

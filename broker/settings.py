@@ -37,6 +37,14 @@ class BrokerSettings:
     disk_free_min_bytes: int = 256 * MiB
     fsync_warn_seconds: float = 0.5
     log_level: str = "INFO"
+    upstream: str = ""
+    mirror: str = ""
+    mirror_gap_policy: str = "resync"
+    mirror_lag_threshold: int = 10_000
+    mirror_unreachable_after_ms: int = 30_000
+    registry: str = ""
+    node: str = ""
+    registry_poll_ms: int = 5000
 
 
 HELP = {
@@ -65,6 +73,14 @@ HELP = {
     "disk_free_min_bytes": "free space under which /healthz says DEGRADED",
     "fsync_warn_seconds": "a group commit slower than this makes /healthz say DEGRADED",
     "log_level": "DEBUG, INFO, WARNING or ERROR",
+    "upstream": "parent broker to mirror topics from (tcp://HOST:PORT)",
+    "mirror": "topic patterns to mirror from the upstream (fnmatch; repeat or separate with commas)",
+    "mirror_gap_policy": "when the parent's retention passed this log's end: resync (start over) or stop",
+    "mirror_lag_threshold": "messages behind the parent before the mirror is DEGRADED",
+    "mirror_unreachable_after_ms": "time without the parent before the mirror is UNHEALTHY",
+    "registry": "URL of a topology registry that names this node's parent (instead of --upstream)",
+    "node": "this node's name in the registry",
+    "registry_poll_ms": "how often the registry is read",
 }
 
 
@@ -73,5 +89,14 @@ def broker_options() -> list[Option]:
     for f in fields(BrokerSettings):
         default: Any = f.default
         kind: Any = parse_bool if isinstance(default, bool) else type(default)
-        out.append(Option(f.name.replace("_", "-"), default, HELP[f.name], kind, flag=isinstance(default, bool)))
+        out.append(
+            Option(
+                f.name.replace("_", "-"),
+                default,
+                HELP[f.name],
+                kind,
+                flag=isinstance(default, bool),
+                repeat=f.name == "mirror",
+            )
+        )
     return out

@@ -149,13 +149,23 @@ class TopicLog(ABC):
         producer_id: int = NO_PRODUCER,
         sequence: int = -1,
         timestamp_ms: int | None = None,
+        base_offset: int | None = None,
     ) -> AppendResult:
         """Append one batch: one header, one CRC, one write.
 
         A batch resent by an idempotent producer is recognised by its sequence
-        and answered with the offsets it was first stored at.
+        and answered with the offsets it was first stored at. A mirror passes
+        ``base_offset`` (and the parent's timestamp): the batch keeps the
+        offsets it has upstream, and the parent already deduplicated it.
         """
-        if producer_id != NO_PRODUCER:
+        if base_offset is not None:
+            if base_offset != self.end_offset:
+                raise OffsetOutOfRange(
+                    f"{self.name}: a replicated batch at {base_offset} does not follow the end {self.end_offset}",
+                    topic=self.name,
+                    offset=base_offset,
+                )
+        elif producer_id != NO_PRODUCER:
             seen = self.producers.check(producer_id, sequence, count)
             if seen is not None:
                 return AppendResult(seen, count, duplicate=True)
@@ -236,6 +246,17 @@ class TopicLog(ABC):
         self.durable_offset = min(self.durable_offset, offset)
         self.cache.truncate(offset)
         self.producers.truncate(offset)
+
+    def reset_to(self, offset: int) -> None:
+        """Drop everything and start empty at ``offset`` (a mirror resync or refresh)."""
+        self._reset(offset)
+        self.start_offset = self.end_offset = self.durable_offset = offset
+        self.cache = TailCache(self.config.cache_bytes)
+        self.producers = ProducerState()
+
+    def _reset(self, offset: int) -> None:
+        """Backends with storage override this to delete their files."""
+        self._truncate(self.start_offset)
 
     def apply_retention(self, now_ms: int | None = None) -> int:
         """Delete whole sealed segments past the size or age limits."""

@@ -17,7 +17,7 @@ import itertools
 import logging
 import os
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from operator import attrgetter
 from typing import Any
 
@@ -67,8 +67,11 @@ class Subscription:
         heartbeat_ms: int = 1000,
         liveness: int = 3,
         context: zmq.Context[Any] | None = None,
+        on_event: Callable[[str, int], None] | None = None,
     ) -> None:
         self.topic = topic
+        self.on_event = on_event
+        self.events: list[tuple[str, int]] = []  # (RESET | READY, offset), as the broker announced them
         self.group = group
         self.address = address
         self.credit = credit
@@ -198,6 +201,12 @@ class Subscription:
             self.subscribed = True
         elif frame.command is Command.BYE:
             self._reconnect(str(frame.get("reason") or "broker said goodbye"))
+        elif frame.command is Command.EVENT:
+            event = (str(frame.get("event")), int(frame.get("offset", 0)))
+            self.events.append(event)
+            log.info("consumer %s/%s: %s at offset %d", self.topic, self.group, *event)
+            if self.on_event is not None:
+                self.on_event(*event)
         elif frame.command is Command.ERROR:
             exc = error_from_header(frame.header)
             if exc.name == "NOT_SUBSCRIBED":

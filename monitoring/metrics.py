@@ -141,6 +141,24 @@ class BrokerMetrics:
             buckets=LATENCY_BUCKETS,
             registry=registry,
         )
+        self.mirror_fetched_messages = Counter(
+            "conveyor_mirror_fetched_messages", "Messages copied from the upstream broker", topic, registry=registry
+        )
+        self.mirror_fetched_bytes = Counter(
+            "conveyor_mirror_fetched_bytes",
+            "Batch body bytes copied from the upstream broker",
+            topic,
+            registry=registry,
+        )
+        self.mirror_reconnects = Counter(
+            "conveyor_mirror_reconnects", "Reconnections to the upstream broker", ["upstream"], registry=registry
+        )
+        self.mirror_gaps = Counter(
+            "conveyor_mirror_gaps",
+            "Times the upstream's log start passed this broker's end (retention), handled by the gap policy",
+            topic,
+            registry=registry,
+        )
 
 
 class StateCollector(Collector):
@@ -185,6 +203,15 @@ STATE_GAUGES: dict[str, tuple[str, tuple[str, ...]]] = {
     "conveyor_group_members": ("Consumers subscribed in the group", GROUP),
     "conveyor_connected_clients": ("Peers the broker heard from within the liveness window", ()),
     "conveyor_disk_free_bytes": ("Free bytes on the data directory's file system", ()),
+    "conveyor_mirror_lag_messages": (
+        "Messages the upstream has that this mirror has not copied yet",
+        ("topic", "upstream"),
+    ),
+    "conveyor_mirror_lag_seconds": (
+        "Age of the newest message copied from upstream, while behind",
+        ("topic", "upstream"),
+    ),
+    "conveyor_mirror_status": ("Upstream link: 0 HEALTHY, 1 DEGRADED, 2 UNHEALTHY", ("upstream",)),
 }
 
 

@@ -51,6 +51,10 @@ BROKER: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "append_seconds": ("conveyor_append_duration_seconds", "histogram", ()),
     "end_to_end_seconds": ("conveyor_end_to_end_duration_seconds", "histogram", GROUP),
     "loop_seconds": ("conveyor_loop_iteration_duration_seconds", "histogram", ()),
+    "mirror_fetched_messages": ("conveyor_mirror_fetched_messages", "counter", TOPIC),
+    "mirror_fetched_bytes": ("conveyor_mirror_fetched_bytes", "counter", TOPIC),
+    "mirror_reconnects": ("conveyor_mirror_reconnects", "counter", ("upstream",)),
+    "mirror_gaps": ("conveyor_mirror_gaps", "counter", TOPIC),
 }
 RUNNER: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "handled": ("conveyor_runner_messages", "counter", (*HANDLER, "outcome")),
@@ -73,6 +77,9 @@ STATE: dict[str, tuple[str, ...]] = {
     "conveyor_group_members": GROUP,
     "conveyor_connected_clients": (),
     "conveyor_disk_free_bytes": (),
+    "conveyor_mirror_lag_messages": ("topic", "upstream"),
+    "conveyor_mirror_lag_seconds": ("topic", "upstream"),
+    "conveyor_mirror_status": ("upstream",),
 }
 RUNTIME = {
     "process_cpu_seconds": "counter",

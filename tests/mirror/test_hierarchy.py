@@ -1,0 +1,168 @@
+"""Broker hierarchies: root -> L2 -> L3 mirrors with identical offsets."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+
+from broker.client import Admin, Producer
+from broker.errors import ReadOnlyTopic
+from consumers.session import Subscription
+from consumers.testing import BrokerProcess
+
+
+@pytest.fixture
+def chain(tmp_path):
+    root = BrokerProcess(tmp_path / "root").start()
+    l2 = BrokerProcess(
+        tmp_path / "l2",
+        extra=["--upstream", root.address, "--mirror", "orders*", "--mirror-unreachable-after-ms", "3000"],
+    ).start()
+    l3 = BrokerProcess(tmp_path / "l3", extra=["--upstream", l2.address, "--mirror", "*"]).start()
+    yield root, l2, l3
+    for broker in (l3, l2, root):
+        broker.stop()
+
+
+def read_all(address: str, topic: str, end: int, timeout: float = 20.0) -> list[tuple[int, int, object]]:
+    """(offset, timestamp ms, value) of every message below ``end``, waiting for them."""
+    out: list[tuple[int, int, object]] = []
+    deadline = time.monotonic() + timeout
+    with Admin(address) as admin:
+        while len(out) < end and time.monotonic() < deadline:
+            try:
+                batch = admin.fetch(topic, len(out), 5000, wait_ms=200)
+            except Exception:
+                time.sleep(0.1)
+                continue
+            out += [(m.offset, int(m.timestamp * 1000), m.value) for m in batch]
+    return out
+
+
+def health(broker: BrokerProcess) -> dict:
+    url = broker.metrics_url.replace("/metrics", "/healthz")
+    try:
+        return json.loads(urllib.request.urlopen(url, timeout=5).read())
+    except urllib.error.HTTPError as exc:
+        return json.loads(exc.read())
+
+
+def publish(address: str, topic: str, values: list) -> None:
+    with Producer(address, linger_ms=1) as producer:
+        for value in values:
+            producer.send(topic, value)
+        producer.flush(timeout=20)
+
+
+def test_messages_reach_the_third_level_with_identical_offsets(chain):
+    root, _l2, l3 = chain
+    publish(root.address, "orders", [f"order-{i}" for i in range(3000)])
+    publish(root.address, "unmirrored", ["x"])
+    at_root = read_all(root.address, "orders", 3000)
+    at_l3 = read_all(l3.address, "orders", 3000)
+    assert len(at_root) == 3000
+    assert at_l3 == at_root, "same offsets, timestamps and values two hops down"
+    with Admin(l3.address) as admin:
+        assert [t["name"] for t in admin.list_topics()] == ["orders"]
+    with Producer(l3.address) as producer, pytest.raises(ReadOnlyTopic):
+        producer.send("orders", "local").result(timeout=10)
+    # Consumers on the leaf read as usual
+    sub = Subscription("orders", "leaf", address=l3.address)
+    got = []
+    deadline = time.monotonic() + 15
+    while len(got) < 3000 and time.monotonic() < deadline:
+        batch = sub.receive(timeout=0.2)
+        sub.ack(batch)
+        got += batch
+    sub.close()
+    assert [m.offset for m in got] == list(range(3000))
+
+
+def test_killing_the_middle_broker_loses_and_duplicates_nothing(chain):
+    root, l2, l3 = chain
+    stop = threading.Event()
+    sent = []
+
+    def produce() -> None:
+        with Producer(root.address, linger_ms=2) as producer:
+            i = 0
+            while not stop.is_set() and i < 20_000:
+                sent.append(producer.send("orders", i))
+                i += 1
+                if i % 500 == 0:
+                    time.sleep(0.02)
+            producer.flush(timeout=30)
+
+    thread = threading.Thread(target=produce)
+    thread.start()
+    time.sleep(0.8)
+    l2.restart(kill=True)
+    time.sleep(0.8)
+    l2.restart(kill=True)
+    time.sleep(0.5)
+    stop.set()
+    thread.join(60)
+    total = len(sent)
+    assert [f.result(timeout=30) for f in sent] == list(range(total))
+    at_root = read_all(root.address, "orders", total)
+    at_l3 = read_all(l3.address, "orders", total, timeout=30)
+    assert len(at_root) == total
+    assert at_l3 == at_root, "every offset once, in order, after two kill -9 of the middle broker"
+
+
+def test_a_stopped_parent_turns_the_child_degraded_then_unhealthy_then_healthy(chain):
+    root, l2, _l3 = chain
+    publish(root.address, "orders", ["a"])
+    assert read_all(l2.address, "orders", 1)
+    assert health(l2)["status"] == "HEALTHY"
+    root.stop()
+    seen = []
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and "UNHEALTHY" not in seen:
+        seen.append(health(l2)["status"])
+        time.sleep(0.2)
+    assert "DEGRADED" in seen and seen[-1] == "UNHEALTHY"
+    assert seen.index("DEGRADED") < seen.index("UNHEALTHY")
+    root.start()
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline and health(l2)["status"] != "HEALTHY":
+        time.sleep(0.2)
+    assert health(l2)["status"] == "HEALTHY"
+    publish(root.address, "orders", ["b"])
+    assert [v for _o, _t, v in read_all(l2.address, "orders", 2)] == ["a", "b"]
+
+
+def test_refresh_resets_consumers_and_announces_ready(chain):
+    root, l2, _l3 = chain
+    publish(root.address, "orders", list(range(500)))
+    assert len(read_all(l2.address, "orders", 500)) == 500
+    events = []
+    sub = Subscription("orders", "app", address=l2.address, on_event=lambda e, o: events.append((e, o)))
+    first = []
+    deadline = time.monotonic() + 15
+    while len(first) < 500 and time.monotonic() < deadline:
+        batch = sub.receive(timeout=0.2)
+        sub.ack(batch)
+        first += batch
+    assert len(first) == 500
+    # When the child is asked to drop and re-mirror the topic
+    with Admin(l2.address) as admin:
+        result = admin.refresh_topic("orders")
+    assert result["from"] == 0 and result["until"] == 500
+    # Then the consumer sees RESET, reads everything again, then READY
+    again = []
+    deadline = time.monotonic() + 20
+    while (len(again) < 500 or ("READY", 500) not in events) and time.monotonic() < deadline:
+        batch = sub.receive(timeout=0.2)
+        sub.ack(batch)
+        again += batch
+    sub.close()
+    assert events[0] == ("RESET", 0)
+    assert ("READY", 500) in events
+    assert sorted(m.offset for m in again) == list(range(500))
+    assert [m.value for m in sorted(again, key=lambda m: m.offset)] == list(range(500))

@@ -48,7 +48,7 @@ from broker.settings import BrokerSettings
 from broker.storage import FsyncPolicy, TopicConfig, TopicLog
 from broker.store import Store, check_name
 from monitoring.http import MetricsServer
-from monitoring.metrics import BrokerMetrics, StateCollector
+from monitoring.metrics import BrokerMetrics, NullMetrics, StateCollector
 
 log = logging.getLogger("conveyor.broker")
 
@@ -86,8 +86,9 @@ class Broker:
         self.settings = settings
         self.clock: Callable[[], float] = time.monotonic
         self.registry = registry or CollectorRegistry(auto_describe=True)
-        self.metrics = BrokerMetrics(self.registry)
-        self.registry.register(StateCollector(self._state_snapshot))
+        self.metrics: Any = BrokerMetrics(self.registry) if settings.metrics else NullMetrics()
+        if settings.metrics:
+            self.registry.register(StateCollector(self._state_snapshot))
         self.store: Store = Store(
             settings.data_dir,
             fsync=FsyncPolicy.parse(settings.fsync),

@@ -37,6 +37,7 @@ class BrokerSettings:
     disk_free_min_bytes: int = 256 * MiB
     fsync_warn_seconds: float = 0.5
     log_level: str = "INFO"
+    metrics: bool = True
     upstream: str = ""
     mirror: str = ""
     mirror_gap_policy: str = "resync"
@@ -73,6 +74,7 @@ HELP = {
     "disk_free_min_bytes": "free space under which /healthz says DEGRADED",
     "fsync_warn_seconds": "a group commit slower than this makes /healthz say DEGRADED",
     "log_level": "DEBUG, INFO, WARNING or ERROR",
+    "metrics": "update metrics (--no-metrics only to measure what they cost; /healthz stays)",
     "upstream": "parent broker to mirror topics from (tcp://HOST:PORT)",
     "mirror": "topic patterns to mirror from the upstream (fnmatch; repeat or separate with commas)",
     "mirror_gap_policy": "when the parent's retention passed this log's end: resync (start over) or stop",

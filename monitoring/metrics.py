@@ -249,3 +249,22 @@ class RunnerMetrics:
             labels,
             registry=registry,
         )
+
+
+class _NoOp:
+    """Stands in for any metric child: every update does nothing."""
+
+    def labels(self, *args: object, **kwargs: object) -> _NoOp:
+        return self
+
+    def inc(self, *args: object) -> None:
+        return None
+
+    dec = observe = set = inc
+
+
+class NullMetrics:
+    """Metrics switched off (``--no-metrics``): to measure what metrics cost."""
+
+    def __getattr__(self, name: str) -> _NoOp:
+        return _NoOp()

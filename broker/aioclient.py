@@ -24,6 +24,7 @@ from broker.config import DEFAULT_BROKER
 from broker.errors import ConveyorError, RequestTimeout
 from broker.protocol import Command, decode, encode, error_from_header
 from broker.record import pack_records
+from broker.security import secure_client
 
 
 @dataclass(slots=True)
@@ -75,6 +76,7 @@ class AsyncProducer:
 
     def _new_socket(self) -> zmq.asyncio.Socket:
         sock = self._ctx.socket(zmq.DEALER)
+        secure_client(sock)
         sock.setsockopt(zmq.LINGER, 0)
         sock.connect(self.address)
         return sock

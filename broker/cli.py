@@ -18,7 +18,24 @@ from broker.config import DEFAULT_BROKER, Option, add_options, resolve
 from broker.errors import ConveyorError
 from broker.settings import BrokerSettings, broker_options
 
-CLIENT_OPTIONS = [Option("broker", DEFAULT_BROKER, "broker address")]
+CLIENT_OPTIONS = [
+    Option("broker", DEFAULT_BROKER, "broker address"),
+    Option("curve-server-key", "", "the broker's CURVE public key (40 characters, or its .key file)"),
+    Option("curve-key", "", "this client's CURVE certificate (.key_secret file)"),
+]
+
+
+def client_options(args: argparse.Namespace, command: str, options: list[Option] | None = None) -> dict[str, Any]:
+    """Resolve a client command's options and apply its CURVE keys, if any."""
+    from broker import security
+
+    opts = resolve(args, options or CLIENT_OPTIONS, command)
+    if opts.get("curve_server_key") or opts.get("curve_key"):
+        if not (opts.get("curve_server_key") and opts.get("curve_key")):
+            raise ConveyorError("CURVE needs both --curve-server-key and --curve-key")
+        security.configure(server_key=opts["curve_server_key"], client_key_file=opts["curve_key"])
+    return opts
+
 
 Handler = Callable[[argparse.Namespace], int]
 COMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Handler]] = {}
@@ -86,7 +103,7 @@ def _publish_setup(parser: argparse.ArgumentParser) -> None:
 def cmd_publish(args: argparse.Namespace) -> int:
     from broker.client import Producer
 
-    opts = resolve(args, CLIENT_OPTIONS, "publish")
+    opts = client_options(args, "publish")
     headers = dict(_pair(h) for h in args.header) or None
     values = args.messages or (line.rstrip("\n") for line in sys.stdin)
     futures = []
@@ -145,7 +162,7 @@ def cmd_tail(args: argparse.Namespace) -> int:
 
     from broker.client import Admin
 
-    opts = resolve(args, CLIENT_OPTIONS, "tail")
+    opts = client_options(args, "tail")
     printed = 0
     with Admin(opts["broker"]) as admin:
         offset = _start_offset(admin, args.topic, args.start)
@@ -231,7 +248,7 @@ def _topics_setup(parser: argparse.ArgumentParser) -> None:
 def cmd_topics(args: argparse.Namespace) -> int:
     from broker.client import Admin
 
-    opts = resolve(args, CLIENT_OPTIONS, "topics")
+    opts = client_options(args, "topics")
     with Admin(opts["broker"]) as admin:
         if args.action == "list":
             result: Any = admin.list_topics()
@@ -269,7 +286,7 @@ def _groups_setup(parser: argparse.ArgumentParser) -> None:
 def cmd_groups(args: argparse.Namespace) -> int:
     from broker.client import Admin
 
-    opts = resolve(args, CLIENT_OPTIONS, "groups")
+    opts = client_options(args, "groups")
     with Admin(opts["broker"]) as admin:
         if args.action == "list":
             result: Any = admin.list_groups(args.topic)
@@ -334,6 +351,28 @@ def cmd_registry(args: argparse.Namespace) -> int:
         server.serve_forever()
     finally:
         server.server_close()
+    return 0
+
+
+def _keys_setup(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("action", choices=["generate", "show"])
+    parser.add_argument("name", help="generate: a name for the pair; show: a .key or .key_secret file")
+    parser.add_argument("--dir", default=".", help="where generate writes NAME.key and NAME.key_secret")
+
+
+@command("keys", "generate or show CURVE certificates for encryption and authentication", _keys_setup)
+def cmd_keys(args: argparse.Namespace) -> int:
+    import zmq.auth
+
+    from broker import security
+
+    if args.action == "generate":
+        public, secret = security.generate(args.dir, args.name)
+        print(f"public key file (share it): {public}")
+        print(f"secret key file (keep it):  {secret}")
+        print(f"public key: {zmq.auth.load_certificate(str(public))[0].decode()}")
+    else:
+        print(zmq.auth.load_certificate(args.name)[0].decode())
     return 0
 
 

@@ -35,6 +35,7 @@ from broker.codec import make_record
 from broker.config import DEFAULT_BROKER
 from broker.errors import BrokerUnavailable, ConveyorError, RequestTimeout
 from broker.protocol import Command, decode, encode, error_from_header
+from broker.security import secure_client
 from consumers.message import Message, messages_from_entries
 
 __all__ = ["DEFAULT_BROKER", "Admin", "AsyncProducer", "Producer"]
@@ -42,6 +43,7 @@ __all__ = ["DEFAULT_BROKER", "Admin", "AsyncProducer", "Producer"]
 
 def new_dealer(ctx: zmq.Context[Any], address: str) -> zmq.Socket[Any]:
     sock = ctx.socket(zmq.DEALER)
+    secure_client(sock)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.SNDHWM, 100_000)
     sock.setsockopt(zmq.RCVHWM, 100_000)

@@ -25,6 +25,7 @@ import zmq
 from broker.errors import ConveyorError
 from broker.protocol import Command, Frame, decode, encode, error_from_header
 from broker.record import Batch, pack_records, unpack_records
+from broker.security import secure_client
 
 if TYPE_CHECKING:
     from broker.server import Broker
@@ -82,6 +83,7 @@ class Mirror:
 
     def connect(self) -> None:
         sock = self.broker.ctx.socket(zmq.DEALER)
+        secure_client(sock)  # the parent may require CURVE: this broker is its client
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.RCVHWM, 0)
         sock.connect(self.settings.upstream)

@@ -44,6 +44,7 @@ from broker.protocol import field as hfield
 from broker.protocol import ranges as hranges
 from broker.record import NO_PRODUCER, validate_body
 from broker.registry import RegistryWatch
+from broker.security import ServerSecurity
 from broker.settings import BrokerSettings
 from broker.storage import FsyncPolicy, TopicConfig, TopicLog
 from broker.store import Store, check_name
@@ -143,7 +144,14 @@ class Broker:
 
     def bind(self) -> str:
         self.ctx = zmq.Context()
+        self.security: ServerSecurity | None = None
+        if self.settings.curve_secret_key:
+            self.security = ServerSecurity(
+                self.ctx, self.settings.curve_secret_key, self.settings.curve_authorized_keys
+            )
         sock = self.ctx.socket(zmq.ROUTER)
+        if self.security is not None:
+            self.security.apply(sock)
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         sock.setsockopt(zmq.LINGER, 1000)
         sock.setsockopt(zmq.SNDHWM, self.settings.sndhwm)
@@ -775,6 +783,8 @@ class Broker:
             if self.registry_watch is not None:
                 self.registry_watch.stop()
             self.socket.close(linger=500)
+            if self.security is not None:
+                self.security.stop()
             self.ctx.term()
             if self.metrics_server:
                 self.metrics_server.stop()

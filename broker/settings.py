@@ -38,6 +38,8 @@ class BrokerSettings:
     fsync_warn_seconds: float = 0.5
     log_level: str = "INFO"
     metrics: bool = True
+    curve_secret_key: str = ""
+    curve_authorized_keys: str = ""
     upstream: str = ""
     mirror: str = ""
     mirror_gap_policy: str = "resync"
@@ -74,6 +76,8 @@ HELP = {
     "disk_free_min_bytes": "free space under which /healthz says DEGRADED",
     "fsync_warn_seconds": "a group commit slower than this makes /healthz say DEGRADED",
     "log_level": "DEBUG, INFO, WARNING or ERROR",
+    "curve_secret_key": "the broker's CURVE certificate (.key_secret from `conveyor keys`): encrypt and authenticate",
+    "curve_authorized_keys": "directory of client public certificates (.key) allowed in with CURVE",
     "metrics": "update metrics (--no-metrics only to measure what they cost; /healthz stays)",
     "upstream": "parent broker to mirror topics from (tcp://HOST:PORT)",
     "mirror": "topic patterns to mirror from the upstream (fnmatch; repeat or separate with commas)",

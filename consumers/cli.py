@@ -5,8 +5,8 @@ from __future__ import annotations
 import argparse
 import logging
 
-from broker.cli import CLIENT_OPTIONS, command
-from broker.config import Option, add_options, resolve
+from broker.cli import CLIENT_OPTIONS, client_options, command
+from broker.config import Option, add_options
 
 RUN_OPTIONS = [
     *CLIENT_OPTIONS,
@@ -28,7 +28,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     from consumers.loader import load_consumers
     from consumers.runner import Runner
 
-    opts = resolve(args, RUN_OPTIONS, "run")
+    opts = client_options(args, "run", RUN_OPTIONS)
     logging.basicConfig(level=opts["log_level"].upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     consumers = load_consumers(args.modules)
     runner = Runner(

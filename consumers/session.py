@@ -27,6 +27,7 @@ from broker.config import DEFAULT_BROKER
 from broker.errors import ConveyorError
 from broker.groups import to_ranges
 from broker.protocol import Command, Frame, decode, encode, error_from_header
+from broker.security import secure_client
 from consumers.message import Message, messages_from_entries
 
 log = logging.getLogger("conveyor.consumer")
@@ -98,6 +99,7 @@ class Subscription:
 
     def _connect(self) -> None:
         sock = self._ctx.socket(zmq.DEALER)
+        secure_client(sock)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.RCVHWM, 0)  # credit bounds what can arrive
         sock.connect(self.address)

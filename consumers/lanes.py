@@ -140,6 +140,8 @@ class ThreadLane:
                 self.busy -= 1
 
     def _process(self, slot: Any, chunk: list[Message]) -> Report:
+        if not (self.consumer.batch or self.consumer.key_ordered):
+            return self._process_plain(slot, chunk)
         report = Report(slot)
         fn = self.consumer.fn
         for unit in units(self.consumer, chunk):
@@ -156,6 +158,27 @@ class ThreadLane:
                 exc = error
             report.durations.append(time.perf_counter() - started)
             handle_outcome(self.consumer, unit, exc, report, self.state)
+        return report
+
+    def _process_plain(self, slot: Any, chunk: list[Message]) -> Report:
+        """The common case, one message per call, kept lean: it runs once per message."""
+        report = Report(slot)
+        fn, clock, stopping = self.consumer.fn, time.perf_counter, self.stopping
+        acked, durations = report.acked, report.durations
+        for i, message in enumerate(chunk):
+            if stopping.is_set():
+                report.released += [m.offset for m in chunk[i:]]
+                break
+            started = clock()
+            try:
+                fn(message)
+            except Exception as error:
+                durations.append(clock() - started)
+                handle_outcome(self.consumer, [message], error, report, self.state)
+                continue
+            durations.append(clock() - started)
+            acked.append(message.offset)
+        report.ok += len(acked) - report.dropped
         return report
 
 

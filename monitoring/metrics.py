@@ -11,7 +11,10 @@ show CPU, memory and file descriptors per broker and per runner.
 
 from __future__ import annotations
 
+from bisect import bisect_left
+from collections import Counter as Counter_
 from collections.abc import Callable, Iterable
+from typing import Any
 
 from prometheus_client import (
     REGISTRY,
@@ -268,3 +271,25 @@ class NullMetrics:
 
     def __getattr__(self, name: str) -> _NoOp:
         return _NoOp()
+
+
+def observe_many(histogram: Any, values: list[float]) -> None:
+    """Observe many values with one update per bucket instead of one lock per value.
+
+    The runner reports handler durations per chunk; at hundreds of thousands
+    of messages per second, one ``observe()`` each would cost more than the
+    handlers. Falls back to ``observe()`` if the client library changes shape.
+    """
+    if not values:
+        return
+    bounds = getattr(histogram, "_upper_bounds", None)
+    buckets = getattr(histogram, "_buckets", None)
+    total = getattr(histogram, "_sum", None)
+    if bounds is None or buckets is None or total is None or len(bounds) != len(buckets):
+        for value in values:
+            histogram.observe(value)
+        return
+    counts = Counter_(bisect_left(bounds, value) for value in values)
+    for index, count in counts.items():
+        buckets[index].inc(count)
+    total.inc(sum(values))

@@ -1,0 +1,9 @@
+"""Consumers that do nothing, to measure what the runner itself costs."""
+
+from consumers import Message
+from decorators import consumer
+
+
+@consumer("bench-runner", group="runner", prefetch=2000)
+def noop(message: Message) -> None:
+    return None

@@ -91,6 +91,7 @@ class Mirror:
         now = self.clock()
         self.last_reply = now
         self._next_discovery = now
+        self._list_rid = None  # answers to the old socket's requests never come
         for mirror in self.topics.values():
             mirror.rid = None
         log.info("mirroring %s from %s", ", ".join(self.settings.patterns), self.settings.upstream)
@@ -137,7 +138,8 @@ class Mirror:
         for mirror in self.topics.values():
             if mirror.rid is None and not mirror.stopped:
                 self._fetch(mirror)
-        return min(self._next_discovery, now + 0.5)
+        # Never a time in the past: the loop would spin instead of sleeping.
+        return max(now + 0.01, min(self._next_discovery, now + 0.5))
 
     def on_readable(self) -> None:
         assert self.socket is not None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import threading
 import time
 import urllib.error
@@ -42,6 +43,11 @@ def read_all(address: str, topic: str, end: int, timeout: float = 20.0) -> list[
                 continue
             out += [(m.offset, int(m.timestamp * 1000), m.value) for m in batch]
     return out
+
+
+def cpu_seconds(pid: int) -> float:
+    fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def health(broker: BrokerProcess) -> dict:
@@ -128,6 +134,10 @@ def test_a_stopped_parent_turns_the_child_degraded_then_unhealthy_then_healthy(c
         time.sleep(0.2)
     assert "DEGRADED" in seen and seen[-1] == "UNHEALTHY"
     assert seen.index("DEGRADED") < seen.index("UNHEALTHY")
+    # Waiting for a parent that is gone costs (almost) nothing: nothing polls.
+    before = cpu_seconds(l2.pid)
+    time.sleep(3)
+    assert cpu_seconds(l2.pid) - before < 0.5
     root.start()
     deadline = time.monotonic() + 15
     while time.monotonic() < deadline and health(l2)["status"] != "HEALTHY":

@@ -1,0 +1,135 @@
+"""What a mirror hop costs: latency added per level and throughput through a hop.
+
+Three brokers, each its own process: root -> L2 -> L3 (``--upstream``,
+``--mirror '*'``). A producer process publishes at the root; consumer
+processes (low-level ``Subscription``) read the same topic at the root, at
+L2 and at L3, each in its own group.
+
+- Latency: a paced producer (5,000 msg/s) stamps ``time.time_ns()`` into each
+  100-byte value; each consumer records receive time minus send time. The
+  added latency of a hop is the difference of the p50s of adjacent levels.
+- Throughput: a backlog-free max-rate run of N messages; end-to-end msg/s
+  at the root (a single broker) and at L2 (one hop), from the first send to
+  the last message received.
+
+    python -m benchmarks.mirror_bench [--messages 200000] [--json PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import statistics
+import struct
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from broker.client import Producer
+from consumers.session import Subscription
+from consumers.testing import BrokerProcess
+
+STAMP = struct.Struct(">q")
+
+
+def consume(address: str, topic: str, group: str, expected: int, out: Any) -> None:
+    sub = Subscription(topic, group, address=address, credit=2000)
+    latencies: list[float] = []
+    first = last = 0.0
+    count = 0
+    deadline = time.monotonic() + 120
+    while count < expected and time.monotonic() < deadline:
+        batch = sub.receive(timeout=0.5)
+        if not batch:
+            continue
+        now = time.time_ns()
+        first = first or time.time()
+        last = time.time()
+        latencies += [(now - STAMP.unpack_from(m.body)[0]) / 1e6 for m in batch]
+        count += len(batch)
+        sub.ack(batch)
+    sub.close()
+    out.put({"group": group, "count": count, "first": first, "last": last, "latencies_ms": latencies})
+
+
+def produce(address: str, topic: str, count: int, rate: float | None) -> float:
+    pad = b"x" * (100 - STAMP.size)
+    started = time.time()
+    with Producer(address, linger_ms=1 if rate else 5, batch_size=1000) as producer:
+        for i in range(count):
+            if rate:
+                due = started + i / rate
+                wait = due - time.time()
+                if wait > 0:
+                    time.sleep(wait)
+            producer.send(topic, STAMP.pack(time.time_ns()) + pad)
+        producer.flush(timeout=120)
+    return started
+
+
+def run(levels: list[BrokerProcess], topic: str, count: int, rate: float | None) -> dict[str, Any]:
+    out: Any = mp.Queue()
+    names = ["root", "L2", "L3"][: len(levels)]
+    consumers = [
+        mp.Process(target=consume, args=(b.address, topic, f"bench-{name}", count, out))
+        for b, name in zip(levels, names, strict=True)
+    ]
+    for proc in consumers:
+        proc.start()
+    time.sleep(1.5)  # subscribed (and the topic discovered downstream) before the first send
+    started = produce(levels[0].address, topic, count, rate)
+    results = {r["group"].removeprefix("bench-"): r for r in (out.get(timeout=180) for _ in consumers)}
+    for proc in consumers:
+        proc.join(30)
+    summary: dict[str, Any] = {}
+    for name in names:
+        r = results[name]
+        lat = sorted(r["latencies_ms"])
+        summary[name] = {
+            "received": r["count"],
+            "msg_per_s": r["count"] / max(1e-9, r["last"] - started),
+            "p50_ms": statistics.median(lat) if lat else None,
+            "p99_ms": lat[int(len(lat) * 0.99) - 1] if lat else None,
+        }
+    return summary
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--messages", type=int, default=200_000)
+    parser.add_argument("--paced", type=int, default=25_000, help="messages in the 5,000 msg/s latency run")
+    parser.add_argument("--json")
+    args = parser.parse_args(argv)
+    with tempfile.TemporaryDirectory(dir=".") as data:
+        root = BrokerProcess(Path(data) / "root").start()
+        l2 = BrokerProcess(Path(data) / "l2", extra=["--upstream", root.address, "--mirror", "*"]).start()
+        l3 = BrokerProcess(Path(data) / "l3", extra=["--upstream", l2.address, "--mirror", "*"]).start()
+        try:
+            print("paced 5,000 msg/s through root -> L2 -> L3 ...", file=sys.stderr)
+            paced = run([root, l2, l3], "paced", args.paced, 5000.0)
+            print(f"max rate, {args.messages:,} messages ...", file=sys.stderr)
+            maxed = run([root, l2], "max", args.messages, None)
+        finally:
+            for broker in (l3, l2, root):
+                broker.stop()
+    print("| level | p50 ms @5k/s | p99 ms @5k/s | max-rate msg/s |\n|---|---:|---:|---:|")
+    for name in ("root", "L2", "L3"):
+        tp = maxed.get(name, {}).get("msg_per_s")
+        print(f"| {name} | {paced[name]['p50_ms']:.2f} | {paced[name]['p99_ms']:.2f} | "
+              f"{f'{tp:,.0f}' if tp else '-'} |")
+    hop1 = paced["L2"]["p50_ms"] - paced["root"]["p50_ms"]
+    hop2 = paced["L3"]["p50_ms"] - paced["L2"]["p50_ms"]
+    ratio = maxed["L2"]["msg_per_s"] / maxed["root"]["msg_per_s"]
+    print(f"\nadded p50 per hop: {hop1:.2f} ms (root->L2), {hop2:.2f} ms (L2->L3); target <= 2 ms")
+    print(f"throughput through one hop: {ratio:.0%} of the single broker's; target >= 80%")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"paced": paced, "max": maxed, "hop_ms": [hop1, hop2],
+                                               "hop_throughput_ratio": ratio}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -63,6 +63,8 @@ VALUE_HEAD = struct.Struct("<qI")  # send time in ns since the epoch (0: not sta
 PADDING = b"." * (MESSAGE_BYTES - VALUE_HEAD.size)
 START_TIMEOUT = 60.0  # processes and the broker must be ready within this
 STALL_TIMEOUT = 5.0  # after the producer is done, give up when nothing arrives for this long
+PY_SPY_RATE = 500  # samples per second per process
+BUSY_MACHINE = 0.1  # warn when other processes used more than this many CPUs during a run
 
 TARGETS = (
     # (scenario kind, fsync policy, metric, bound, "min" or "max")
@@ -82,6 +84,7 @@ class Scenario:
     rate: float = 0.0  # msg/s for "latency"; 0 means as fast as possible
     linger_ms: float | None = None  # None: the Producer's default
     credit: int = 2000
+    tick_ms: float = 0.0  # latency runs: the producer sleeps at least this long between sends (0: per message)
 
     @property
     def label(self) -> str:
@@ -127,6 +130,9 @@ class Result:
     linger_ms: float
     batch_size: int
     latency_ms: dict[str, float] = field(default_factory=dict)
+    other_cpu: float = 0.0  # CPU seconds used meanwhile by processes outside the benchmark (a busy machine)
+    wall_seconds: float = 0.0  # from the start signal until every process reported
+    runs: list[dict[str, float]] = field(default_factory=list)  # with --repeat: every run's key numbers
 
     @property
     def correct(self) -> bool:
@@ -243,8 +249,13 @@ def producer_main(
 
 
 def paced_send(producer: Any, scenario: Scenario) -> None:
-    """Send at ``scenario.rate``: whatever is due now, stamped, then sleep until the next one is due."""
+    """Send at ``scenario.rate``: whatever is due now, stamped, then sleep until the next one is due.
+
+    With ``tick_ms``, sleep at least that long between rounds (fewer wake-ups, small bursts);
+    each message is stamped when it is actually sent either way.
+    """
     interval = 1.0 / scenario.rate
+    tick = scenario.tick_ms / 1000
     start = time.monotonic()
     sent = 0
     total = scenario.messages
@@ -260,7 +271,7 @@ def paced_send(producer: Any, scenario: Scenario) -> None:
                 for seq in range(sent, due):
                     producer.send(TOPIC, pack(time.time_ns(), seq) + PADDING)
             sent = due
-        pause = start + sent * interval - time.monotonic()
+        pause = max(start + sent * interval - time.monotonic(), tick)
         if pause > 0:
             time.sleep(pause)
 
@@ -275,14 +286,29 @@ def broker_cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def start_profilers(out_dir: Path, scenario: Scenario, pids: dict[str, int]) -> list[subprocess.Popen[bytes]]:
-    """One ``py-spy record -f raw`` per process (collapsed stacks, per thread, idle time left out)."""
+def machine_busy_seconds() -> float:
+    """CPU seconds the whole machine has spent busy since boot, from /proc/stat (Linux)."""
+    with open("/proc/stat") as f:
+        fields = [int(v) for v in f.readline().split()[1:]]
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
+    return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
+
+
+def start_profilers(
+    out_dir: Path, scenario: Scenario, pids: dict[str, int], *, gil: bool = False
+) -> list[subprocess.Popen[bytes]]:
+    """One ``py-spy record -f raw`` per process (collapsed stacks, per thread, idle time left out).
+
+    With ``gil``, only samples of the thread holding the GIL: closer to CPU time
+    spent in Python code, on a machine where processes wait for a core.
+    """
     py_spy = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
     out_dir.mkdir(parents=True, exist_ok=True)
     stem = f"{scenario.kind}-{scenario.fsync}-{scenario.api}"
     profilers = []
     for name, pid in pids.items():
-        cmd = [py_spy, "record", "--pid", str(pid), "--format", "raw", "--threads", "--rate", "250", "--nonblocking"]
+        cmd = [py_spy, "record", "--pid", str(pid), "--format", "raw", "--threads", "--nonblocking"]
+        cmd += ["--rate", str(PY_SPY_RATE), *(["--gil"] if gil else [])]
         cmd += ["--output", str(out_dir / f"{stem}-{name.replace(' ', '')}.txt")]
         profilers.append(subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
     time.sleep(1.0)  # let py-spy attach before the clock starts
@@ -300,7 +326,9 @@ def stop_profilers(profilers: Sequence[subprocess.Popen[bytes]]) -> None:
             profiler.kill()
 
 
-def run_scenario(root: Path, scenario: Scenario, report: Callable[[str], None], profile: Path | None = None) -> Result:
+def run_scenario(
+    root: Path, scenario: Scenario, report: Callable[[str], None], profile: Path | None = None, *, gil: bool = False
+) -> Result:
     from consumers.testing import BrokerProcess
 
     ctx: SpawnContext = multiprocessing.get_context("spawn")
@@ -326,11 +354,17 @@ def run_scenario(root: Path, scenario: Scenario, report: Callable[[str], None], 
         if profile is not None:
             pids = {"broker": broker.pid, "producer": procs[-1].pid or 0}
             pids.update({f"consumer{i + 1}": procs[i].pid or 0 for i in range(CONSUMERS)})
-            profilers = start_profilers(profile, scenario, pids)
-        cpu0 = broker_cpu_seconds(broker.pid)
+            profilers = start_profilers(profile, scenario, pids, gil=gil)
+        cpu0, busy0, own0, wall0 = (
+            broker_cpu_seconds(broker.pid),
+            machine_busy_seconds(),
+            time.process_time(),
+            time.time(),
+        )
         go.set()
         producer, consumers = _collect(scenario, results, counters, procs[-1], stop)
         broker_cpu = broker_cpu_seconds(broker.pid) - cpu0
+        busy, own, wall = machine_busy_seconds() - busy0, time.process_time() - own0, time.time() - wall0
     finally:
         stop_profilers(profilers)
         if procs:
@@ -341,7 +375,28 @@ def run_scenario(root: Path, scenario: Scenario, report: Callable[[str], None], 
                 proc.kill()
         broker.stop()
         shutil.rmtree(data_dir, ignore_errors=True)
-    return summarize(scenario, producer, consumers, broker_cpu)
+    result = summarize(scenario, producer, consumers, broker_cpu)
+    result.other_cpu = max(0.0, busy - own - sum(result.cpu.values()))
+    result.wall_seconds = wall
+    return result
+
+
+def key_numbers(r: Result) -> dict[str, float]:
+    numbers = {"producer_msg_per_s": r.producer_msg_per_s, "e2e_msg_per_s": r.e2e_msg_per_s, "other_cpu": r.other_cpu}
+    numbers.update({f"{k}_ms": v for k, v in r.latency_ms.items() if k != "samples"})
+    numbers.update({f"cpu_{k.replace(' ', '_')}": v for k, v in r.cpu.items()})
+    return numbers
+
+
+def median_run(results: Sequence[Result]) -> Result:
+    """The run in the middle by the scenario's headline number (end-to-end msg/s, or p99), with every run's numbers."""
+    if results[0].scenario.kind == "max-rate":
+        ordered = sorted(results, key=lambda r: r.e2e_msg_per_s)
+    else:
+        ordered = sorted(results, key=lambda r: r.p99_ms)
+    chosen = ordered[(len(ordered) - 1) // 2]
+    chosen.runs = [key_numbers(r) for r in results]
+    return chosen
 
 
 def _collect(
@@ -465,7 +520,8 @@ def check_targets(results: Sequence[Result]) -> list[TargetCheck]:
 def _cpu_cells(r: Result) -> str:
     consumers = [v for k, v in r.cpu.items() if k.startswith("consumer")]
     per_msg = sum(r.cpu.values()) / r.scenario.messages * 1e6
-    return " | ".join(f"{v:.2f}" for v in [r.cpu["producer"], r.cpu["broker"], *consumers]) + f" | {per_msg:.1f}"
+    cells = " | ".join(f"{v:.2f}" for v in [r.cpu["producer"], r.cpu["broker"], *consumers])
+    return f"{cells} | {per_msg:.1f} | {r.other_cpu:.2f}"
 
 
 def _check_cells(r: Result) -> str:
@@ -475,8 +531,9 @@ def _check_cells(r: Result) -> str:
 def throughput_table(results: Sequence[Result]) -> str:
     head = (
         "| fsync | API | linger ms / batch | producer msg/s | end-to-end msg/s | CPU s producer | CPU s broker "
-        "| CPU s consumer 1 | CPU s consumer 2 | CPU µs/msg (all) | received once | duplicates | lost | redelivered |\n"
-        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
+        "| CPU s consumer 1 | CPU s consumer 2 | CPU µs/msg (all) | CPU s other | received once | duplicates | lost "
+        "| redelivered |\n"
+        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
     )
     rows = [
         f"| {r.scenario.fsync} | {r.scenario.api}() | {r.linger_ms:g} / {r.batch_size} | {r.producer_msg_per_s:,.0f} "
@@ -490,9 +547,9 @@ def throughput_table(results: Sequence[Result]) -> str:
 def latency_table(results: Sequence[Result]) -> str:
     head = (
         "| fsync | API | rate msg/s | linger ms | messages | p50 ms | p99 ms | p99.9 ms | max ms | CPU s producer "
-        "| CPU s broker | CPU s consumer 1 | CPU s consumer 2 | CPU µs/msg (all) | received once | duplicates "
-        "| lost | redelivered |\n"
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
+        "| CPU s broker | CPU s consumer 1 | CPU s consumer 2 | CPU µs/msg (all) | CPU s other | received once "
+        "| duplicates | lost | redelivered |\n"
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
     )
     rows = []
     for r in results:
@@ -530,7 +587,7 @@ def progress(r: Result) -> str:
         )
     cpu = ", ".join(f"{k} {v:.2f}" for k, v in r.cpu.items())
     verdict = "exactly once" if r.correct else f"{r.duplicates} DUPLICATES, {r.lost} LOST"
-    return f"{line}; CPU s: {cpu}; {verdict}"
+    return f"{line}; CPU s: {cpu}; other processes {r.other_cpu:.2f} CPU s in {r.wall_seconds:.1f} s; {verdict}"
 
 
 def to_json(results: Sequence[Result], checks: Sequence[TargetCheck], settings: dict[str, Any]) -> dict[str, Any]:
@@ -569,12 +626,19 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--duration", type=float, help="seconds per latency run (default 10; --quick 2)")
     parser.add_argument("--linger-ms", type=float, default=1.0, help="producer linger of the latency runs")
     parser.add_argument("--credit", type=int, default=2000, help="credit of each consumer")
+    parser.add_argument(
+        "--tick-ms", type=float, default=0.0, help="latency runs: least sleep between sends (default 0: per message)"
+    )
+    parser.add_argument(
+        "--repeat", type=int, default=1, help="run each scenario N times and report the median run (default 1)"
+    )
     parser.add_argument("--no-latency", action="store_true", help="skip the latency runs")
     parser.add_argument("--no-max-rate", action="store_true", help="skip the max-rate runs")
     parser.add_argument("--dir", metavar="DIR", help="where the broker's data goes (default: the system temp dir)")
     parser.add_argument(
         "--py-spy", metavar="DIR", help="profile every process with py-spy (raw collapsed stacks into DIR)"
     )
+    parser.add_argument("--py-spy-gil", action="store_true", help="with --py-spy: only samples holding the GIL")
     parser.add_argument("--check", action="store_true", help="exit 1 when a target is missed or a message is lost")
     return parser.parse_args(argv)
 
@@ -591,7 +655,9 @@ def plan(args: argparse.Namespace) -> list[Scenario]:
             scenarios += [Scenario("max-rate", policy, api, messages, credit=args.credit) for api in apis]
         if not args.no_latency:
             count = max(1, round(args.rate * duration))
-            scenarios.append(Scenario("latency", policy, "send", count, args.rate, args.linger_ms, args.credit))
+            scenarios.append(
+                Scenario("latency", policy, "send", count, args.rate, args.linger_ms, args.credit, args.tick_ms)
+            )
     return scenarios
 
 
@@ -607,10 +673,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="conveyor-e2e-bench-", dir=args.dir) as tmp:
         report(f"[e2e_bench] {len(scenarios)} scenarios; broker data in {tmp}")
         for scenario in scenarios:
-            report(f"[e2e_bench] running {scenario.label}")
-            result = run_scenario(Path(tmp), scenario, report, Path(args.py_spy) if args.py_spy else None)
-            report(progress(result))
-            results.append(result)
+            runs = []
+            for i in range(max(1, args.repeat)):
+                report(
+                    f"[e2e_bench] running {scenario.label}"
+                    + (f", run {i + 1}/{args.repeat}" if args.repeat > 1 else "")
+                )
+                profile = Path(args.py_spy) if args.py_spy else None
+                runs.append(run_scenario(Path(tmp), scenario, report, profile, gil=args.py_spy_gil))
+                report(progress(runs[-1]))
+            results.append(median_run(runs))
     checks = check_targets(results)
     print(
         f"Conveyor end to end: 1 producer, broker, {CONSUMERS} consumers (one group, credit {args.credit}), "
@@ -626,6 +698,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(latency_table(results))
         print()
     print(targets_markdown(checks))
+    busy = [r for r in results if r.other_cpu > BUSY_MACHINE * r.wall_seconds]
+    if busy:
+        worst = max(r.other_cpu / r.wall_seconds for r in busy)
+        print(
+            f"\n**Warning:** other processes used up to {worst:.2f} CPUs during {len(busy)} of these runs "
+            "(see the 'CPU s other' column); on a shared machine the numbers are pessimistic."
+        )
     if args.json:
         settings = {
             "message_bytes": MESSAGE_BYTES,

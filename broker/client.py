@@ -5,6 +5,12 @@ socket work in one background I/O thread. Every batch carries the
 producer's id and a per-topic sequence, so after a timeout it can
 reconnect and resend everything unconfirmed: the broker stores each batch
 once and answers a resend with the original offsets.
+
+Per message, ``send()`` appends the record's bytes to the open batch and
+returns a light future; ``send_many()`` does the same for a whole list at a
+fraction of the cost. While ``max_in_flight`` batches of a topic await their
+confirms, that topic's open batch keeps filling (up to ``batch_size``)
+instead of queueing up small batches behind them.
 """
 
 from __future__ import annotations
@@ -19,9 +25,8 @@ import socket
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future
-from concurrent.futures._base import FINISHED, PENDING
 from dataclasses import dataclass
 from operator import add
 from typing import Any
@@ -34,6 +39,7 @@ from broker.aioclient import AsyncProducer
 from broker.codec import make_record
 from broker.config import DEFAULT_BROKER
 from broker.errors import BrokerUnavailable, ConveyorError, RequestTimeout
+from broker.futures import BatchState, batch_futures, new_future
 from broker.protocol import Command, decode, encode, error_from_header
 from broker.security import secure_client
 from consumers.message import Message, messages_from_entries
@@ -107,149 +113,6 @@ def _encode_record(value: Any, key: str | bytes | None, headers: dict[str, str] 
     return _packb(make_record(value, key, headers))
 
 
-# --- cheap futures ----------------------------------------------------------------------------
-#
-# ``concurrent.futures.Future`` builds a Condition per instance, and settling
-# thousands of futures one by one costs more than sending the messages. Here
-# the futures of one batch share a ``_BatchState`` (one Condition, the state,
-# the base offset): settling a batch is O(1) plus one step per future someone
-# actually waits on or added a callback to. A future holds only its batch and
-# its index and the producer keeps no reference to it, so a discarded future
-# is freed at once and the garbage collector never sees it.
-
-
-class _BatchState:
-    __slots__ = ("base_offset", "condition", "exception", "observed", "state")
-
-    def __init__(self) -> None:
-        self.condition = threading.Condition()
-        self.state = PENDING
-        self.base_offset = 0
-        self.exception: BaseException | None = None
-        self.observed: list[OffsetFuture] = []  # futures with waiters or callbacks
-
-    def resolve(self, base_offset: int) -> None:
-        with self.condition:
-            self.base_offset = base_offset
-            self.state = FINISHED
-            observed = [f for f in self.observed if not f._own]
-            for future in observed:
-                for waiter in future._waiters:
-                    waiter.add_result(future)
-            self.condition.notify_all()
-        self._callbacks(observed)
-
-    def fail(self, exc: BaseException) -> None:
-        with self.condition:
-            self.exception = exc
-            self.state = FINISHED
-            observed = [f for f in self.observed if not f._own]
-            for future in observed:
-                for waiter in future._waiters:
-                    waiter.add_exception(future)
-            self.condition.notify_all()
-        self._callbacks(observed)
-
-    @staticmethod
-    def _callbacks(observed: list[OffsetFuture]) -> None:
-        for future in observed:
-            if future._own_callbacks:
-                future._invoke_callbacks()  # type: ignore[attr-defined]
-
-
-class OffsetFuture(Future[int]):
-    """A real ``Future`` (``result()``, callbacks, ``wait``, ``as_completed``) of a message's offset.
-
-    Its state lives on the batch until something sets it directly (``cancel()``,
-    ``set_result()``...): from then on the future keeps its own.
-    """
-
-    __slots__ = ("_batch", "_index")
-    _own: dict[str, Any] | None = None  # per-future state, once detached from the batch
-    _own_waiters: list[Any] | None = None
-    _own_callbacks: list[Any] | None = None
-
-    def __init__(self, batch: _BatchState, index: int) -> None:  # super().__init__ skipped on purpose
-        self._batch = batch
-        self._index = index
-
-    def _get(self, name: str, shared: Any) -> Any:
-        own = self._own
-        return shared if own is None else own[name]
-
-    def _set(self, name: str, value: Any) -> None:
-        own = self._own
-        if own is None:
-            batch = self._batch
-            own = {"state": batch.state, "result": self._batch_result(), "exception": batch.exception}
-            self._own = own
-        own[name] = value
-
-    def _batch_result(self) -> int | None:
-        batch = self._batch
-        return batch.base_offset + self._index if batch.state == FINISHED and batch.exception is None else None
-
-    @property
-    def _condition(self) -> threading.Condition:  # type: ignore[override]
-        return self._batch.condition
-
-    @property
-    def _state(self) -> str:
-        return self._batch.state if self._own is None else self._own["state"]
-
-    @_state.setter
-    def _state(self, value: str) -> None:
-        self._set("state", value)
-
-    @property
-    def _result(self) -> int | None:
-        return self._batch_result() if self._own is None else self._own["result"]
-
-    @_result.setter
-    def _result(self, value: int | None) -> None:
-        self._set("result", value)
-
-    @property
-    def _exception(self) -> BaseException | None:
-        return self._batch.exception if self._own is None else self._own["exception"]
-
-    @_exception.setter
-    def _exception(self, value: BaseException | None) -> None:
-        self._set("exception", value)
-
-    @property
-    def _waiters(self) -> list[Any]:  # type: ignore[override]
-        if self._own_waiters is None:
-            self._own_waiters = []
-            self._observe()
-        return self._own_waiters
-
-    @property
-    def _done_callbacks(self) -> list[Any]:
-        if self._own_callbacks is None:
-            self._own_callbacks = []
-            self._observe()
-        return self._own_callbacks
-
-    def _observe(self) -> None:
-        # Called under the condition (Future's own methods hold it when they touch these lists).
-        if self._own_waiters is None or self._own_callbacks is None:  # the first of the two
-            self._batch.observed.append(self)
-
-
-_new_future = OffsetFuture.__new__
-_set_batch = OffsetFuture.__dict__["_batch"].__set__
-_set_index = OffsetFuture.__dict__["_index"].__set__
-
-
-def _futures(batch: _BatchState, first: int, count: int) -> list[OffsetFuture]:
-    """``[OffsetFuture(batch, i) for i in range(first, first + count)]`` in three C-level loops."""
-    futures = list(map(_new_future, itertools.repeat(OffsetFuture, count)))
-    deque(map(_set_batch, futures, itertools.repeat(batch, count)), 0)
-    deque(map(_set_index, futures, range(first, first + count)), 0)
-    return futures
-
-
 class _Buffer:
     """The batch being filled for one topic."""
 
@@ -258,7 +121,7 @@ class _Buffer:
     def __init__(self, opened: float) -> None:
         self.body = bytearray()
         self.count = 0
-        self.batch = _BatchState()
+        self.batch = BatchState()
         self.opened = opened
 
 
@@ -269,7 +132,7 @@ class _InFlight:
     seq: int
     body: bytes
     count: int
-    futures: _BatchState
+    futures: BatchState
     sent_at: float
     first_sent: float
     attempts: int = 1
@@ -350,15 +213,12 @@ class Producer:
             batch = buf.batch
         finally:
             lock.release()
-        future = _new_future(OffsetFuture)  # OffsetFuture(batch, index) without the __init__ call
-        future._batch = batch
-        future._index = index
-        return future
+        return new_future(batch, index)
 
     def send_many(
         self,
         topic: str,
-        values: Sequence[Any],
+        values: Iterable[Any],
         *,
         key: str | bytes | None = None,
         headers: dict[str, str] | None = None,
@@ -368,6 +228,8 @@ class Producer:
         The same as calling ``send()`` for each value, at a fraction of the cost
         per message: encoding and queueing work on the whole list.
         """
+        if not isinstance(values, list | tuple):
+            values = list(values)  # a generator would be used up by the first pass
         if key is None and headers is None and all(type(v) is bytes for v in values):
             records = list(map(add, _record_prefixes(values), values))
         else:
@@ -393,7 +255,7 @@ class Producer:
                 batch = buf.batch
                 if done + take < total or buf.count >= self.batch_size:
                     self._hand_off(topic)
-            futures += _futures(batch, first, take)
+            futures += batch_futures(batch, first, take)
             done += take
         return futures
 
@@ -510,17 +372,25 @@ class _ProducerIO:
         now = time.monotonic()
         deadlines = [now + 1.0]
         with self.p._lock:
-            deadlines += [buf.opened + self.p.linger for buf in self.p._buffers.values()]
+            deadlines += [b.opened + self.p.linger for t, b in self.p._buffers.items() if not self._blocked(t)]
         deadlines += [f.sent_at + self.p.request_timeout for f in self.in_flight.values()]
         deadlines += list(self.retry_at.values())
         return max(0, math.ceil((min(deadlines) - now) * 1000))  # not a whole extra ms past the linger
 
+    def _blocked(self, topic: str) -> bool:
+        return self.per_topic.get(topic, 0) >= self.p.max_in_flight
+
     def _collect_lingering(self) -> None:
+        """Hand off buffers whose linger is over, except where ``max_in_flight`` batches await a confirm.
+
+        Those keep filling until a confirm frees a slot (or they are full): under
+        back-pressure batches grow instead of queueing up small.
+        """
         now = time.monotonic()
         with self.p._lock:
             due = self.p.linger - _POLL_SLACK
             for topic, buf in list(self.p._buffers.items()):
-                if now - buf.opened >= due:
+                if now - buf.opened >= due and not self._blocked(topic):
                     self.p._hand_off(topic, wake=False)  # this is the I/O thread
             while self.ready:
                 self.queued.append(self.ready.popleft())

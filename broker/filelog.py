@@ -8,7 +8,8 @@ from bisect import bisect_right
 from collections.abc import Callable
 from pathlib import Path
 
-from broker.errors import SegmentCorrupt
+from broker import fsio
+from broker.errors import ConveyorError, SegmentCorrupt, StorageIOError
 from broker.fsutil import fsync_dir, storage_errors
 from broker.record import Batch, BatchHeader
 from broker.segment import Segment
@@ -44,6 +45,7 @@ class FileLog(TopicLog):
         self.segments: list[Segment] = []
         self._bases: list[int] = []
         self._unsynced: list[Segment] = []  # rolled since the last sync
+        self._in_doubt = False  # a failed fsync's data is not cut yet: no writes until it is
         with storage_errors(str(self.directory)):
             self.directory.mkdir(parents=True, exist_ok=True)
         self._open()
@@ -91,7 +93,7 @@ class FileLog(TopicLog):
         segment.close()
         for path in (segment.path, segment.index_path):
             if path.exists():
-                path.rename(target / path.name)
+                fsio.rename(path, target / path.name)
         fsync_dir(self.directory)
         log.error("%s: quarantined corrupt segment %s", self.name, segment.path.name)
 
@@ -127,6 +129,9 @@ class FileLog(TopicLog):
     # --- primitives ----------------------------------------------------------
 
     def _write(self, header: bytes, body: bytes, base_offset: int, count: int, timestamp_ms: int) -> None:
+        if self._in_doubt:  # a failed fsync left data that could not be cut: cut it, then have this batch resent
+            self._discard_unsynced()
+            raise StorageIOError(f"{self.name}: the log was cut back after a failed fsync; send again", topic=self.name)
         active = self.segments[-1]
         if active.size and active.size + len(header) + len(body) > self.config.segment_bytes:
             self._roll(base_offset)
@@ -134,18 +139,44 @@ class FileLog(TopicLog):
         active.append(header, body, base_offset, count, timestamp_ms)
 
     def _roll(self, base_offset: int) -> None:
+        # Under every policy a sealed segment is whole on disk before the next one exists: recovery
+        # requires sealed segments to be complete and contiguous, so a power cut between the roll and
+        # the next sync must not leave a short segment (a gap) before a newer one.
         sealed = self.segments[-1]
-        if self.fsync.mode == "none":
-            sealed.flush_index()
-        elif sealed not in self._unsynced:  # it is already there if truncate_to made it active again
-            self._unsynced.append(sealed)  # synced with the next group commit
+        self._sync_segments([sealed])
+        if sealed in self._unsynced:  # it is there if truncate_to made it active again
+            self._unsynced.remove(sealed)
         self._new_segment(base_offset)
 
     def _sync(self) -> None:
-        for segment in self._unsynced:
-            segment.sync()
+        if self._in_doubt:
+            self._discard_unsynced()
+        self._sync_segments([*self._unsynced, self.segments[-1]])
         self._unsynced.clear()
-        self.segments[-1].sync()
+
+    def _sync_segments(self, segments: list[Segment]) -> None:
+        try:
+            for segment in segments:
+                segment.sync()
+        except ConveyorError:
+            self._discard_unsynced()
+            raise
+
+    def _discard_unsynced(self) -> None:
+        """After a failed fsync, cut the log back to what the last successful sync made durable.
+
+        Linux may mark the pages of a failed writeback clean without writing them ("fsyncgate"),
+        so a later fsync that succeeds proves nothing about them: they must not be confirmed by
+        it. Nothing past the durable offset was confirmed, delivered or served; its producers get
+        a retriable error and resend. While the cut itself fails, the log takes no writes.
+        """
+        self._in_doubt = True
+        if self.durable_offset < self.end_offset:
+            log.error(
+                "%s: fsync failed: dropping unsynced offsets [%d, %d)", self.name, self.durable_offset, self.end_offset
+            )
+            self.truncate_to(self.durable_offset)
+        self._in_doubt = False
 
     def _read_stored(self, offset: int, max_bytes: int) -> list[Batch]:
         i = max(0, bisect_right(self._bases, offset) - 1)

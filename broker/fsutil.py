@@ -6,6 +6,7 @@ import errno
 import os
 from pathlib import Path
 
+from broker import fsio
 from broker.errors import StorageFull, StorageIOError
 
 
@@ -13,7 +14,7 @@ def fsync_dir(path: str | os.PathLike[str]) -> None:
     """Make a create, rename or unlink inside ``path`` survive power loss."""
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
     try:
-        os.fsync(fd)
+        fsio.fsync(fd)
     finally:
         os.close(fd)
 
@@ -29,17 +30,17 @@ def atomic_write(path: str | os.PathLike[str], data: bytes) -> None:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
             write_all(fd, data)
-            os.fsync(fd)
+            fsio.fsync(fd)
         finally:
             os.close(fd)
-        os.replace(tmp, target)
+        fsio.replace(tmp, target)
         fsync_dir(target.parent)
 
 
 def write_all(fd: int, data: bytes | bytearray | memoryview) -> None:
     view = memoryview(data)
     while view:
-        written = os.write(fd, view)
+        written = fsio.write(fd, view)
         view = view[written:]
 
 

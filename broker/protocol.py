@@ -104,13 +104,16 @@ def decode(frames: Frames, *, max_batch_bytes: int = 16 << 20) -> Frame:
     return Frame(command, header, payload)
 
 
+_COMMANDS = {c.value: c for c in Command}  # a dict lookup: ``Command(x)`` costs an Enum call per message
+
+
 def _decode_command(frame: bytes | memoryview) -> Command:
     if len(frame) != 1:
         raise MalformedFrame("command frame must be one byte")
-    try:
-        return Command(frame[0])
-    except ValueError:
-        raise UnknownCommand(f"unknown command 0x{frame[0]:02x}", command=frame[0]) from None
+    command = _COMMANDS.get(frame[0])
+    if command is None:
+        raise UnknownCommand(f"unknown command 0x{frame[0]:02x}", command=frame[0])
+    return command
 
 
 def _decode_header(frame: bytes | memoryview) -> dict[str, Any]:

@@ -16,7 +16,8 @@ from bisect import bisect_right
 from dataclasses import dataclass
 from pathlib import Path
 
-from broker.errors import SegmentCorrupt
+from broker import fsio
+from broker.errors import ConveyorError, SegmentCorrupt
 from broker.fsutil import storage_errors, write_all
 from broker.record import HEADER_SIZE, LENGTH_PREFIX, Batch, BatchHeader, check_batch, decode_header
 
@@ -54,6 +55,7 @@ class Segment:
         self._index_pending = bytearray()
         self._bytes_since_index = index_interval  # the first batch is always indexed
         self.recovered_headers: list[BatchHeader] = []
+        self._torn = False  # a failed write's partial bytes are still past ``size``
         with storage_errors(str(self.path)):
             self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o644)
         self.size = os.fstat(self._fd).st_size
@@ -63,9 +65,13 @@ class Segment:
     def append(self, header: bytes, body: bytes, base_offset: int, count: int, timestamp_ms: int) -> None:
         """One ``writev`` per batch: header and body, never copied together."""
         position = self.size
+        if self._torn:  # an earlier failed write left bytes past ``size``: they go before anything is added
+            with storage_errors(str(self.path)):
+                fsio.ftruncate(self._fd, position)
+            self._torn = False
         try:
             with storage_errors(str(self.path)):
-                written = os.writev(self._fd, (header, body))
+                written = fsio.writev(self._fd, (header, body))
                 if written != len(header) + len(body):  # a short write: finish it or fail loudly
                     write_all(self._fd, (header + body)[written:])
         except Exception:
@@ -79,8 +85,9 @@ class Segment:
     def _undo_partial_write(self, position: int) -> None:
         """Never leave half a batch behind a failed write."""
         try:
-            os.ftruncate(self._fd, position)
+            fsio.ftruncate(self._fd, position)
         except OSError:
+            self._torn = True  # O_APPEND would write after the partial bytes: the next append cuts them first
             log.exception("%s: could not cut a partial write at %d", self.path, position)
 
     def _maybe_index(self, offset: int, position: int, size: int) -> None:
@@ -93,7 +100,7 @@ class Segment:
 
     def sync(self) -> None:
         with storage_errors(str(self.path)):
-            os.fdatasync(self._fd)
+            fsio.fdatasync(self._fd)
         self.flush_index()
 
     def flush_index(self) -> None:
@@ -108,17 +115,29 @@ class Segment:
         self._index_pending.clear()
 
     def truncate(self, size: int, next_offset: int) -> None:
-        """Cut the file at ``size`` (a batch boundary) and forget index past it."""
+        """Cut the file at ``size`` (a batch boundary) and forget index past it.
+
+        Only the cut must succeed. What it removes was never confirmed (a torn tail, or batches
+        a failed fsync left in doubt), and the index is a hint: if syncing the cut or rewriting
+        the index fails, the next successful sync makes the new size durable, and recovery
+        handles a tail that comes back after a power cut.
+        """
         with storage_errors(str(self.path)):
-            os.ftruncate(self._fd, size)
-            os.fdatasync(self._fd)
+            fsio.ftruncate(self._fd, size)
         self.size = size
+        self._torn = False
         self.next_offset = next_offset
         keep = bisect_right(self._index_positions, size - 1)
         del self._index_offsets[keep:]
         del self._index_positions[keep:]
-        self._rewrite_index()
         self._bytes_since_index = self.index_interval
+        try:
+            with storage_errors(str(self.path)):
+                fsio.fdatasync(self._fd)
+            self._rewrite_index()
+        except ConveyorError as exc:
+            self._index_pending.clear()  # it may name cut batches; the index is rebuilt on open
+            log.warning("%s: cut at %d, not yet durable: %s", self.path, size, exc)
 
     def _rewrite_index(self) -> None:
         data = b"".join(

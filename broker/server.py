@@ -37,7 +37,7 @@ from broker.errors import (
     ShuttingDown,
     UnknownTopic,
 )
-from broker.groups import Delivery, Group, GroupSettings, Member
+from broker.groups import DeadLetter, Delivery, Group, GroupSettings, Member, Pending
 from broker.mirror import STATUS_CODES, Mirror, MirrorSettings
 from broker.protocol import Command, Frame, decode, encode, error_header
 from broker.protocol import field as hfield
@@ -76,6 +76,16 @@ class Confirm:
 
 
 @dataclass(slots=True)
+class DeadWrite:
+    """Dead letters appended to a dead-letter topic: settled once that append is durable."""
+
+    group: Group
+    letter: DeadLetter
+    log: TopicLog
+    end: int
+
+
+@dataclass(slots=True)
 class FetchWait:
     peer: bytes
     frame: Frame
@@ -103,6 +113,7 @@ class Broker:
         self.groups: dict[tuple[str, str], Group] = {}
         self.peers: dict[bytes, Peer] = {}
         self.confirms: list[Confirm] = []
+        self.dead_writes: list[DeadWrite] = []
         self.fetch_waits: dict[str, list[FetchWait]] = defaultdict(list)
         self.appended: set[str] = set()
         self.to_dispatch: set[Group] = set()
@@ -138,6 +149,9 @@ class Broker:
             key_affinity=bool(state.get("key_affinity", False)),
         )
         offset = int(state.get("committed_offset", log_.start_offset))
+        if offset > log_.end_offset:  # the log lost a tail the offsets file had seen (power cut, fsync=none)
+            log.warning("group %s/%s: committed offset %d is past the log end %d", topic, name, offset, log_.end_offset)
+            offset = log_.end_offset  # new messages will take those offsets again: deliver them
         group = Group(topic, name, settings, next_offset=max(offset, log_.start_offset), clock=self.clock)
         self.groups[(topic, name)] = group
         return group
@@ -258,7 +272,8 @@ class Broker:
         if now >= self._next_housekeeping:
             self._housekeeping(now)
         self._handle_dead_letters()
-        if self.appended or self.store.next_sync_due() is not None:
+        # self.confirms: a pass that only answered resent (duplicate) batches still owes their confirms.
+        if self.appended or self.confirms or self.store.next_sync_due() is not None:
             self._group_commit()
         self._dispatch()
 
@@ -382,7 +397,11 @@ class Broker:
         count = self._validate(body)
         log_ = self._topic_for_write(topic)
         started = time.perf_counter()
-        result = log_.append(body, count, producer_id=producer_id, sequence=sequence)
+        try:
+            result = log_.append(body, count, producer_id=producer_id, sequence=sequence)
+        except ConveyorError as exc:
+            self._fail_confirms(exc, cut_from=log_)  # a sync inside the append failed: the log was cut back
+            raise
         self.metrics.append_seconds.observe(time.perf_counter() - started)
         if result.duplicate:
             self.metrics.duplicate_batches.labels(topic).inc()
@@ -423,7 +442,7 @@ class Broker:
             if self.store.fsync.mode == "interval":
                 self.store.maybe_sync()
             else:
-                self.store.sync()
+                self.store.sync(wait=False)  # the groups' files are written by the store's writer thread
         except ConveyorError as exc:
             log.error("group commit failed: %s", exc)
             self._fail_confirms(exc)
@@ -458,11 +477,21 @@ class Broker:
                 ),
             )
         self.confirms = waiting
+        self.dead_writes = [w for w in self.dead_writes if w.end > w.log.durable_offset]
 
-    def _fail_confirms(self, exc: ConveyorError) -> None:
+    def _fail_confirms(self, exc: ConveyorError, cut_from: TopicLog | None = None) -> None:
+        """Answer waiting confirms with ``exc``: all, or those of offsets ``cut_from`` no longer holds."""
+        waiting: list[Confirm] = []
         for confirm in self.confirms:
-            self._reply_error(confirm.peer, exc, confirm.rid)
-        self.confirms = []
+            cut = confirm.log is cut_from and confirm.base_offset + confirm.count > confirm.log.end_offset
+            if cut_from is None or cut:
+                self._reply_error(confirm.peer, exc, confirm.rid)
+            else:
+                waiting.append(confirm)
+        self.confirms = waiting
+        for write in [w for w in self.dead_writes if w.end > w.log.end_offset]:  # cut: not dead-lettered after all
+            self.dead_writes.remove(write)
+            self._undead(write.group, write.letter)
 
     # --- subscriptions ------------------------------------------------------------------
 
@@ -612,10 +641,25 @@ class Broker:
                 )
                 if built is None:
                     continue
-                target = self.store.get_or_create(dead_letter_topic(group.topic, group.settings.dead_letter_topic))
-                target.append(built[0], built[1])
+                name = dead_letter_topic(group.topic, group.settings.dead_letter_topic)
+                try:
+                    target = self.store.get_or_create(name)
+                    result = target.append(built[0], built[1])
+                except ConveyorError as exc:
+                    log.error("dead-lettering %s/%s failed, redelivering instead: %s", group.topic, group.name, exc)
+                    if name in self.store.logs:  # a sync inside the append may have cut it back
+                        self._fail_confirms(exc, cut_from=self.store.logs[name])
+                    self._undead(group, dead)
+                    continue
+                self.dead_writes.append(DeadWrite(group, dead, target, result.base_offset + result.count))
                 self.appended.add(target.name)
                 self.metrics.dead_lettered_messages.labels(group.topic, group.name).inc(built[1])
+            self.to_dispatch.add(group)
+
+    def _undead(self, group: Group, letter: DeadLetter) -> None:
+        """Dead letters that could not be stored are not settled: redeliver them (and dead-letter them again)."""
+        if self.groups.get((group.topic, group.name)) is group:
+            group.pending.append(Pending(list(letter.ranges), letter.deliveries, self.clock() + 1.0, letter.reason))
             self.to_dispatch.add(group)
 
     # --- fetch ---------------------------------------------------------------------------
@@ -717,7 +761,8 @@ class Broker:
 
     def _housekeeping(self, now: float) -> None:
         interval = self.settings.heartbeat_ms / 1000
-        self._next_housekeeping = now + min(interval, 0.25)
+        # Offsets are committed here: come back in time for --offsets-commit-ms too.
+        self._next_housekeeping = now + min(interval, 0.25, max(0.01, self.settings.offsets_commit_ms / 1000))
         dead_after = interval * self.settings.liveness
         for identity, peer in list(self.peers.items()):
             if now - peer.last_seen > dead_after:
@@ -742,9 +787,12 @@ class Broker:
 
     def _commit_offsets(self) -> None:
         offsets = {(g.topic, g.name): g.committed_offset for g in self.groups.values()}
+        for write in self.dead_writes:  # settled only once the dead-letter topic holds them durably
+            key = (write.group.topic, write.group.name)
+            offsets[key] = min(offsets.get(key, 0), *(start for start, _end in write.letter.ranges))
         self.store.commit_offsets(offsets)
         try:
-            self.store.write_groups()
+            self.store.write_groups(wait=False)  # two fsyncs and a rename: not on the event loop
         except ConveyorError as exc:
             log.error("committing group offsets failed: %s", exc)
 

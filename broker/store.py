@@ -9,14 +9,16 @@ then one atomic write per topic whose groups moved.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import shutil
+import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from broker.errors import InvalidName, TopicExists, UnknownTopic
+from broker.errors import ConveyorError, InvalidName, TopicExists, UnknownTopic
 from broker.filelog import FileLog
 from broker.fsutil import atomic_write, fsync_dir, storage_errors
 from broker.memlog import MemoryLog
@@ -27,6 +29,70 @@ TOPIC_FILE = "topic.json"
 GROUPS_FILE = "groups.json"
 
 LogFactory = Callable[[str, Path, TopicConfig, FsyncPolicy], TopicLog]
+log = logging.getLogger("conveyor.store")
+
+
+class OffsetWriter:
+    """Writes ``groups.json`` files on a thread of their own.
+
+    An atomic write is two fsyncs and a rename: milliseconds the event loop
+    would otherwise stall, several times a second while consumers ack. Only
+    the newest data per file is kept; ``flush()`` waits for everything.
+    """
+
+    def __init__(self) -> None:
+        self._pending: dict[Path, bytes] = {}
+        self._cv = threading.Condition()
+        self._busy = False
+        self._closed = False
+        self._error: ConveyorError | None = None
+        self._thread = threading.Thread(target=self._run, name="conveyor-offsets", daemon=True)
+        self._thread.start()
+
+    def submit(self, path: Path, data: bytes) -> None:
+        with self._cv:
+            self._pending[path] = data
+            self._cv.notify_all()
+
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                while not self._pending and not self._closed:
+                    self._cv.wait()
+                if not self._pending:
+                    return
+                items, self._pending = self._pending, {}
+                self._busy = True
+            error = None
+            for path, data in items.items():
+                try:
+                    atomic_write(path, data)
+                except ConveyorError as exc:  # reported by the next flush() or check()
+                    error = error or exc
+            with self._cv:
+                self._error = self._error or error
+                self._busy = False
+                self._cv.notify_all()
+
+    def flush(self) -> None:
+        """Wait until every submitted file is written; raise the first failure since the last check."""
+        with self._cv:
+            while self._pending or self._busy:
+                self._cv.wait()
+        self.check()
+
+    def check(self) -> None:
+        with self._cv:
+            error, self._error = self._error, None
+        if error is not None:
+            raise error
+
+    def close(self) -> None:
+        self.flush()
+        with self._cv:
+            self._closed = True
+            self._cv.notify_all()
+        self._thread.join()
 
 
 def _file_backend(name: str, directory: Path, config: TopicConfig, fsync: FsyncPolicy) -> TopicLog:
@@ -68,6 +134,7 @@ class Store:
         self.logs: dict[str, TopicLog] = {}
         self.groups: dict[str, dict[str, dict[str, Any]]] = {}
         self._dirty_groups: set[str] = set()
+        self._offsets = OffsetWriter()
         with storage_errors(str(self.topics_dir)):
             self.topics_dir.mkdir(parents=True, exist_ok=True)
         self._open_topics()
@@ -159,19 +226,27 @@ class Store:
 
     # --- durability ------------------------------------------------------------
 
-    def sync(self, *, force: bool = False) -> None:
-        """The group commit: every dirty log, then the groups that moved."""
+    def sync(self, *, force: bool = False, wait: bool = True) -> None:
+        """The group commit: every dirty log, then the groups that moved.
+
+        ``wait=False`` (the broker's loop) leaves the groups' files to the writer thread.
+        """
         for log in self.logs.values():
             if log.dirty or force:
                 log.sync(force=force)
-        self.write_groups()
+        self.write_groups(wait=wait or force)
 
-    def write_groups(self) -> None:
+    def write_groups(self, *, wait: bool = True) -> None:
+        """Hand the groups that moved to the writer thread; ``wait`` until they are on disk."""
         for topic in sorted(self._dirty_groups):
             if topic in self.logs and self.logs[topic].config.storage == "file":
                 data = json.dumps(self.groups.get(topic, {}), sort_keys=True).encode()
-                atomic_write(self.topics_dir / topic / GROUPS_FILE, data)
+                self._offsets.submit(self.topics_dir / topic / GROUPS_FILE, data)
         self._dirty_groups.clear()
+        if wait:
+            self._offsets.flush()
+        else:
+            self._offsets.check()
 
     def next_sync_due(self) -> float | None:
         dues = [d for d in (log.next_sync_due() for log in self.logs.values()) if d is not None]
@@ -186,8 +261,9 @@ class Store:
 
     def close(self) -> None:
         self.sync(force=True)
-        for log in self.logs.values():
-            log.close()
+        self._offsets.close()
+        for topic_log in self.logs.values():
+            topic_log.close()
 
 
 def _read_json(path: Path) -> dict[str, Any]:

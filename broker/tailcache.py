@@ -10,6 +10,8 @@ from bisect import bisect_right
 
 from broker.record import Batch
 
+_EVICTED = Batch(-1, 0, 0, b"", -1, -1)  # stands in for an evicted batch until the list is compacted
+
 
 class TailCache:
     def __init__(self, max_bytes: int) -> None:
@@ -27,6 +29,7 @@ class TailCache:
         self.bytes += len(batch.body)
         while self.bytes > self.max_bytes and self._head < len(self._batches) - 1:
             self.bytes -= len(self._batches[self._head].body)
+            self._batches[self._head] = _EVICTED  # free the body now: only the slot waits for compaction
             self._head += 1
         if self._head > 1024 and self._head * 2 > len(self._batches):
             self._compact()
@@ -78,6 +81,7 @@ class TailCache:
     def drop_before(self, offset: int) -> None:
         while self._head < len(self._batches) and self._batches[self._head].next_offset <= offset:
             self.bytes -= len(self._batches[self._head].body)
+            self._batches[self._head] = _EVICTED
             self._head += 1
 
     def __len__(self) -> int:

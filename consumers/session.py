@@ -41,11 +41,13 @@ def offset_ranges(messages: Iterable[Message | int]) -> list[list[int]]:
     items = messages if isinstance(messages, list) else list(messages)
     if not items:
         return []
-    offsets: list[int] = (
-        items  # type: ignore[assignment]  # a list of ints (the runner's acks) is used as it is
-        if isinstance(items[0], int)
-        else [m.offset if isinstance(m, Message) else int(m) for m in items]
-    )
+    if isinstance(items[0], int):
+        offsets: list[int] = items  # type: ignore[assignment]  # a list of ints (the runner's acks) as it is
+    else:
+        try:
+            offsets = list(map(_offset_of, items))  # a C loop over a delivered batch of messages
+        except AttributeError:
+            offsets = [m.offset if isinstance(m, Message) else int(m) for m in items]
     first, last = offsets[0], offsets[-1]
     if last - first + 1 == len(offsets) and offsets == list(range(first, last + 1)):
         return [[first, last + 1]]  # contiguous and in order: the common case

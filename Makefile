@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-dev
 
-.PHONY: run test deps lint typecheck unit venv bench-log clean
+.PHONY: run test deps lint typecheck unit venv bench-log bench-e2e soak clean
 
 $(PY):
 	@$(PYTHON) -c 'import sys; assert sys.version_info >= (3, 11), "Conveyor needs Python 3.11+"'
@@ -12,7 +12,7 @@ $(PY):
 	$(PY) -m pip install --quiet --upgrade pip
 
 $(STAMP): $(PY) pyproject.toml
-	$(PY) -m pip install --quiet -e '.[dev]'
+	$(PY) -m pip install --quiet -e '.[dev,spark]'
 	touch $@
 
 venv: $(STAMP)
@@ -29,18 +29,42 @@ deps:
 	@command -v promtool >/dev/null || (apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends prometheus)
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check broker consumers decorators monitoring benchmarks tests
-	$(VENV)/bin/ruff format --check broker consumers decorators monitoring
+	$(VENV)/bin/ruff check broker consumers decorators monitoring benchmarks pipeline tests
+	$(VENV)/bin/ruff format --check broker consumers decorators monitoring pipeline tests/spark
 
 typecheck: $(STAMP)
-	$(VENV)/bin/mypy broker consumers decorators monitoring
+	$(VENV)/bin/mypy broker consumers decorators monitoring pipeline
 
 unit: $(STAMP) deps
 	$(PY) -m pytest -q
+
+## The long fault runs (kill -9 loops, power-loss cycles, the model-based test): about SOAK_SECONDS in all.
+SOAK_SECONDS ?= 540
+soak: $(STAMP)
+	CONVEYOR_SOAK_SECONDS=$(SOAK_SECONDS) timeout $$(( $(SOAK_SECONDS) * 2 + 300 )) \
+		$(PY) -m pytest -m soak tests/faults -q -s --timeout $$(( $(SOAK_SECONDS) + 300 ))
 
 ## Append/read throughput of the topic log under each fsync policy.
 bench-log: $(STAMP)
 	$(PY) -m benchmarks.log_bench
 
+## End to end: broker, 1 producer and 2 consumers as processes; throughput, latency, CPU per process.
+bench-e2e: $(STAMP)
+	$(PY) -m benchmarks.e2e_bench
+
 clean:
 	rm -rf $(VENV) conveyor-data .pytest_cache .mypy_cache .ruff_cache
+
+## `conveyor bench` peers: Redis (redis-server + the redis client) always; `bench-peers` adds NATS and RabbitMQ.
+.PHONY: bench-deps bench-peers bench
+bench-deps: $(STAMP)
+	@command -v redis-server >/dev/null || (apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends redis-server)
+	$(PY) -m pip install --quiet 'redis>=5' 'py-spy>=0.3'
+
+bench-peers: bench-deps
+	@command -v nats-server >/dev/null && test -x /usr/lib/rabbitmq/bin/rabbitmq-server || (apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends nats-server rabbitmq-server)
+	$(PY) -m pip install --quiet 'nats-py>=2.6' 'pika>=1.3'
+
+## The default scenarios against every installed peer: an HTML report and JSON (about 6 minutes on 2 cores).
+bench: bench-deps
+	$(VENV)/bin/conveyor bench --config benchmarks/default.json --report bench-report.html --json bench-results.json

@@ -47,10 +47,19 @@ from consumers.message import Message, messages_from_entries
 __all__ = ["DEFAULT_BROKER", "Admin", "AsyncProducer", "Producer"]
 
 
-def new_dealer(ctx: zmq.Context[Any], address: str) -> zmq.Socket[Any]:
+def new_dealer(ctx: zmq.Context[Any], address: str, *, auto_reconnect: bool = True) -> zmq.Socket[Any]:
+    """A DEALER to the broker.
+
+    ``auto_reconnect=False`` is for the producer: ZeroMQ's own reconnect would
+    let batches queued after a lost one reach a restarted broker first, and
+    the lost one could then fall out of the broker's deduplication window.
+    The producer makes a new socket itself and resends everything in order.
+    """
     sock = ctx.socket(zmq.DEALER)
     secure_client(sock)
     sock.setsockopt(zmq.LINGER, 0)
+    if not auto_reconnect:
+        sock.setsockopt(zmq.RECONNECT_IVL, -1)
     sock.setsockopt(zmq.SNDHWM, 100_000)
     sock.setsockopt(zmq.RCVHWM, 100_000)
     sock.connect(address)
@@ -339,7 +348,7 @@ class _ProducerIO:
         self.rids = itertools.count(1)
         self.retry_at: dict[int, float] = {}
         self.reconnects = 0
-        self.sock = new_dealer(producer._ctx, producer.address)
+        self.sock = new_dealer(producer._ctx, producer.address, auto_reconnect=False)
 
     def run(self) -> None:
         poller = zmq.Poller()
@@ -473,7 +482,7 @@ class _ProducerIO:
         poller.unregister(self.sock)
         self.sock.close(linger=0)
         time.sleep(backoff_seconds(self.p.retry_wait, min(self.reconnects, 10)))
-        self.sock = new_dealer(self.p._ctx, self.p.address)
+        self.sock = new_dealer(self.p._ctx, self.p.address, auto_reconnect=False)
         poller.register(self.sock, zmq.POLLIN)
         for flight in sorted(self.in_flight.values(), key=lambda f: (f.topic, f.seq)):
             flight.attempts += 1

@@ -1,0 +1,181 @@
+"""The data source's options, parsed once, with the errors users see.
+
+Spark hands options over as a case-insensitive map of strings; these
+dataclasses turn them into typed values (and are pickled to executors with
+the reader and writer).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from broker.config import DEFAULT_BROKER
+
+__all__ = ["ReadOptions", "StartPosition", "WriteOptions", "parse_position"]
+
+TRUE = {"true", "1", "yes", "on"}
+FALSE = {"false", "0", "no", "off"}
+
+
+class OptionError(ValueError):
+    """A bad option value; the message names the option."""
+
+
+def _get(options: Mapping[str, str], name: str, default: Any = None) -> Any:
+    # Spark's map is case-insensitive; a plain dict (tests, direct use) may not be.
+    if name in options:
+        return options[name]
+    lowered = {str(k).lower(): v for k, v in options.items()}
+    return lowered.get(name.lower(), default)
+
+
+def _int(options: Mapping[str, str], name: str, default: int | None, *, minimum: int = 0) -> int | None:
+    raw = _get(options, name)
+    if raw is None or raw == "":
+        return default
+    try:
+        value = int(str(raw).replace("_", ""))
+    except ValueError:
+        raise OptionError(f"option {name} must be an integer, not {raw!r}") from None
+    if value < minimum:
+        raise OptionError(f"option {name} must be at least {minimum}, not {value}")
+    return value
+
+
+def _bool(options: Mapping[str, str], name: str, default: bool) -> bool:
+    raw = _get(options, name)
+    if raw is None:
+        return default
+    text = str(raw).strip().lower()
+    if text in TRUE:
+        return True
+    if text in FALSE:
+        return False
+    raise OptionError(f"option {name} must be true or false, not {raw!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class StartPosition:
+    """``earliest``, ``latest``, an offset, or a time (ms since the epoch)."""
+
+    kind: str  # "earliest" | "latest" | "offset" | "timestamp"
+    value: int = 0
+
+
+def parse_position(name: str, raw: str | None, default: str) -> StartPosition:
+    """``earliest`` / ``latest`` / ``1234`` / ``{"offset": 1234}`` / ``{"timestamp": ms}``."""
+    text = (raw if raw not in (None, "") else default).strip()
+    lowered = text.lower()
+    if lowered in ("earliest", "latest"):
+        return StartPosition(lowered)
+    if lowered.lstrip("-").isdigit():
+        value = int(lowered)
+        if value < 0:  # Kafka's -2 / -1 spellings
+            return StartPosition({-2: "earliest", -1: "latest"}.get(value, "latest"))
+        return StartPosition("offset", value)
+    try:
+        parsed = json.loads(text)
+    except ValueError:
+        parsed = None
+    if isinstance(parsed, dict):
+        if "offset" in parsed:
+            return StartPosition("offset", int(parsed["offset"]))
+        if "timestamp" in parsed:
+            return StartPosition("timestamp", int(parsed["timestamp"]))
+    raise OptionError(f'option {name} must be earliest, latest, an offset or {{"timestamp": ms}}, not {raw!r}')
+
+
+def default_broker() -> str:
+    return os.environ.get("CONVEYOR_BROKER", DEFAULT_BROKER)
+
+
+@dataclass(frozen=True)
+class ReadOptions:
+    broker: str
+    topic: str
+    starting: StartPosition
+    ending: StartPosition
+    partition_size: int = 250_000
+    min_partitions: int = 1
+    max_offsets_per_trigger: int | None = None
+    fetch_max_bytes: int = 8 << 20
+    fetch_max_messages: int = 200_000
+    fail_on_data_loss: bool = True
+    request_timeout: float = 10.0
+    broker_timeout: float = 120.0
+    pushdown: bool = True
+
+    @classmethod
+    def parse(cls, options: Mapping[str, str], *, streaming: bool = False) -> ReadOptions:
+        topic = _get(options, "topic")
+        if not topic:
+            raise OptionError('the conveyor source needs option("topic", NAME)')
+        starting = parse_position(
+            "startingOffsets", _get(options, "startingOffsets"), "latest" if streaming else "earliest"
+        )
+        ending = parse_position("endingOffsets", _get(options, "endingOffsets"), "latest")
+        if _get(options, "startingTimestamp") not in (None, ""):
+            starting = StartPosition("timestamp", _int(options, "startingTimestamp", 0) or 0)
+        if _get(options, "endingTimestamp") not in (None, ""):
+            ending = StartPosition("timestamp", _int(options, "endingTimestamp", 0) or 0)
+        if streaming and _get(options, "endingOffsets") is not None:
+            raise OptionError("endingOffsets is for batch reads; a stream has no end (use trigger(availableNow=True))")
+        if ending.kind == "earliest":
+            raise OptionError("endingOffsets cannot be earliest")
+        return cls(
+            broker=str(_get(options, "broker") or default_broker()),
+            topic=str(topic),
+            starting=starting,
+            ending=ending,
+            partition_size=_int(options, "partitionSize", 250_000, minimum=1) or 250_000,
+            min_partitions=_int(options, "minPartitions", 1, minimum=1) or 1,
+            max_offsets_per_trigger=_int(options, "maxOffsetsPerTrigger", None, minimum=1),
+            fetch_max_bytes=_int(options, "fetchMaxBytes", 8 << 20, minimum=1024) or 8 << 20,
+            fetch_max_messages=_int(options, "fetchMaxMessages", 200_000, minimum=1) or 200_000,
+            fail_on_data_loss=_bool(options, "failOnDataLoss", True),
+            request_timeout=(_int(options, "requestTimeoutMs", 10_000, minimum=1) or 10_000) / 1000,
+            broker_timeout=(_int(options, "brokerTimeoutMs", 120_000, minimum=0) or 0) / 1000,
+            pushdown=_bool(options, "pushdown", True),
+        )
+
+
+@dataclass(frozen=True)
+class WriteOptions:
+    broker: str
+    topic: str
+    batch_size: int = 5000
+    batch_bytes: int = 1 << 20
+    max_in_flight: int = 4
+    idempotent: bool = True
+    verify_duplicates: bool = True
+    write_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    content_type: str | None = None
+    request_timeout: float = 10.0
+    delivery_timeout: float = 120.0
+
+    @classmethod
+    def parse(cls, options: Mapping[str, str]) -> WriteOptions:
+        topic = _get(options, "topic")
+        if not topic:
+            raise OptionError('the conveyor sink needs option("topic", NAME)')
+        in_flight = _int(options, "maxInFlight", 4, minimum=1) or 4
+        if in_flight > 4:
+            raise OptionError("maxInFlight must be at most 4, half the broker's window of 8 remembered sequences")
+        return cls(
+            broker=str(_get(options, "broker") or default_broker()),
+            topic=str(topic),
+            batch_size=_int(options, "batchSize", 5000, minimum=1) or 5000,
+            batch_bytes=_int(options, "batchBytes", 1 << 20, minimum=1024) or 1 << 20,
+            max_in_flight=in_flight,
+            idempotent=_bool(options, "idempotent", True),
+            verify_duplicates=_bool(options, "verifyDuplicates", True),
+            write_id=str(_get(options, "writeId") or uuid.uuid4().hex),
+            content_type=_get(options, "contentType") or None,
+            request_timeout=(_int(options, "requestTimeoutMs", 10_000, minimum=1) or 10_000) / 1000,
+            delivery_timeout=(_int(options, "deliveryTimeoutMs", 120_000, minimum=1) or 120_000) / 1000,
+        )

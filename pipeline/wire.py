@@ -1,0 +1,660 @@
+"""The broker side of the Spark source and sink, with no Spark in it.
+
+* ``Connection``: one DEALER socket, request/reply by ``rid``, reconnecting
+  and resending while the broker is away (restarts, kill -9) up to a deadline.
+* ``fetch_range``: FETCH ``[start, end)`` of a topic as raw batch bodies,
+  one request always in flight ahead of the caller (pipelined).
+* ``bodies_to_arrow``: FETCHED entries and bodies to one Arrow record batch
+  with the source's columns, decoded in C (msgpack, pyarrow), no Python per row.
+* ``BatchPublisher``: publishes pre-packed batches under one idempotent
+  producer id with explicit sequences and publisher confirms; what the
+  broker already stored (a task retry) is skipped and counted.
+* ``offset_for_timestamp``: the first offset appended at or after a time,
+  by bisecting FETCH (the broker has no such lookup yet).
+"""
+
+from __future__ import annotations
+
+import gc
+import hashlib
+import itertools
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from operator import itemgetter
+from typing import Any
+
+import msgpack
+import pyarrow as pa
+import zmq
+
+from broker.errors import (
+    BrokerUnavailable,
+    ConveyorError,
+    DuplicateSequence,
+    OffsetOutOfRange,
+)
+from broker.protocol import Command, Frame, decode, encode, error_from_header
+
+__all__ = [
+    "ARROW_SCHEMA",
+    "BatchPublisher",
+    "Batcher",
+    "Connection",
+    "DataLoss",
+    "NonDeterministicRetry",
+    "PublishStats",
+    "TopicBounds",
+    "bodies_to_arrow",
+    "fetch_range",
+    "offset_for_timestamp",
+    "producer_id_for",
+    "topic_bounds",
+]
+
+TIMESTAMP_TYPE = pa.timestamp("us", tz="UTC")
+HEADERS_TYPE = pa.map_(pa.string(), pa.string())
+# Exactly what Spark expects for the source's schema (``to_arrow_schema(..., timezone="UTC")``).
+ARROW_SCHEMA = pa.schema(
+    [
+        pa.field("topic", pa.string()),
+        pa.field("offset", pa.int64()),
+        pa.field("timestamp", TIMESTAMP_TYPE),
+        pa.field("key", pa.string()),
+        pa.field("headers", HEADERS_TYPE),
+        pa.field("value", pa.binary()),
+    ]
+)
+
+_KEY, _HEADERS, _VALUE = itemgetter(0), itemgetter(1), itemgetter(2)
+
+
+class DataLoss(ConveyorError):
+    """Offsets the query needs are gone (retention) or never became readable."""
+
+    code = 600
+    name = "DATA_LOSS"
+
+
+class NonDeterministicRetry(ConveyorError):
+    """A retried write task produced different batches than the attempt it replaces."""
+
+    code = 601
+    name = "NON_DETERMINISTIC_RETRY"
+
+
+# --- the connection ------------------------------------------------------------------------------
+
+
+class Connection:
+    """One DEALER socket to the broker, with request ids and reconnects.
+
+    ``request`` retries what can be retried (no answer in time, a broker
+    shutting down or restarting, retriable storage errors) on a fresh socket
+    until ``retry_for`` seconds have passed since the first attempt.
+
+    With ``auto_reconnect=False`` the socket is one TCP connection and no
+    more: ZeroMQ does not quietly re-establish it, so when the broker dies,
+    everything sent after the loss fails too, instead of reaching the
+    restarted broker ahead of the lost messages. The publisher needs that.
+    """
+
+    def __init__(
+        self,
+        address: str,
+        *,
+        request_timeout: float = 10.0,
+        retry_for: float = 120.0,
+        auto_reconnect: bool = True,
+        context: zmq.Context[Any] | None = None,
+    ) -> None:
+        self.address = address
+        self.request_timeout = request_timeout
+        self.retry_for = retry_for
+        self.auto_reconnect = auto_reconnect
+        self._ctx = context or zmq.Context.instance()
+        self._rids = itertools.count(1)
+        self.reconnects = 0
+        self.sock = self._open()
+
+    def _open(self) -> zmq.Socket[Any]:
+        sock = self._ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.RCVHWM, 1000)
+        sock.setsockopt(zmq.SNDHWM, 1000)
+        if not self.auto_reconnect:
+            sock.setsockopt(zmq.RECONNECT_IVL, -1)
+        sock.connect(self.address)
+        return sock
+
+    def reconnect(self) -> None:
+        self.reconnects += 1
+        self.sock.close(linger=0)
+        self.sock = self._open()
+
+    def send(self, command: Command, header: dict[str, Any], *payload: bytes, block: bool = True) -> int:
+        """Send a request; its ``rid``. Without ``block``, raises ``zmq.Again`` when the socket has no peer."""
+        rid = next(self._rids)
+        flags = 0 if block else zmq.NOBLOCK
+        self.sock.send_multipart(encode(command, {**header, "rid": rid}, *payload), flags=flags, copy=False)
+        return rid
+
+    def receive(self, timeout: float) -> Frame | None:
+        """The next reply of any request, or None after ``timeout`` seconds."""
+        if not self.sock.poll(max(1, int(timeout * 1000))):
+            return None
+        return decode(self.sock.recv_multipart())
+
+    def wait_for(self, rid: int, timeout: float | None = None) -> Frame:
+        """The reply to ``rid``; raises the broker's error, or ``BrokerUnavailable``."""
+        deadline = time.monotonic() + (self.request_timeout if timeout is None else timeout)
+        while True:
+            reply = self.receive(deadline - time.monotonic())
+            if reply is None:
+                raise BrokerUnavailable(f"no answer from {self.address} in time")
+            if reply.get("rid") != rid:
+                continue  # a late answer to a request abandoned before a reconnect
+            if reply.command is Command.ERROR:
+                raise error_from_header(reply.header)
+            return reply
+
+    def request(self, command: Command, header: dict[str, Any], *, timeout: float | None = None) -> Frame:
+        return call_with_retry(self, lambda: self.wait_for(self.send(command, header), timeout))
+
+    def admin(self, op: str, **args: Any) -> Any:
+        return self.request(Command.ADMIN, {"op": op, **args}).get("result")
+
+    def close(self) -> None:
+        self.sock.close(linger=0)
+
+    def __enter__(self) -> Connection:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def call_with_retry(conn: Connection, fn: Any, *args: Any, **kwargs: Any) -> Any:
+    """``fn(*args)``; retriable broker errors reconnect and try again until ``conn.retry_for``."""
+    deadline = time.monotonic() + conn.retry_for
+    for number in itertools.count(1):
+        try:
+            return fn(*args, **kwargs)
+        except ConveyorError as exc:
+            if not exc.retriable or time.monotonic() >= deadline:
+                raise
+        time.sleep(min(0.05 * 2**number, 1.0))
+        conn.reconnect()
+    raise AssertionError("unreachable")
+
+
+# --- topic metadata -------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class TopicBounds:
+    """What a reader may read: ``[start, end)``, where end is the durable offset."""
+
+    start: int
+    end: int
+
+
+def topic_bounds(conn: Connection, topic: str) -> TopicBounds:
+    """Log start and durable end of ``topic`` (an unknown topic reads as empty)."""
+
+    def describe() -> TopicBounds:
+        try:
+            info = conn.wait_for(conn.send(Command.ADMIN, {"op": "describe_topic", "topic": topic})).get("result")
+        except ConveyorError as exc:
+            if exc.name == "UNKNOWN_TOPIC":
+                return TopicBounds(0, 0)
+            raise
+        end = int(info.get("durable_offset", info["end_offset"]))
+        return TopicBounds(int(info.get("start_offset", 0)), end)
+
+    return call_with_retry(conn, describe)
+
+
+def _fetch_header(topic: str, offset: int, max_messages: int, max_bytes: int, wait_ms: int = 0) -> dict[str, Any]:
+    return {"topic": topic, "offset": offset, "max_messages": max_messages, "max_bytes": max_bytes, "wait_ms": wait_ms}
+
+
+def batch_timestamp_at(conn: Connection, topic: str, offset: int) -> int:
+    """The append time (ms) of the batch holding ``offset``."""
+
+    def one() -> int:
+        reply = conn.wait_for(conn.send(Command.FETCH, _fetch_header(topic, offset, 1, 1)))
+        entries = reply.get("entries") or []
+        if not entries:
+            raise DataLoss(f"offset {offset} of {topic} is not readable", topic=topic, offset=offset)
+        return int(entries[0]["t"])
+
+    return call_with_retry(conn, one)
+
+
+def offset_for_timestamp(conn: Connection, topic: str, timestamp_ms: int, bounds: TopicBounds | None = None) -> int:
+    """The first offset whose batch was appended at or after ``timestamp_ms``.
+
+    Bisects over FETCH of one record (about log2(n) requests), relying
+    on broker append times being non-decreasing along the log, as the broker's
+    own ``reset_offsets`` to a time does. Returns the end when nothing is that new.
+    """
+    bounds = bounds or topic_bounds(conn, topic)
+    lo, hi = bounds.start, bounds.end
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if batch_timestamp_at(conn, topic, mid) >= timestamp_ms:
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo
+
+
+# --- reading ---------------------------------------------------------------------------------------
+
+
+Chunk = tuple[list[dict[str, Any]], list[Any], int, int]  # entries, bodies, from, to
+
+
+def fetch_range(
+    conn: Connection,
+    topic: str,
+    start: int,
+    end: int,
+    *,
+    max_bytes: int = 8 << 20,
+    max_messages: int = 200_000,
+    fail_on_data_loss: bool = True,
+) -> Iterator[Chunk]:
+    """FETCH ``[start, end)`` as ``(entries, bodies, first, stop)`` chunks, in order.
+
+    The request for the next chunk is sent before the current one is handed
+    out, so the broker reads while the caller decodes. Offsets below the log
+    start (retention) raise ``DataLoss``, or are skipped when
+    ``fail_on_data_loss`` is false. A broker that goes away is waited for.
+    """
+    pos = start
+    if pos >= end:
+        return
+
+    def ask(offset: int) -> int:
+        return conn.send(Command.FETCH, _fetch_header(topic, offset, min(max_messages, end - offset), max_bytes))
+
+    deadline = time.monotonic() + conn.retry_for
+    pending = ask(pos)
+    empty_since: float | None = None
+    while pos < end:
+        try:
+            reply = conn.wait_for(pending)
+        except OffsetOutOfRange as exc:
+            log_start = int(exc.fields.get("start_offset", pos))
+            log_end = exc.fields.get("end_offset")
+            if log_end is not None and pos > int(log_end):
+                if not fail_on_data_loss:
+                    return
+                raise DataLoss(
+                    f"offsets [{pos}, {end}) of {topic} are past its end {log_end}: the broker lost data or the "
+                    "topic was recreated; set failOnDataLoss=false to skip them",
+                    topic=topic,
+                    offset=pos,
+                ) from exc
+            if fail_on_data_loss or log_start <= pos:
+                raise DataLoss(
+                    f"offsets [{pos}, {min(log_start, end)}) of {topic} are gone (log starts at {log_start}); "
+                    "set failOnDataLoss=false to skip them",
+                    topic=topic,
+                    offset=pos,
+                ) from exc
+            pos = min(log_start, end)
+            if pos < end:
+                pending = ask(pos)
+            continue
+        except ConveyorError as exc:
+            if not exc.retriable or time.monotonic() >= deadline:
+                raise
+            time.sleep(0.2)
+            conn.reconnect()
+            pending = ask(pos)
+            continue
+        deadline = time.monotonic() + conn.retry_for
+        entries = reply.get("entries") or []
+        if not entries:
+            # Planned offsets are durable, so they must come; wait a little (a broker
+            # still recovering its log), then call it data loss.
+            empty_since = empty_since or time.monotonic()
+            if time.monotonic() - empty_since > conn.retry_for:
+                raise DataLoss(f"offsets [{pos}, {end}) of {topic} never became readable", topic=topic, offset=pos)
+            time.sleep(0.1)
+            pending = ask(pos)
+            continue
+        empty_since = None
+        stop = min(int(entries[-1]["e"]), end)
+        if stop < end:
+            pending = ask(stop)  # pipelined: the broker works on it while we decode
+        yield entries, list(reply.payload), pos, stop
+        pos = stop
+
+
+def bodies_to_arrow(
+    topic: str, entries: list[dict[str, Any]], bodies: list[Any], first: int, stop: int
+) -> pa.RecordBatch:
+    """One record batch for offsets ``[first, stop)`` of the given FETCHED chunk."""
+    keys: list[Any] = []
+    headers: list[Any] = []
+    values: list[Any] = []
+    stamps: list[int] = []
+    gc_was_enabled = gc.isenabled()
+    gc.disable()  # millions of fresh tuples would trigger the cyclic collector for nothing
+    try:
+        for entry, body in zip(entries, bodies, strict=False):
+            base = int(entry["b"])
+            lo = max(first, int(entry["f"]), base)
+            hi = min(stop, int(entry["e"]))
+            if hi <= lo:
+                continue
+            records = msgpack.unpackb(body, raw=False, use_list=False, strict_map_key=False, unicode_errors="replace")
+            if lo > base or hi < base + len(records):
+                records = records[lo - base : hi - base]
+            keys.extend(map(_KEY, records))
+            headers.extend(map(_HEADERS, records))
+            values.extend(map(_VALUE, records))
+            stamps.extend(itertools.repeat(int(entry["t"]) * 1000, len(records)))
+    finally:
+        if gc_was_enabled:
+            gc.enable()
+    n = len(values)
+    columns = [
+        pa.repeat(pa.scalar(topic, pa.string()), n),
+        pa.array(range(first, first + n), pa.int64()),
+        pa.array(stamps, TIMESTAMP_TYPE),
+        _key_array(keys, n),
+        pa.nulls(n, HEADERS_TYPE) if headers.count(None) == n else pa.array(headers, HEADERS_TYPE),
+        pa.array(values, pa.binary()),
+    ]
+    if n != stop - first:
+        raise DataLoss(f"expected offsets [{first}, {stop}) of {topic}, got {n} records", topic=topic, offset=first)
+    return pa.RecordBatch.from_arrays(columns, schema=ARROW_SCHEMA)
+
+
+def _key_array(keys: list[Any], n: int) -> pa.Array:
+    if keys.count(None) == n:
+        return pa.nulls(n, pa.string())
+    try:
+        return pa.array(keys, pa.string())
+    except (pa.ArrowInvalid, pa.ArrowTypeError):  # a binary key that is not UTF-8
+        return pa.array(
+            [k.decode("utf-8", "replace") if isinstance(k, bytes | bytearray) else k for k in keys], pa.string()
+        )
+
+
+# --- writing ---------------------------------------------------------------------------------------
+
+
+def producer_id_for(*parts: object) -> int:
+    """A stable 62-bit idempotent producer id for, e.g., ``(write id, partition)``.
+
+    The same parts always give the same id, so a retried task publishes under
+    the id of the attempt it replaces and the broker drops what was stored.
+    """
+    digest = hashlib.blake2b(":".join(map(str, parts)).encode(), digest_size=8).digest()
+    return (int.from_bytes(digest, "big") & ((1 << 62) - 1)) or 1
+
+
+@dataclass
+class PublishStats:
+    """What one publisher did: messages stored now and messages found already stored."""
+
+    written: int = 0
+    duplicates: int = 0
+    batches: int = 0
+    first_offset: int | None = None
+    last_offset: int | None = None
+
+    def merge(self, other: PublishStats) -> None:
+        self.written += other.written
+        self.duplicates += other.duplicates
+        self.batches += other.batches
+        firsts = [o for o in (self.first_offset, other.first_offset) if o is not None]
+        lasts = [o for o in (self.last_offset, other.last_offset) if o is not None]
+        self.first_offset = min(firsts) if firsts else None
+        self.last_offset = max(lasts) if lasts else None
+
+
+@dataclass
+class _Flight:
+    seq: int
+    body: bytes
+    count: int
+    rid: int = 0
+    sent_at: float = 0.0
+
+
+@dataclass
+class BatchPublisher:
+    """Publishes whole batch bodies with one producer id, in sequence, with confirms.
+
+    Ordering is what makes resends safe. The broker remembers the last 8
+    sequences it stored per producer and calls anything older a duplicate,
+    so a lost batch must never be overtaken by more than a few later ones:
+
+    * at most ``max_in_flight`` (≤ 4) batches are unconfirmed, and they are
+      always the oldest unconfirmed ones, so at most 3 later batches can be
+      stored ahead of a lost one;
+    * sequence 0 is confirmed before sequence 1 is sent, so a lost batch
+      always has a stored one below it in the broker's window;
+    * the socket is one TCP connection (no silent ZeroMQ reconnect): when
+      the broker dies, what was sent after the loss is lost with it. On no
+      answer in ``request_timeout``, or a retriable error, the publisher
+      opens a fresh connection and resends every unconfirmed batch, oldest
+      first.
+
+    A batch the broker already has under this id and sequence (the attempt
+    before a task retry stored it) is skipped and counted in
+    ``stats.duplicates``. With ``verify_duplicates`` such a batch is read
+    back and compared byte for byte, so a retried task whose input changed
+    (rows in another order after a shuffle) fails loudly instead of
+    skipping rows it never stored.
+    """
+
+    address: str
+    topic: str
+    producer_id: int
+    max_in_flight: int = 4
+    request_timeout: float = 10.0
+    delivery_timeout: float = 120.0
+    verify_duplicates: bool = True
+    stats: PublishStats = field(default_factory=PublishStats)
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.max_in_flight <= 4:
+            raise ValueError("max_in_flight must be 1..4 (half the broker's window of 8 sequences)")
+        self.conn = Connection(
+            self.address, request_timeout=self.request_timeout, retry_for=self.delivery_timeout, auto_reconnect=False
+        )
+        self._seq = 0
+        self._flights: dict[int, _Flight] = {}  # by the rid of their latest transmission
+        self._last_progress = time.monotonic()
+        self._resend_at: float | None = None  # a fresh connection is due (after a backoff)
+        self._failures = 0
+
+    def publish(self, body: bytes, count: int) -> None:
+        """Send one batch body of ``count`` records; blocks while the window is full."""
+        limit = 1 if self._seq <= 1 else self.max_in_flight  # sequence 0 alone, until confirmed
+        while len(self._flights) >= limit:
+            self._pump()
+        flight = _Flight(self._seq, body, count)
+        self._seq += 1
+        if self._resend_at is None:
+            self._transmit(flight)
+        else:
+            flight.rid = -flight.seq - 1  # goes with the others on the next connection
+            self._flights[flight.rid] = flight
+
+    def flush(self) -> PublishStats:
+        """Wait until every batch is confirmed (or found stored); raises on failure."""
+        while self._flights:
+            self._pump()
+        return self.stats
+
+    def close(self) -> None:
+        self.conn.close()
+
+    def __enter__(self) -> BatchPublisher:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # --- internals -----------------------------------------------------------------------
+
+    def _transmit(self, flight: _Flight) -> None:
+        header = {"topic": self.topic, "pid": self.producer_id, "seq": flight.seq}
+        self._flights.pop(flight.rid, None)
+        try:
+            flight.rid = self.conn.send(Command.PUBLISH, header, flight.body, block=False)
+        except zmq.Again:  # the connection is gone: everything goes again on a new one
+            self._connection_lost()
+            flight.rid = -flight.seq - 1
+        flight.sent_at = time.monotonic()
+        self._flights[flight.rid] = flight
+
+    def _connection_lost(self) -> None:
+        """Drop the connection; everything unconfirmed goes again, in order, on a fresh one."""
+        if self._resend_at is None:
+            self._failures += 1
+            self._resend_at = time.monotonic() + min(0.05 * 2**self._failures, 1.0)
+
+    def _resend_all(self) -> None:
+        self._resend_at = None
+        self.conn.reconnect()
+        for flight in sorted(self._flights.values(), key=lambda f: f.seq):
+            if self._resend_at is not None:
+                break  # lost again at once: the rest waits for the next connection
+            self._transmit(flight)
+
+    def _pump(self) -> None:
+        now = time.monotonic()
+        if now - self._last_progress > self.delivery_timeout:
+            raise BrokerUnavailable(
+                f"no confirm from {self.address} for {self.delivery_timeout:.0f}s", topic=self.topic
+            )
+        if self._resend_at is not None:
+            if now < self._resend_at:
+                time.sleep(self._resend_at - now)
+            self._resend_all()
+            return
+        oldest = min(f.sent_at for f in self._flights.values())
+        reply = self.conn.receive(max(0.001, oldest + self.request_timeout - now))
+        if reply is None:
+            self._connection_lost()  # no answer in time: the broker may be gone
+            return
+        flight = self._flights.get(reply.get("rid"))
+        if flight is not None:
+            self._settle(flight, reply)
+
+    def _settle(self, flight: _Flight, reply: Frame) -> None:
+        if reply.command is Command.PUBLISHED:
+            base = int(reply.get("base_offset"))
+            if reply.get("duplicate"):
+                if self.verify_duplicates:
+                    self._verify(flight, base)
+                self.stats.duplicates += flight.count
+            else:
+                self.stats.written += flight.count
+            self._done(flight, base)
+            return
+        if reply.command is not Command.ERROR:
+            return
+        exc = error_from_header(reply.header)
+        if isinstance(exc, DuplicateSequence) and "older than" in exc.message:
+            # Stored before, by the attempt this one replaces (which kept the same order rules):
+            # a later sequence of this producer is already in the broker's window.
+            self.stats.duplicates += flight.count
+            self._done(flight, None)
+            return
+        if isinstance(exc, DuplicateSequence):
+            raise NonDeterministicRetry(
+                f"batch {flight.seq} of producer {self.producer_id} differs from the one stored by an earlier "
+                f"attempt: {exc.message}. Make the written partitions deterministic (e.g. sortWithinPartitions) "
+                "or set idempotent=false for at-least-once",
+                topic=self.topic,
+            )
+        if exc.retriable:
+            self._connection_lost()  # later batches may be refused too: resend them all, in order
+            return
+        raise exc
+
+    def _done(self, flight: _Flight, base: int | None) -> None:
+        del self._flights[flight.rid]
+        self._last_progress = time.monotonic()
+        self._failures = 0
+        self.stats.batches += 1
+        if base is not None:
+            last = base + flight.count - 1
+            self.stats.first_offset = base if self.stats.first_offset is None else min(self.stats.first_offset, base)
+            self.stats.last_offset = last if self.stats.last_offset is None else max(self.stats.last_offset, last)
+
+    def _verify(self, flight: _Flight, base: int) -> None:
+        with Connection(self.address, request_timeout=self.request_timeout, retry_for=self.delivery_timeout) as conn:
+            entries, bodies, _, _ = next(iter(fetch_range(conn, self.topic, base, base + flight.count)))
+        stored = [bytes(body) for entry, body in zip(entries, bodies, strict=False) if entry["b"] == base]
+        if stored != [flight.body]:
+            raise NonDeterministicRetry(
+                f"batch {flight.seq} of producer {self.producer_id} was stored with other records at offset {base} "
+                "by an earlier attempt; the retried task's input changed. Make the written partitions "
+                "deterministic (e.g. sortWithinPartitions) or set idempotent=false for at-least-once",
+                topic=self.topic,
+                offset=base,
+            )
+
+
+class Batcher:
+    """Cuts records into batch bodies by count and size, deterministically.
+
+    The boundaries depend only on the records, in order, never on timing or
+    on how Spark sliced its Arrow batches: a retried task cuts the same
+    batches, so its sequence numbers name the same data.
+    """
+
+    def __init__(self, *, max_records: int = 5000, max_bytes: int = 1 << 20) -> None:
+        self.max_records = max_records
+        self.max_bytes = max_bytes
+        self._keys: list[Any] = []
+        self._headers: list[Any] = []
+        self._values: list[bytes] = []
+        self._packer = msgpack.Packer(use_bin_type=True, autoreset=True)
+
+    def add(self, keys: list[Any], headers: list[Any], values: list[bytes]) -> Iterator[tuple[bytes, int]]:
+        """Take more records; yield every batch that is full."""
+        self._keys.extend(keys)
+        self._headers.extend(headers)
+        self._values.extend(values)
+        taken = 0
+        while len(self._values) - taken >= self.max_records:
+            yield from self._cut(taken, taken + self.max_records)
+            taken += self.max_records
+        if taken:
+            del self._keys[:taken], self._headers[:taken], self._values[:taken]
+
+    def finish(self) -> Iterator[tuple[bytes, int]]:
+        """Yield what is left as the last batch(es)."""
+        if self._values:
+            yield from self._cut(0, len(self._values))
+        self._keys, self._headers, self._values = [], [], []
+
+    def _cut(self, lo: int, hi: int) -> Iterator[tuple[bytes, int]]:
+        values = self._values[lo:hi]
+        if sum(map(len, values)) + 16 * len(values) <= self.max_bytes:
+            yield self._pack(lo, hi), hi - lo
+            return
+        start, size = lo, 0  # too many bytes for one batch: split greedily, row by row
+        for i in range(lo, hi):
+            length = len(self._values[i]) + 16
+            if i > start and size + length > self.max_bytes:
+                yield self._pack(start, i), i - start
+                start, size = i, 0
+            size += length
+        yield self._pack(start, hi), hi - start
+
+    def _pack(self, lo: int, hi: int) -> bytes:
+        return self._packer.pack(list(zip(self._keys[lo:hi], self._headers[lo:hi], self._values[lo:hi], strict=True)))

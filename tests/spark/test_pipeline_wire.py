@@ -1,0 +1,147 @@
+"""The source's and sink's broker side, without Spark: publishing, fetching, Arrow conversion.
+
+No JVM here (no ``spark`` fixture), so these run fast; they are marked
+``spark`` with the rest of the directory because they need the ``spark``
+extra (pyarrow).
+"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from broker.client import Producer
+from pipeline.options import OptionError, ReadOptions, WriteOptions, parse_position
+from pipeline.source import split_range
+from pipeline.wire import (
+    ARROW_SCHEMA,
+    Batcher,
+    BatchPublisher,
+    Connection,
+    NonDeterministicRetry,
+    bodies_to_arrow,
+    fetch_range,
+    offset_for_timestamp,
+    producer_id_for,
+    topic_bounds,
+)
+
+pytestmark = pytest.mark.spark
+
+
+def read_values(address: str, topic: str) -> list[bytes]:
+    with Connection(address) as conn:
+        bounds = topic_bounds(conn, topic)
+        return [
+            v
+            for chunk in fetch_range(conn, topic, bounds.start, bounds.end)
+            for v in bodies_to_arrow(topic, *chunk).column("value").to_pylist()
+        ]
+
+
+def batches(n_batches: int, per_batch: int = 100) -> list[tuple[bytes, int]]:
+    batcher = Batcher(max_records=per_batch)
+    values = [b"v%06d" % i for i in range(n_batches * per_batch)]
+    out = list(batcher.add([None] * len(values), [None] * len(values), values))
+    return out + list(batcher.finish())
+
+
+def test_publisher_survives_a_broker_kill_without_loss_or_duplicates(conveyor_broker):
+    planned = batches(300)
+    restarted = threading.Event()
+
+    def crash() -> None:
+        conveyor_broker.restart(kill=True)
+        restarted.set()
+
+    with BatchPublisher(conveyor_broker.address, "kill9", producer_id_for("t", 1), request_timeout=1.0) as pub:
+        for i, (body, count) in enumerate(planned):
+            if i == 100:
+                threading.Thread(target=crash, daemon=True).start()
+            pub.publish(body, count)
+        stats = pub.flush()
+    assert restarted.wait(30)
+    assert stats.written + stats.duplicates == 30_000
+    values = read_values(conveyor_broker.address, "kill9")
+    assert values == [b"v%06d" % i for i in range(30_000)]
+
+    # The same producer id again (a task retry): nothing is stored twice.
+    with BatchPublisher(conveyor_broker.address, "kill9", producer_id_for("t", 1), request_timeout=1.0) as pub:
+        for body, count in planned:
+            pub.publish(body, count)
+        again = pub.flush()
+    assert (again.written, again.duplicates) == (0, 30_000)
+    assert len(read_values(conveyor_broker.address, "kill9")) == 30_000
+
+
+def test_batches_are_cut_the_same_however_the_input_is_sliced():
+    values = [b"x" * (i % 50) for i in range(10_000)]
+    keys, headers = [None] * len(values), [None] * len(values)
+
+    def cut(step: int) -> list[tuple[bytes, int]]:
+        batcher = Batcher(max_records=700, max_bytes=16_000)
+        out = []
+        for lo in range(0, len(values), step):
+            out += batcher.add(keys[lo : lo + step], headers[lo : lo + step], values[lo : lo + step])
+        return out + list(batcher.finish())
+
+    assert cut(1) == cut(333) == cut(10_000)
+    assert sum(count for _, count in cut(333)) == 10_000
+
+
+def test_fetch_to_arrow_slices_batches_and_keeps_keys_and_headers(conveyor_broker):
+    address = conveyor_broker.address
+    with Producer(address, batch_size=7, linger_ms=50) as producer:
+        for i in range(50):
+            producer.send("arrow", b"%d" % i, key=b"\xff\xfe" if i == 3 else f"k{i}", headers={"h": str(i)})
+        producer.flush(timeout=10)
+    with Connection(address) as conn:
+        chunks = list(fetch_range(conn, "arrow", 5, 23, max_messages=4))
+        assert chunks[0][2] == 5 and chunks[-1][3] == 23
+        table = [bodies_to_arrow("arrow", *c) for c in chunks]
+    assert all(t.schema == ARROW_SCHEMA for t in table)
+    offsets = [o for t in table for o in t.column("offset").to_pylist()]
+    assert offsets == list(range(5, 23))
+    values = [v for t in table for v in t.column("value").to_pylist()]
+    assert values == [b"%d" % i for i in range(5, 23)]
+    first = table[0].to_pylist()[0]
+    assert first["key"] == "k5" and first["headers"] == [("h", "5")] and first["topic"] == "arrow"
+    with Connection(address) as conn:
+        raw_key = bodies_to_arrow("arrow", *next(iter(fetch_range(conn, "arrow", 3, 4)))).column("key")[0].as_py()
+        assert raw_key == "\ufffd\ufffd"  # a binary key that is not UTF-8 still reads, replaced
+        assert offset_for_timestamp(conn, "arrow", 0) == 0
+        assert offset_for_timestamp(conn, "arrow", 2**50) == 50
+
+
+def test_options_and_planning():
+    opts = ReadOptions.parse({"topic": "t", "startingOffsets": "12", "endingOffsets": "latest", "partitionSize": "10"})
+    assert (opts.starting.kind, opts.starting.value, opts.ending.kind) == ("offset", 12, "latest")
+    assert parse_position("x", '{"timestamp": 5}', "earliest").kind == "timestamp"
+    assert ReadOptions.parse({"topic": "t"}, streaming=True).starting.kind == "latest"
+    with pytest.raises(OptionError):
+        ReadOptions.parse({})
+    with pytest.raises(OptionError):
+        ReadOptions.parse({"topic": "t", "partitionSize": "zero"})
+    with pytest.raises(OptionError):
+        WriteOptions.parse({"topic": "t", "maxInFlight": "8"})
+    assert [(p.start, p.end) for p in split_range("t", 0, 25, 10)] == [(0, 8), (8, 16), (16, 25)]
+    assert [(p.start, p.end) for p in split_range("t", 0, 4, 10, min_partitions=2)] == [(0, 2), (2, 4)]
+    assert split_range("t", 5, 5, 10) == []
+    assert producer_id_for("w", 1) == producer_id_for("w", 1) != producer_id_for("w", 2)
+    assert 0 < producer_id_for("w", 1) < 2**62
+
+
+def test_a_retry_that_brings_other_records_fails_loudly(conveyor_broker):
+    pid = producer_id_for("t", 2)
+    with BatchPublisher(conveyor_broker.address, "changed", pid) as pub:
+        for body, count in batches(3):
+            pub.publish(body, count)
+        pub.flush()
+    batcher = Batcher(max_records=100)
+    values = [b"w%06d" % i for i in range(300)]  # as many records per batch, other contents
+    with BatchPublisher(conveyor_broker.address, "changed", pid) as pub, pytest.raises(NonDeterministicRetry):
+        for body, count in batcher.add([None] * 300, [None] * 300, values):
+            pub.publish(body, count)
+        pub.flush()
+    assert len(read_values(conveyor_broker.address, "changed")) == 300

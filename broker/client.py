@@ -426,8 +426,12 @@ class _ProducerIO:
 
     def _transmit(self, flight: _InFlight) -> None:
         header = {"rid": flight.rid, "topic": flight.topic, "pid": self.p.producer_id, "seq": flight.seq}
-        self.sock.send_multipart(encode(Command.PUBLISH, header, flight.body), copy=False)
         flight.sent_at = time.monotonic()
+        try:
+            self.sock.send_multipart(encode(Command.PUBLISH, header, flight.body), zmq.NOBLOCK, copy=False)
+        except zmq.Again:
+            # No connection (the socket does not reconnect by itself): start over on a new one now.
+            flight.sent_at = -self.p.request_timeout
 
     def _read_replies(self) -> None:
         while True:

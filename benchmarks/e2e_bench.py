@@ -75,6 +75,9 @@ TARGETS = (
 )
 
 
+BROKER_ARGS: list[str] = []  # extra broker options from --broker-arg
+
+
 @dataclass(frozen=True, slots=True)
 class Scenario:
     kind: str  # "max-rate" or "latency"
@@ -333,7 +336,7 @@ def run_scenario(
 
     ctx: SpawnContext = multiprocessing.get_context("spawn")
     data_dir = Path(tempfile.mkdtemp(prefix=f"{scenario.kind}-{scenario.fsync}-", dir=root))
-    broker = BrokerProcess(data_dir, fsync=scenario.fsync).start()
+    broker = BrokerProcess(data_dir, fsync=scenario.fsync, extra=BROKER_ARGS).start()
     procs: list[multiprocessing.process.BaseProcess] = []
     profilers: list[subprocess.Popen[bytes]] = []
     try:
@@ -636,6 +639,14 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--no-max-rate", action="store_true", help="skip the max-rate runs")
     parser.add_argument("--dir", metavar="DIR", help="where the broker's data goes (default: the system temp dir)")
     parser.add_argument(
+        "--broker-arg",
+        action="append",
+        default=[],
+        metavar="ARG",
+        help="extra broker option, e.g. --broker-arg=--no-metrics (repeatable); clients take "
+        "CURVE keys from CONVEYOR_CURVE_SERVER_KEY / CONVEYOR_CURVE_KEY",
+    )
+    parser.add_argument(
         "--py-spy", metavar="DIR", help="profile every process with py-spy (raw collapsed stacks into DIR)"
     )
     parser.add_argument("--py-spy-gil", action="store_true", help="with --py-spy: only samples holding the GIL")
@@ -663,6 +674,7 @@ def plan(args: argparse.Namespace) -> list[Scenario]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
+    BROKER_ARGS[:] = args.broker_arg
     scenarios = plan(args)
 
     def report(line: str) -> None:

@@ -1,0 +1,87 @@
+"""``conveyor bench``: run scenarios from JSON against Conveyor and its peers, write an HTML report."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import sys
+from pathlib import Path
+from typing import Any
+
+from broker.cli import command
+
+DEFAULT_CONFIG = Path(__file__).with_name("default.json")
+
+
+def _setup(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--config", default=str(DEFAULT_CONFIG), metavar="JSON", help="scenarios (default: benchmarks/default.json)"
+    )
+    parser.add_argument("--report", metavar="HTML", help="write the HTML report here")
+    parser.add_argument("--json", metavar="PATH", help="write every number as JSON here")
+    parser.add_argument("--broker", default="", metavar="ADDR", help="use this running Conveyor broker")
+    parser.add_argument(
+        "--systems",
+        default="",
+        metavar="LIST",
+        help="comma-separated: conveyor, redis, nats, rabbitmq, or a variant like redis:always (default: all found)",
+    )
+    parser.add_argument("--scenarios", default="", metavar="LIST", help="comma-separated scenario names to run")
+    parser.add_argument("--quick", action="store_true", help="each scenario's smaller 'quick' form (a 1-2 minute run)")
+    parser.add_argument("--dir", metavar="DIR", help="where servers keep their data (default: the temp dir)")
+    parser.add_argument(
+        "--py-spy",
+        metavar="DIR",
+        help="profile every Python process of each run (broker, producers, consumers) with py-spy into DIR",
+    )
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+
+
+@command("bench", "run benchmark scenarios and write a report", _setup)
+def cmd_bench(args: argparse.Namespace) -> int:
+    from benchmarks.suite.report import render_html
+    from benchmarks.suite.runner import Progress, run_bench
+    from benchmarks.suite.scenario import load_config
+    from benchmarks.suite.summary import markdown_table
+
+    config = load_config(args.config, quick=args.quick)
+    if args.scenarios:
+        keep = {s.strip() for s in args.scenarios.split(",") if s.strip()}
+        missing = keep - {s.name for s in config.scenarios}
+        if missing:
+            print(f"conveyor bench: unknown scenarios {sorted(missing)}", file=sys.stderr)
+            return 2
+        config = type(config)(tuple(s for s in config.scenarios if s.name in keep), config.settings, config.source)
+    wanted = [s.strip() for s in args.systems.split(",") if s.strip()] or None
+    progress = Progress(0, enabled=not args.no_progress)
+
+    def interrupted(signum: int, _frame: Any) -> None:
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    signal.signal(signal.SIGTERM, interrupted)  # servers and client processes are stopped on the way out
+    signal.signal(signal.SIGINT, interrupted)
+    try:
+        report: dict[str, Any] = run_bench(
+            config,
+            wanted=wanted,
+            broker=args.broker,
+            progress=progress,
+            workdir=args.dir,
+            profile=Path(args.py_spy) if args.py_spy else None,
+        )
+    except ValueError as exc:
+        print(f"conveyor bench: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("\nconveyor bench: interrupted; servers stopped", file=sys.stderr)
+        return 130
+    report["quick"] = args.quick
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=1) + "\n")
+    if args.report:
+        Path(args.report).write_text(render_html(report))
+    print(markdown_table(report))
+    if args.report:
+        print(f"\nreport: {args.report}", file=sys.stderr)
+    return 0 if all(r.get("ok") for r in report["results"]) else 1

@@ -1,0 +1,73 @@
+"""Summarize ``conveyor bench --py-spy DIR`` output: where each process spent its samples.
+
+    python -m benchmarks.suite.profile DIR [--top 12] [--match NAME]
+
+Each file holds py-spy's raw collapsed stacks (``frame;frame;... count``). For
+each process this prints the functions with the most samples on top of the
+stack (self time) and the most samples anywhere on it (inclusive).
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+from collections import Counter
+from collections.abc import Sequence
+from pathlib import Path
+
+_LINE = re.compile(r":\d+\)$")
+
+
+def _function(frame: str) -> str:
+    """``send_many (broker/client.py:123)`` -> ``send_many (broker/client.py)``: one entry per function."""
+    frame = frame.strip()
+    frame = _LINE.sub(")", frame)
+    return re.sub(r"\(.*/(site-packages|lib/python3\.\d+)/", "(", frame)
+
+
+def summarize(path: Path, top: int = 12) -> str:
+    own: Counter[str] = Counter()
+    inclusive: Counter[str] = Counter()
+    total = 0
+    for line in path.read_text(errors="replace").splitlines():
+        stack, _, count = line.rpartition(" ")
+        if not stack or not count.isdigit():
+            continue
+        n = int(count)
+        frames = [_function(f) for f in stack.split(";") if f.strip()]
+        frames = [f for f in frames if not f.startswith("process ") and not f.startswith("thread ")]
+        if not frames:
+            continue
+        total += n
+        own[frames[-1]] += n
+        for frame in set(frames):
+            inclusive[frame] += n
+    if not total:
+        return f"{path.name}: no samples"
+    out = [f"{path.name}: {total} samples"]
+    out.append("  self:")
+    out += [f"    {n / total * 100:5.1f}%  {name}" for name, n in own.most_common(top)]
+    out.append("  inclusive:")
+    out += [f"    {n / total * 100:5.1f}%  {name}" for name, n in inclusive.most_common(top)]
+    return "\n".join(out)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.suite.profile", description=__doc__)
+    parser.add_argument("dir")
+    parser.add_argument("--top", type=int, default=12)
+    parser.add_argument("--match", default="", help="only files whose name contains this")
+    args = parser.parse_args(argv)
+    files = sorted(p for p in Path(args.dir).glob("*.txt") if args.match in p.name)
+    if not files:
+        print(f"no py-spy files in {args.dir}", file=sys.stderr)
+        return 1
+    for path in files:
+        print(summarize(path, args.top))
+        print()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

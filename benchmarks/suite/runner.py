@@ -1,0 +1,535 @@
+"""Runs scenarios against systems: processes, sampling, collection, one result dict per run."""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing
+import os
+import platform
+import queue
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from array import array
+from collections.abc import Callable, Sequence
+from multiprocessing.context import SpawnContext
+from pathlib import Path
+from typing import Any
+
+from benchmarks.suite import stats
+from benchmarks.suite.procstat import cpu_seconds, machine_busy_seconds, tree_cpu_seconds
+from benchmarks.suite.scenario import Config, Scenario
+from benchmarks.suite.systems import NAMES, System, system
+from benchmarks.suite.systems.base import Server, Variant
+from benchmarks.suite.workers import (
+    START_TIMEOUT,
+    ConsumerReport,
+    ProducerReport,
+    WorkerError,
+    consumer_main,
+    producer_main,
+)
+
+STALL_SECONDS = 10.0  # producers done and nothing arrived for this long: count the rest as lost
+SAMPLE_SECONDS = 0.2  # queue depth and progress samples
+
+
+class Progress:
+    """A progress bar on stderr: one line redrawn in place on a terminal, a line per run otherwise."""
+
+    def __init__(self, total_runs: int, stream: Any = None, enabled: bool = True) -> None:
+        self.total = max(1, total_runs)
+        self.stream = stream or sys.stderr
+        self.enabled = enabled
+        self.tty = bool(getattr(self.stream, "isatty", lambda: False)())
+        self.done = 0
+        self.began = time.monotonic()
+        self._last = ""
+
+    def _bar(self, fraction: float, width: int = 24) -> str:
+        filled = round(max(0.0, min(1.0, fraction)) * width)
+        return "#" * filled + "-" * (width - filled)
+
+    def update(self, label: str, fraction: float, detail: str = "") -> None:
+        if not self.enabled or not self.tty:
+            return
+        overall = (self.done + max(0.0, min(1.0, fraction))) / self.total
+        elapsed = time.monotonic() - self.began
+        line = (
+            f"\r[{self._bar(overall)}] {overall * 100:3.0f}% run {self.done + 1}/{self.total} {elapsed:4.0f}s "
+            f"{label} [{self._bar(fraction, 10)}] {detail}"
+        )
+        line = line[:160].ljust(len(self._last))
+        self._last = line
+        self.stream.write(line)
+        self.stream.flush()
+
+    def finish_run(self, text: str) -> None:
+        self.done += 1
+        self.message(f"[{self.done}/{self.total}] {text}")
+
+    def message(self, text: str) -> None:
+        if not self.enabled:
+            return
+        if self.tty and self._last:
+            self.stream.write("\r" + " " * len(self._last) + "\r")
+            self._last = ""
+        self.stream.write(text + "\n")
+        self.stream.flush()
+
+
+def _safe(text: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_-]", "-", text)
+
+
+def select_variants(scenario: Scenario, sys_obj: System, wanted: Sequence[str] | None) -> list[Variant]:
+    """The variants of a system for a scenario, narrowed by the scenario's ``systems`` and ``--systems``."""
+    variants = sys_obj.variants(scenario)
+    if wanted is not None and sys_obj.name not in wanted and not any(w.startswith(f"{sys_obj.name}:") for w in wanted):
+        return []
+    if wanted is not None:
+        exact = [w for w in wanted if w.startswith(f"{sys_obj.name}:")]
+        if exact:
+            variants = [v for v in variants if v.id in exact]
+    if scenario.systems:
+        variants = [v for v in variants if v.system in scenario.systems or v.id in scenario.systems]
+    return variants
+
+
+def start_profilers(out_dir: Path, run_name: str, pids: dict[str, int]) -> list[subprocess.Popen[bytes]]:
+    """``py-spy record --format raw`` (collapsed stacks, idle left out) on each Python process of a run."""
+    py_spy = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    profilers = []
+    for name, pid in pids.items():
+        out = out_dir / f"{run_name}-{name.replace(' ', '').replace('.', '_')}.txt"
+        cmd = [py_spy, "record", "--pid", str(pid), "--format", "raw", "--rate", "250", "--nonblocking"]
+        cmd += ["--output", str(out)]
+        profilers.append(subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+    time.sleep(1.0)  # let py-spy attach before the clock starts
+    return profilers
+
+
+def stop_profilers(profilers: Sequence[subprocess.Popen[bytes]]) -> None:
+    for profiler in profilers:
+        if profiler.poll() is None:
+            profiler.send_signal(signal.SIGINT)
+    for profiler in profilers:
+        try:
+            profiler.wait(20)
+        except subprocess.TimeoutExpired:
+            profiler.kill()
+
+
+def run_one(
+    sys_obj: System,
+    variant: Variant,
+    server: Server,
+    scenario: Scenario,
+    run_name: str,
+    progress: Progress,
+    profile: Path | None = None,
+) -> dict[str, Any]:
+    """One scenario against one system variant; the server is already running."""
+    ctx: SpawnContext = multiprocessing.get_context("spawn")
+    endpoint = server.prepare(run_name, scenario)
+    results: Any = ctx.Queue()
+    go, stop = ctx.Event(), ctx.Event()
+    shares = scenario.per_producer
+    firsts = [sum(shares[:i]) for i in range(len(shares))]
+    p_counters = [ctx.Value("q", 0, lock=False) for _ in shares]
+    c_counters = [[ctx.Value("q", 0, lock=False) for _ in range(scenario.consumers)] for _ in range(scenario.groups)]
+    readies = []
+    procs: list[Any] = []
+    names: list[str] = []
+    for g in range(scenario.groups):
+        for i in range(scenario.consumers):
+            ready = ctx.Event()
+            readies.append(ready)
+            args = (sys_obj.name, endpoint, scenario, g, i, ready, go, stop, c_counters[g][i], results)
+            procs.append(ctx.Process(target=consumer_main, args=args, daemon=True))
+            names.append(f"consumer {g + 1}.{i + 1}" if scenario.groups > 1 else f"consumer {i + 1}")
+    for p, share in enumerate(shares):
+        ready = ctx.Event()
+        readies.append(ready)
+        args_p = (sys_obj.name, endpoint, scenario, p, firsts[p], share, ready, go, p_counters[p], results)
+        procs.append(ctx.Process(target=producer_main, args=args_p, daemon=True))
+        names.append(f"producer {p + 1}")
+    producer_reports: dict[int, ProducerReport] = {}
+    consumer_reports: list[ConsumerReport] = []
+    errors: list[str] = []
+    samples: list[dict[str, Any]] = []
+    label = f"{scenario.name} / {variant.id}"
+    profilers: list[subprocess.Popen[bytes]] = []
+    sampler_stop = threading.Event()
+    try:
+        for proc in procs:
+            proc.start()
+        deadline = time.monotonic() + START_TIMEOUT
+        for ready in readies:
+            while not ready.wait(0.1):
+                _drain(results, producer_reports, consumer_reports, errors)
+                if errors or time.monotonic() > deadline:
+                    raise RuntimeError("a client process did not get ready: " + "; ".join(errors or ["timeout"]))
+        if profile is not None:
+            targets = {name: proc.pid for name, proc in zip(names, procs, strict=True)}
+            if sys_obj.name == "conveyor" and server.pids:
+                targets["broker"] = server.pids[0]
+            profilers = start_profilers(profile, run_name, targets)
+        server_pids = server.cpu_pids()
+        server_cpu0 = tree_cpu_seconds(server_pids)
+        busy0, own0 = machine_busy_seconds(), _own_cpu()
+        t0 = time.time()
+        go.set()
+        expected_hint = scenario.messages
+
+        def sample() -> None:
+            while not sampler_stop.wait(SAMPLE_SECONDS):
+                sent = sum(c.value for c in p_counters)
+                consumed = [sum(c.value for c in group) for group in c_counters]
+                depth = max(0, sent * scenario.groups - sum(consumed))
+                point = {"t": round(time.time() - t0, 3), "sent": sent, "consumed": sum(consumed), "depth": depth}
+                point.update(server.sample(endpoint))
+                samples.append(point)
+                total = expected_hint * scenario.groups
+                progress.update(
+                    label, sum(consumed) / total if total else 1.0, f"{sum(consumed):,}/{total:,} depth {depth:,}"
+                )
+
+        sampler = threading.Thread(target=sample, daemon=True)
+        sampler.start()
+        budget = time.monotonic() + scenario.duration + START_TIMEOUT + 60
+        seen, progress_at = -1, time.monotonic()
+        while True:
+            _drain(results, producer_reports, consumer_reports, errors, timeout=0.02)
+            if errors:
+                break
+            now = time.monotonic()
+            consumed = [sum(c.value for c in group) for group in c_counters]
+            if sum(consumed) != seen:
+                seen, progress_at = sum(consumed), now
+            if len(producer_reports) == len(shares):
+                sent_total = sum(r.sent for r in producer_reports.values())
+                expected_hint = sent_total
+                if all(c >= sent_total for c in consumed):
+                    break
+                if now - progress_at > STALL_SECONDS:
+                    errors.append(f"stalled: nothing received for {STALL_SECONDS:.0f} s")
+                    break
+            if now > budget:
+                errors.append("over the time budget")
+                break
+            if not any(p.is_alive() for p in procs[-len(shares) :]) and len(producer_reports) < len(shares):
+                _drain(results, producer_reports, consumer_reports, errors, timeout=0.5)
+                if len(producer_reports) < len(shares):
+                    errors.append("a producer died without reporting")
+                    break
+        stop.set()
+        end_wall = time.time()
+        server_cpu = tree_cpu_seconds(server_pids) - server_cpu0
+        sampler_stop.set()
+        sampler.join(2)
+        collect_until = time.monotonic() + 30
+        while len(consumer_reports) < len(readies) - len(shares) and time.monotonic() < collect_until:
+            _drain(results, producer_reports, consumer_reports, errors, timeout=0.1)
+        busy = machine_busy_seconds() - busy0
+        own = _own_cpu() - own0
+    finally:
+        sampler_stop.set()
+        stop_profilers(profilers)
+        stop.set()
+        go.set()
+        join_until = time.monotonic() + 10
+        for proc in procs:
+            if proc.pid is not None:
+                proc.join(max(0.1, join_until - time.monotonic()))
+        for proc in procs:
+            if proc.is_alive():
+                proc.kill()
+                proc.join(5)
+        with contextlib.suppress(Exception):
+            server.cleanup(endpoint)
+    result = summarize(
+        scenario,
+        sys_obj,
+        variant,
+        server,
+        producer_reports,
+        consumer_reports,
+        server_cpu,
+        samples,
+        errors,
+        t0,
+        end_wall,
+    )
+    clients_cpu = sum(v for k, v in result["cpu"].items() if k != "server")
+    result["other_cpu"] = round(max(0.0, busy - own - clients_cpu - server_cpu), 3)
+    return result
+
+
+def _own_cpu() -> float:
+    return cpu_seconds(os.getpid())
+
+
+def _drain(
+    results: Any,
+    producers: dict[int, ProducerReport],
+    consumers: list[ConsumerReport],
+    errors: list[str],
+    timeout: float = 0.0,
+) -> None:
+    while True:
+        try:
+            item = results.get(timeout=timeout) if timeout else results.get_nowait()
+        except queue.Empty:
+            return
+        timeout = 0.0
+        if isinstance(item, ProducerReport):
+            producers[item.index] = item
+        elif isinstance(item, ConsumerReport):
+            consumers.append(item)
+        elif isinstance(item, WorkerError):
+            errors.append(f"{item.role} {item.index + 1}: {item.error.strip().splitlines()[-1]}")
+            sys.stderr.write(f"\n{item.role} {item.index + 1} failed:\n{item.error}\n")
+
+
+def summarize(
+    scenario: Scenario,
+    sys_obj: System,
+    variant: Variant,
+    server: Server,
+    producers: dict[int, ProducerReport],
+    consumers: list[ConsumerReport],
+    server_cpu: float,
+    samples: list[dict[str, Any]],
+    errors: list[str],
+    t0: float,
+    end_wall: float,
+) -> dict[str, Any]:
+    sent = sum(p.sent for p in producers.values())
+    started = min((p.started for p in producers.values()), default=t0)
+    flushed = max((p.flushed for p in producers.values()), default=end_wall)
+    groups: list[list[array[int]]] = [[] for _ in range(scenario.groups)]
+    latencies: array[int] = array("q")
+    sent_ms: array[int] = array("q")
+    for c in consumers:
+        seqs: array[int] = array("I")
+        seqs.frombytes(c.seqs)
+        groups[c.group].append(seqs)
+        latencies.frombytes(c.latencies_us)
+        sent_ms.frombytes(c.sent_ms)
+    check = stats.exactly_once([(p.first_seq, p.first_seq + p.sent) for p in producers.values()], groups)
+    if len(consumers) < scenario.consumers * scenario.groups:
+        check["exactly_once"] = False
+        errors.append(f"only {len(consumers)} of {scenario.consumers * scenario.groups} consumers reported")
+    last = max((c.last_received for c in consumers), default=started)
+    send_seconds = max(1e-9, flushed - started)
+    e2e_seconds = max(1e-9, last - started)
+    unique = check["unique"]
+    cpu: dict[str, float] = {"server": round(server_cpu, 3)} if not server.external else {}
+    for p in sorted(producers.values(), key=lambda p: p.index):
+        cpu[f"producer {p.index + 1}"] = round(p.cpu_seconds, 3)
+    for c in sorted(consumers, key=lambda c: (c.group, c.index)):
+        name = f"consumer {c.group + 1}.{c.index + 1}" if scenario.groups > 1 else f"consumer {c.index + 1}"
+        cpu[name] = round(c.cpu_seconds, 3)
+    e2e = unique / e2e_seconds if consumers else 0.0
+    busiest = max(cpu.items(), key=lambda kv: kv[1]) if cpu else ("", 0.0)
+    depth = [s["depth"] for s in samples]
+    lags = [s["lag"] for s in samples if s.get("lag") is not None]
+    in_flight = [s["in_flight"] for s in samples if s.get("in_flight") is not None]
+    return {
+        "scenario": scenario.name,
+        "system": variant.system,
+        "variant": variant.id,
+        "title": variant.title,
+        "durability": variant.durability,
+        "matching_durability": variant.matches,
+        "producer_api": next(iter(producers.values())).api if producers else "",
+        "fsync": scenario.fsync,
+        "participants": scenario.participants,
+        "sent": sent,
+        "failed_confirms": sum(p.failed for p in producers.values()),
+        "producer_msg_per_s": round(sent / send_seconds, 1) if producers else 0.0,
+        "e2e_msg_per_s": round(e2e, 1),
+        "e2e_mb_per_s": round(e2e * scenario.message_size / 1e6, 2),
+        "efficiency_msg_per_s_per_participant": round(e2e / scenario.participants, 1),
+        "msg_per_cpu_second": round(unique / sum(cpu.values()), 1) if cpu and sum(cpu.values()) else None,
+        "send_seconds": round(send_seconds, 3),
+        "e2e_seconds": round(e2e_seconds, 3),
+        "latency_ms": {k: round(v, 3) for k, v in stats.percentiles_ms(latencies).items()},
+        "latency_series": stats.latency_series(sent_ms, latencies, started * 1000),
+        "max_depth": max(depth, default=0),
+        "max_lag": max(lags) if lags else None,
+        "max_in_flight": max(in_flight) if in_flight else None,
+        "samples": samples,
+        "cpu": cpu,
+        "cpu_total": round(sum(cpu.values()), 3),
+        "bottleneck": {
+            "process": busiest[0],
+            "cpu_seconds": busiest[1],
+            "busy_fraction": round(busiest[1] / e2e_seconds, 3) if e2e_seconds else None,
+        },
+        "wall_seconds": round(end_wall - t0, 3),
+        **check,
+        "errors": errors,
+        "ok": check["exactly_once"] and not errors,
+    }
+
+
+def plan(
+    config: Config, systems: dict[str, System], wanted: Sequence[str] | None
+) -> list[tuple[Scenario, System, Variant]]:
+    runs = []
+    for scenario in config.scenarios:
+        for name in NAMES:
+            if name in systems:
+                runs += [(scenario, systems[name], v) for v in select_variants(scenario, systems[name], wanted)]
+    return runs
+
+
+def run_bench(
+    config: Config,
+    *,
+    wanted: Sequence[str] | None = None,
+    broker: str = "",
+    progress: Progress | None = None,
+    workdir: str | None = None,
+    profile: Path | None = None,
+    on_result: Callable[[dict[str, Any]], None] | None = None,
+) -> dict[str, Any]:
+    """Every scenario against every available system; the whole report as a dict."""
+    wanted_names = {w.split(":", 1)[0] for w in wanted} if wanted else set(NAMES)
+    unknown = wanted_names - set(NAMES)
+    if unknown:
+        raise ValueError(f"unknown systems {sorted(unknown)}; known: {', '.join(NAMES)}")
+    systems: dict[str, System] = {}
+    skipped: dict[str, str] = {}
+    for name in NAMES:
+        if name not in wanted_names:
+            continue
+        sys_obj = system(name, broker=broker) if name == "conveyor" else system(name)
+        reason = sys_obj.unavailable()
+        if reason:
+            skipped[name] = reason
+        else:
+            systems[name] = sys_obj
+    runs = plan(config, systems, wanted)
+    progress = progress or Progress(len(runs))
+    progress.total = max(1, len(runs))
+    for name, reason in skipped.items():
+        progress.message(f"skipping {name}: {reason}")
+    results: list[dict[str, Any]] = []
+    began = time.time()
+    reused: dict[str, Server] = {}
+    with tempfile.TemporaryDirectory(prefix="conveyor-bench-", dir=workdir) as tmp:
+        try:
+            for n, (scenario, sys_obj, variant) in enumerate(runs):
+                run_name = _safe(f"{scenario.name}-{variant.mode}-{n}")
+                rundir = Path(tmp) / run_name
+                rundir.mkdir()
+                key = sys_obj.name
+                try:
+                    if sys_obj.reuse_server:
+                        if key not in reused:
+                            progress.message(f"starting {sys_obj.title} (kept for every run)")
+                            reused[key] = sys_obj.start(variant, Path(tmp))
+                        server = reused[key]
+                    else:
+                        server = sys_obj.start(variant, rundir)
+                except Exception as exc:
+                    result = _failed(scenario, variant, f"server did not start: {exc}")
+                else:
+                    try:
+                        result = run_one(sys_obj, variant, server, scenario, run_name, progress, profile)
+                    except Exception as exc:
+                        result = _failed(scenario, variant, f"{type(exc).__name__}: {exc}")
+                    finally:
+                        if not sys_obj.reuse_server:
+                            with contextlib.suppress(Exception):
+                                server.stop()
+                        shutil.rmtree(rundir, ignore_errors=True)  # a run's data is not needed after it
+                result["description"] = scenario.description
+                results.append(result)
+                progress.finish_run(one_line(scenario, result))
+                if on_result is not None:
+                    on_result(result)
+        finally:
+            for server in reused.values():
+                with contextlib.suppress(Exception):
+                    server.stop()
+            for sys_obj in systems.values():
+                close = getattr(sys_obj, "close", None)
+                if close is not None:
+                    with contextlib.suppress(Exception):
+                        close()
+    return {
+        "generated": time.strftime("%Y-%m-%d %H:%M:%S %z", time.localtime(began)),
+        "duration_seconds": round(time.time() - began, 1),
+        "config": config.source,
+        "settings": config.settings,
+        "machine": machine(),
+        "systems": {
+            name: {"title": s.title, "version": _quiet(s.version), "client": s.client_api()}
+            for name, s in systems.items()
+        },
+        "skipped_systems": skipped,
+        "scenarios": [{**s.to_dict(), "label": s.label(), "participants": s.participants} for s in config.scenarios],
+        "results": results,
+    }
+
+
+def _quiet(fn: Callable[[], str]) -> str:
+    try:
+        return fn()
+    except Exception:
+        return ""
+
+
+def _failed(scenario: Scenario, variant: Variant, error: str) -> dict[str, Any]:
+    return {
+        "scenario": scenario.name,
+        "system": variant.system,
+        "variant": variant.id,
+        "title": variant.title,
+        "durability": variant.durability,
+        "matching_durability": variant.matches,
+        "fsync": scenario.fsync,
+        "errors": [error],
+        "ok": False,
+        "exactly_once": False,
+    }
+
+
+def one_line(scenario: Scenario, r: dict[str, Any]) -> str:
+    head = f"{scenario.name} / {r['variant']}:"
+    if "e2e_msg_per_s" not in r:
+        return f"{head} FAILED: {'; '.join(r['errors'])}"
+    lat = r.get("latency_ms", {})
+    verdict = "exactly once" if r["exactly_once"] else f"{r['duplicates']} duplicates, {r['lost']} lost"
+    errors = f" ({'; '.join(r['errors'])})" if r["errors"] else ""
+    return (
+        f"{head} producer {r['producer_msg_per_s']:,.0f} msg/s, end-to-end {r['e2e_msg_per_s']:,.0f} msg/s, "
+        f"p50 {lat.get('p50', 0):.2f} ms, p99 {lat.get('p99', 0):.2f} ms; {verdict}{errors}"
+    )
+
+
+def machine() -> dict[str, Any]:
+    info: dict[str, Any] = {
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "cpus": os.cpu_count(),
+    }
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                info["cpu_model"] = line.split(":", 1)[1].strip()
+                break
+    with contextlib.suppress(OSError):
+        mem = Path("/proc/meminfo").read_text().split()[1]
+        info["memory_gib"] = round(int(mem) / 1024 / 1024, 1)
+    return info

@@ -1,0 +1,256 @@
+"""Tables, target checks and the observations written from the numbers."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Any
+
+Result = dict[str, Any]
+
+
+def by_scenario(report: dict[str, Any]) -> dict[str, list[Result]]:
+    out: dict[str, list[Result]] = defaultdict(list)
+    for r in report["results"]:
+        out[r["scenario"]].append(r)
+    return out
+
+
+def find(report: dict[str, Any], scenario: str, variant: str) -> Result | None:
+    for r in report["results"]:
+        if r["scenario"] == scenario and (r["variant"] == variant or r["system"] == variant):
+            return r if "e2e_msg_per_s" in r else None
+    return None
+
+
+def metric(r: Result, name: str) -> float | None:
+    value = r.get("latency_ms", {}).get(name) if name in ("p50", "p95", "p99", "p99.9", "avg", "max") else r.get(name)
+    return None if value is None else float(value)
+
+
+def check_targets(report: dict[str, Any]) -> list[dict[str, Any]]:
+    """The targets in the config's settings, each with what was measured and whether it was met.
+
+    A target is ``{"scenario", "system", "metric", "vs" (another variant) and "min_ratio"}``
+    (``system`` at least ``min_ratio`` times ``vs``), ``{... "vs", "lower": true}`` (``system``
+    below ``vs``), or an absolute ``"min"`` / ``"max"`` bound.
+    """
+    checks = []
+    for t in report.get("settings", {}).get("targets", []):
+        mine = find(report, t["scenario"], t["system"])
+        check: dict[str, Any] = {**t, "measured": None, "met": None}
+        if mine is None:
+            check["note"] = "not run"
+            checks.append(check)
+            continue
+        value = metric(mine, t["metric"])
+        check["measured"] = value
+        if "vs" in t:
+            peer = find(report, t["scenario"], t["vs"])
+            peer_value = metric(peer, t["metric"]) if peer else None
+            check["peer_measured"] = peer_value
+            if peer_value is None or value is None:
+                check["note"] = f"{t['vs']} not run"
+            elif t.get("lower"):
+                check["ratio"] = round(peer_value / value, 2) if value else None
+                check["met"] = value < peer_value
+            else:
+                check["ratio"] = round(value / peer_value, 2) if peer_value else None
+                check["met"] = check["ratio"] is not None and check["ratio"] >= t["min_ratio"]
+        elif value is not None:
+            ok_min = value >= t["min"] if "min" in t else True
+            ok_max = value <= t["max"] if "max" in t else True
+            check["met"] = ok_min and ok_max
+        checks.append(check)
+    return checks
+
+
+def describe_target(t: dict[str, Any]) -> str:
+    what = "end-to-end msg/s" if t["metric"] == "e2e_msg_per_s" else t["metric"]
+    if "vs" in t:
+        if t.get("lower"):
+            return f"{t['scenario']}: {t['system']} {what} below {t['vs']}"
+        return f"{t['scenario']}: {t['system']} {what} >= {t['min_ratio']}x {t['vs']}"
+    bounds = []
+    if "min" in t:
+        bounds.append(f">= {t['min']:,}")
+    if "max" in t:
+        bounds.append(f"<= {t['max']:,}")
+    return f"{t['scenario']}: {t['system']} {what} {' and '.join(bounds)}" + (f" ({t['why']})" if t.get("why") else "")
+
+
+def target_cell(t: dict[str, Any]) -> str:
+    if t.get("measured") is None:
+        return t.get("note", "not run")
+    fmt = "{:,.0f}" if t["metric"].endswith("per_s") else "{:.2f} ms"
+    text = fmt.format(t["measured"])
+    if t.get("peer_measured") is not None:
+        text += f" vs {fmt.format(t['peer_measured'])}"
+        if t.get("ratio") is not None:
+            text += f" ({t['ratio']:.2f}x)"
+    return text
+
+
+def _fmt_lat(r: Result, key: str) -> str:
+    value = r.get("latency_ms", {}).get(key)
+    return "" if value is None else f"{value:.2f}"
+
+
+def markdown_table(report: dict[str, Any]) -> str:
+    head = (
+        "| scenario | system | durability | producer msg/s | end-to-end msg/s | msg/s per participant "
+        "| avg ms | p50 ms "
+        "| p95 ms | p99 ms | p99.9 ms | max depth | max in-flight | CPU s server | busiest process (CPU s) "
+        "| exactly once |\n|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|"
+    )
+    rows = []
+    for r in report["results"]:
+        if "e2e_msg_per_s" not in r:
+            rows.append(f"| {r['scenario']} | {r['title']} | {r['durability']} | failed: {'; '.join(r['errors'])} |")
+            continue
+        once = "yes" if r["exactly_once"] else f"NO ({r['duplicates']} dup, {r['lost']} lost)"
+        busiest = r["bottleneck"]
+        server_cpu = r["cpu"].get("server")
+        rows.append(
+            f"| {r['scenario']} | {r['title']} | {r['durability']} | {r['producer_msg_per_s']:,.0f} "
+            f"| {r['e2e_msg_per_s']:,.0f} | {r['efficiency_msg_per_s_per_participant']:,.0f} "
+            f"| {_fmt_lat(r, 'avg')} | {_fmt_lat(r, 'p50')} | {_fmt_lat(r, 'p95')} | {_fmt_lat(r, 'p99')} "
+            f"| {_fmt_lat(r, 'p99.9')} | {max(r['max_depth'], r.get('max_lag') or 0):,} "
+            f"| {'' if r.get('max_in_flight') is None else format(r['max_in_flight'], ',')} "
+            f"| {'' if server_cpu is None else f'{server_cpu:.2f}'} "
+            f"| {busiest['process']} ({busiest['cpu_seconds']:.2f}) | {once} |"
+        )
+    out = [head, *rows]
+    checks = check_targets(report)
+    if checks:
+        out += ["", "| target | measured | met |", "|---|---|---|"]
+        for t in checks:
+            met = {True: "yes", False: "**no**", None: "n/a"}[t["met"]]
+            out.append(f"| {describe_target(t)} | {target_cell(t)} | {met} |")
+    return "\n".join(out)
+
+
+def observations(report: dict[str, Any]) -> list[str]:
+    """Sentences written from the numbers: who is fastest, the best concurrency, the bottleneck, ratios."""
+    notes: list[str] = []
+    results = [r for r in report["results"] if "e2e_msg_per_s" in r]
+    scenarios = {s["name"]: s for s in report["scenarios"]}
+    if not results:
+        return ["No run produced numbers."]
+    failed = [r for r in report["results"] if not r.get("ok")]
+    if failed:
+        notes.append(
+            "Runs with errors or a failed exactly-once check: "
+            + "; ".join(
+                f"{r['scenario']} / {r['variant']} ({'; '.join(r.get('errors', [])) or 'check'})" for r in failed
+            )
+            + "."
+        )
+    else:
+        total = sum(r["unique"] for r in results)
+        notes.append(
+            f"Every run delivered every message exactly once per group ({total:,} deliveries checked, "
+            "no duplicates, no losses)."
+        )
+    # Ratios against peers, scenario by scenario (matching durability only).
+    for name, runs in by_scenario({"results": results}).items():
+        mine = [r for r in runs if r["system"] == "conveyor"]
+        peers = [r for r in runs if r["system"] != "conveyor"]
+        if not mine or not peers:
+            continue
+        c = mine[0]
+        paced = scenarios.get(name, {}).get("rate", "max") != "max"
+        parts = []
+        for p in peers:
+            if paced:
+                cp99, pp99 = metric(c, "p99"), metric(p, "p99")
+                if cp99 and pp99:
+                    versus = (
+                        f"{pp99 / cp99:.1f}x Conveyor's" if pp99 >= cp99 else f"Conveyor's is {cp99 / pp99:.1f}x higher"
+                    )
+                    parts.append(f"{p['title']} ({p['durability']}) p99 {pp99:.2f} ms, {versus}")
+            elif p["e2e_msg_per_s"]:
+                parts.append(
+                    f"{c['e2e_msg_per_s'] / p['e2e_msg_per_s']:.1f}x {p['title']} ({p['durability']}, "
+                    f"{p['e2e_msg_per_s']:,.0f} msg/s)"
+                )
+        if parts:
+            if paced:
+                notes.append(f"{name}: Conveyor p99 {metric(c, 'p99') or 0:.2f} ms; " + "; ".join(parts) + ".")
+            else:
+                notes.append(f"{name}: Conveyor end-to-end {c['e2e_msg_per_s']:,.0f} msg/s, " + "; ".join(parts) + ".")
+    # Stalls in the paced runs: one bad stretch can make the whole run's p99.
+    for r in results:
+        if scenarios.get(r["scenario"], {}).get("rate", "max") == "max":
+            continue
+        series = r.get("latency_series") or []
+        if len(series) < 10:
+            continue
+        p99s = sorted(point[2] for point in series)
+        typical = p99s[len(p99s) // 2]
+        worst = max(series, key=lambda point: point[2])
+        if typical > 0 and worst[2] > 5 * typical:
+            notes.append(
+                f"{r['scenario']} / {r['title']} ({r['variant'].split(':', 1)[1]}): a stall of {worst[3]:.0f} ms "
+                f"around {worst[0]:.1f} s into the run; outside it the p99 of each "
+                f"{series[1][0] - series[0][0]:.2f} s slice is typically {typical:.1f} ms "
+                f"(whole-run p99 {metric(r, 'p99') or 0:.1f} ms)."
+            )
+    # Best concurrency: among Conveyor max-rate runs with the same message size and fsync.
+    families: dict[tuple[int, str], list[Result]] = defaultdict(list)
+    for r in results:
+        s = scenarios.get(r["scenario"], {})
+        if r["system"] == "conveyor" and s.get("rate") == "max":
+            families[(s["message_size"], s["fsync"])].append(r)
+    for (size, fsync), runs in families.items():
+        shapes = {(scenarios[r["scenario"]]["producers"], scenarios[r["scenario"]]["consumers"]) for r in runs}
+        if len(shapes) < 2:
+            continue
+        best = max(runs, key=lambda r: r["e2e_msg_per_s"])
+        eff = max(runs, key=lambda r: r["efficiency_msg_per_s_per_participant"])
+        bs, es = scenarios[best["scenario"]], scenarios[eff["scenario"]]
+        text = (
+            f"Best concurrency for Conveyor ({size} B, fsync={fsync}): {bs['producers']} producer(s) -> "
+            f"{bs['consumers']} consumer(s) gives the most end-to-end throughput ({best['e2e_msg_per_s']:,.0f} msg/s)"
+        )
+        if eff is best:
+            text += ", and the most per participant."
+        else:
+            text += (
+                f"; {es['producers']} -> {es['consumers']} the most per participant "
+                f"({eff['efficiency_msg_per_s_per_participant']:,.0f} msg/s each). On "
+                f"{report['machine'].get('cpus', '?')} cores, more processes mostly share the same CPUs."
+            )
+        notes.append(text)
+    # A shared machine: how much of it other processes took during each system's runs.
+    cpus = report.get("machine", {}).get("cpus") or 1
+    shared = [r for r in results if r.get("e2e_seconds") and r.get("other_cpu", 0) / r["e2e_seconds"] > 0.25]
+    if shared:
+        worst = max(shared, key=lambda r: r["other_cpu"] / r["e2e_seconds"])
+        notes.append(
+            f"The machine was shared: in {len(shared)} of {len(results)} runs other processes used more than a "
+            f"quarter of a core on average (up to {worst['other_cpu'] / worst['e2e_seconds']:.1f} of {cpus} cores, "
+            f"in {worst['scenario']} / {worst['variant']}). Every system ran under the same conditions, one after "
+            "the other, but absolute numbers are pessimistic and a CPU share well under 100% for the busiest "
+            "process then means waiting for a core rather than spare capacity."
+        )
+    # Bottlenecks by CPU.
+    for r in results:
+        if r["system"] != "conveyor":
+            continue
+        b = r["bottleneck"]
+        if not b["process"]:
+            continue
+        frac = b.get("busy_fraction") or 0.0
+        state = "saturated (one core's worth)" if frac >= 0.85 else f"busy {frac * 100:.0f}% of the run"
+        shares = ", ".join(f"{k} {v:.2f}" for k, v in sorted(r["cpu"].items(), key=lambda kv: -kv[1])[:4])
+        notes.append(
+            f"{r['scenario']} / Conveyor: the busiest process is the {b['process']} "
+            f"({b['cpu_seconds']:.2f} CPU s, {state}); CPU s: {shares}"
+            + (f"; other processes used {r['other_cpu']:.2f} CPU s meanwhile" if r.get("other_cpu", 0) > 0.5 else "")
+            + "."
+        )
+    for t in check_targets(report):
+        if t["met"] is None:
+            continue
+        notes.append(f"Target {'met' if t['met'] else 'MISSED'}: {describe_target(t)} - {target_cell(t)}.")
+    return notes

@@ -1,0 +1,32 @@
+"""The systems a scenario runs against: Conveyor and its peers.
+
+Each module holds one ``System`` (the server side, run by the orchestrator)
+and ``make_producer`` / ``make_consumer`` (the client side, run inside each
+producer and consumer process).
+"""
+
+from __future__ import annotations
+
+import importlib
+from types import ModuleType
+
+from benchmarks.suite.systems.base import System
+
+NAMES = ("conveyor", "redis", "nats", "rabbitmq")
+MODULES = {
+    "conveyor": "benchmarks.suite.systems.conveyor",
+    "redis": "benchmarks.suite.systems.redis_streams",
+    "nats": "benchmarks.suite.systems.nats_jetstream",
+    "rabbitmq": "benchmarks.suite.systems.rabbitmq",
+}
+
+
+def module(name: str) -> ModuleType:
+    return importlib.import_module(MODULES[name])
+
+
+def system(name: str, **options: object) -> System:
+    return module(name).System(**options)
+
+
+__all__ = ["MODULES", "NAMES", "System", "module", "system"]

@@ -1,0 +1,156 @@
+"""What a benchmarked system provides: its server, the variants it runs, and its clients."""
+
+from __future__ import annotations
+
+import abc
+import contextlib
+import socket
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from benchmarks.suite.procstat import tree
+from benchmarks.suite.scenario import Scenario
+
+
+@dataclass(frozen=True, slots=True)
+class Variant:
+    """A system with one durability setting, e.g. Redis with ``appendfsync always``."""
+
+    system: str  # conveyor, redis, nats, rabbitmq
+    mode: str  # batch / none (Conveyor), always / everysec / none (Redis), file / memory, persistent / transient
+    title: str  # "Redis Streams"
+    durability: str  # stated next to the numbers
+    matches: bool = True  # the durability that matches the scenario's fsync policy (the fair comparison)
+
+    @property
+    def id(self) -> str:
+        return f"{self.system}:{self.mode}"
+
+    @property
+    def label(self) -> str:
+        return f"{self.title} ({self.durability})"
+
+
+class Server(abc.ABC):
+    """A running server; ``endpoint`` is what the client processes are given (picklable)."""
+
+    pids: list[int]
+    external: bool = False
+
+    @abc.abstractmethod
+    def prepare(self, run: str, scenario: Scenario) -> dict[str, Any]:
+        """Create what a run needs (topic, stream, queues, groups); return the endpoint for the clients."""
+
+    def sample(self, endpoint: dict[str, Any]) -> dict[str, float | None]:
+        """Queue depth as the server sees it: ``lag`` (not yet delivered) and ``in_flight`` (delivered, unacked)."""
+        return {"lag": None, "in_flight": None}
+
+    def cleanup(self, endpoint: dict[str, Any]) -> None:  # noqa: B027 - optional
+        """Drop what ``prepare`` made (for servers reused across runs)."""
+
+    @abc.abstractmethod
+    def stop(self) -> None: ...
+
+    def cpu_pids(self) -> list[int]:
+        """The server's processes (and their children) right now, for CPU accounting."""
+        out: list[int] = []
+        for pid in self.pids:
+            out += tree(pid)
+        return out
+
+
+class System(abc.ABC):
+    name: str
+    title: str
+    reuse_server = False  # one server for the whole bench (slow to start), or a fresh one per run
+
+    @abc.abstractmethod
+    def unavailable(self) -> str | None:
+        """Why this system cannot run here (a missing server binary or client library), or None."""
+
+    @abc.abstractmethod
+    def variants(self, scenario: Scenario) -> list[Variant]: ...
+
+    @abc.abstractmethod
+    def start(self, variant: Variant, workdir: Path) -> Server: ...
+
+    def version(self) -> str:
+        return ""
+
+    def client_api(self) -> str:
+        return ""
+
+
+# --- helpers for servers started as subprocesses ----------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def wait_port(port: int, proc: subprocess.Popen[Any], timeout: float, what: str, log: Path | None = None) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            tail = log.read_text(errors="replace")[-2000:] if log and log.exists() else ""
+            raise RuntimeError(f"{what} exited with {proc.returncode} before listening on {port}\n{tail}")
+        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=0.2):
+            return
+        time.sleep(0.05)
+    raise RuntimeError(f"{what} did not listen on {port} within {timeout:.0f} s")
+
+
+def terminate(proc: subprocess.Popen[Any] | None, timeout: float = 20.0) -> None:
+    """SIGTERM, wait, then SIGKILL: only the process this suite started."""
+    if proc is None or proc.poll() is not None:
+        return
+    proc.terminate()
+    try:
+        proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(10)
+
+
+def run_version(cmd: list[str]) -> str:
+    try:
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return ""
+    return (out.stdout or out.stderr).strip().splitlines()[0] if (out.stdout or out.stderr).strip() else ""
+
+
+# --- the client side (inside producer and consumer processes) -------------------------------------
+
+
+class ProducerClient(abc.ABC):
+    api = ""  # which client call sends, e.g. "Producer.send_many()"
+
+    @abc.abstractmethod
+    def send(self, values: list[bytes]) -> None:
+        """Hand a batch of values to the client (it may send now or batch further)."""
+
+    @abc.abstractmethod
+    def flush(self) -> int:
+        """Wait until everything sent is confirmed by the server; return how many failed."""
+
+    def close(self) -> None:  # noqa: B027 - optional
+        pass
+
+
+class ConsumerClient(abc.ABC):
+    @abc.abstractmethod
+    def receive(self, timeout: float) -> list[bytes]:
+        """The next delivered batch's values (possibly empty after ``timeout``)."""
+
+    @abc.abstractmethod
+    def ack(self) -> None:
+        """Acknowledge everything received so far."""
+
+    def close(self) -> None:  # noqa: B027 - optional
+        pass

@@ -1,0 +1,188 @@
+"""Conveyor: a broker process per run (fresh data directory, the scenario's fsync policy), or ``--broker ADDR``.
+
+Producer: ``broker.client.Producer.send_many()`` (the fastest public producer
+call; one list of values per call, batches by size and linger). Consumer: the
+low-level ``consumers.session.Subscription`` (receive a delivered batch, ack
+it as a range).
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+from benchmarks.suite.scenario import Scenario
+from benchmarks.suite.systems import base
+
+TITLE = "Conveyor"
+
+
+class ConveyorServer(base.Server):
+    def __init__(self, workdir: Path | None, fsync: str, address: str = "") -> None:
+        from consumers.testing import BrokerProcess
+
+        self.broker: Any = None
+        if address:
+            self.address = address
+            self.external = True
+            self.pids = []
+        else:
+            assert workdir is not None
+            self.broker = BrokerProcess(workdir / "conveyor-data", fsync=fsync).start()
+            self.address = self.broker.address
+            self.pids = [self.broker.pid]
+        self._admin: Any = None
+
+    def admin(self) -> Any:
+        from broker.client import Admin
+
+        if self._admin is None:
+            self._admin = Admin(self.address, timeout_ms=2000)
+        return self._admin
+
+    def prepare(self, run: str, scenario: Scenario) -> dict[str, Any]:
+        topic = f"bench.{run}"
+        self.admin().create_topic(topic)
+        return {"address": self.address, "topic": topic, "groups": [f"g{i}" for i in range(scenario.groups)]}
+
+    def sample(self, endpoint: dict[str, Any]) -> dict[str, float | None]:
+        lag = in_flight = 0
+        try:
+            for group in endpoint["groups"]:
+                info = self.admin().describe_group(endpoint["topic"], group)
+                lag += int(info.get("lag", 0))
+                in_flight += int(info.get("in_flight", 0))
+        except Exception:  # the group may not exist yet, or the broker is busy: skip this sample
+            self._close_admin()
+            return {"lag": None, "in_flight": None}
+        return {"lag": lag, "in_flight": in_flight}
+
+    def cleanup(self, endpoint: dict[str, Any]) -> None:
+        if self.external:
+            try:
+                self.admin().delete_topic(endpoint["topic"])
+            except Exception:
+                pass
+
+    def _close_admin(self) -> None:
+        if self._admin is not None:
+            self._admin.close()
+            self._admin = None
+
+    def stop(self) -> None:
+        self._close_admin()
+        if self.broker is not None:
+            self.broker.stop()
+
+
+class System(base.System):
+    name = "conveyor"
+    title = TITLE
+
+    def __init__(self, broker: str = "") -> None:
+        self.external_address = broker
+        self.reuse_server = bool(broker)
+        self._external: ConveyorServer | None = None
+
+    def unavailable(self) -> str | None:
+        return None
+
+    def variants(self, scenario: Scenario) -> list[base.Variant]:
+        if self.external_address:
+            return [base.Variant("conveyor", "external", TITLE, f"external broker {self.external_address}")]
+        durability = "fsync=batch: group commit before confirm" if scenario.fsync == "batch" else "fsync=none"
+        return [base.Variant("conveyor", scenario.fsync, TITLE, durability)]
+
+    def start(self, variant: base.Variant, workdir: Path) -> base.Server:
+        if self.external_address:
+            if self._external is None:
+                self._external = ConveyorServer(None, "", self.external_address)
+            return self._external
+        return ConveyorServer(workdir, variant.mode)
+
+    def version(self) -> str:
+        from importlib.metadata import version
+
+        try:
+            return f"conveyor {version('conveyor')}"
+        except Exception:
+            return "conveyor"
+
+    def client_api(self) -> str:
+        return "broker.client.Producer.send_many(); consumers.session.Subscription receive()/ack()"
+
+
+# --- clients ------------------------------------------------------------------------------------
+
+
+class Producer(base.ProducerClient):
+    api = "Producer.send_many()"
+
+    def __init__(self, endpoint: dict[str, Any], scenario: Scenario) -> None:
+        from broker.client import Producer as ConveyorProducer
+
+        self.topic = endpoint["topic"]
+        self.producer = ConveyorProducer(
+            endpoint["address"], linger_ms=scenario.conveyor_linger_ms, batch_size=scenario.batch_size
+        )
+        self.send_many = getattr(self.producer, "send_many", None)
+        if self.send_many is None:  # an older client: one send() per value
+            self.api = "Producer.send()"
+
+    def send(self, values: list[bytes]) -> None:
+        if self.send_many is not None:
+            self.send_many(self.topic, values)
+        else:
+            send, topic = self.producer.send, self.topic
+            for value in values:
+                send(topic, value)
+
+    def flush(self) -> int:
+        try:
+            self.producer.flush(timeout=120)
+        except TimeoutError:
+            return int(self.producer._outstanding)
+        return 0
+
+    def close(self) -> None:
+        self.producer.close(timeout=5)
+
+
+class Consumer(base.ConsumerClient):
+    def __init__(self, endpoint: dict[str, Any], scenario: Scenario, group: int, index: int) -> None:
+        from consumers.session import Subscription
+
+        self.sub = Subscription(
+            endpoint["topic"],
+            endpoint["groups"][group],
+            address=endpoint["address"],
+            credit=scenario.consumer_credit,
+        )
+        deadline = time.monotonic() + 30
+        while not self.sub.subscribed and time.monotonic() < deadline:
+            self.sub.receive(timeout=0.05)
+        if not self.sub.subscribed:
+            raise RuntimeError("Conveyor: not subscribed within 30 s")
+        self.last: list[Any] = []
+
+    def receive(self, timeout: float) -> list[bytes]:
+        batch = self.sub.receive(timeout=timeout)
+        self.last = batch
+        return [m.body for m in batch]
+
+    def ack(self) -> None:
+        if self.last:
+            self.sub.ack(self.last)
+            self.last = []
+
+    def close(self) -> None:
+        self.sub.close()
+
+
+def make_producer(endpoint: dict[str, Any], scenario: Scenario, index: int) -> base.ProducerClient:
+    return Producer(endpoint, scenario)
+
+
+def make_consumer(endpoint: dict[str, Any], scenario: Scenario, group: int, index: int) -> base.ConsumerClient:
+    return Consumer(endpoint, scenario, group, index)

@@ -1,7 +1,8 @@
 """The file I/O under the log, the offsets and the metadata, with a fault layer.
 
 Every durability-relevant call of ``segment.py``, ``filelog.py`` and
-``fsutil.py`` (write, writev, fsync, fdatasync, ftruncate, rename/replace)
+``fsutil.py`` (write, writev, fsync, fdatasync, ftruncate, rename/replace,
+and the unlink of segments)
 goes through this module. Normally each function is the ``os`` call and one
 ``if``. Two test aids can be switched on, by environment variable (read when
 the module is imported, so a broker subprocess picks them up) or by
@@ -38,6 +39,7 @@ import logging
 import os
 import shutil
 import stat
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -123,6 +125,7 @@ class _Layer:
         self._stamp: tuple[int, int, int] | None = None
         self.dynamic = FaultPlan()
         self.injected: dict[str, int] = {}
+        self.lock = threading.Lock()  # the broker writes offsets files on a thread of their own
 
     # --- bookkeeping --------------------------------------------------------------
 
@@ -141,19 +144,21 @@ class _Layer:
         if stamp == self._stamp:
             return
         self._stamp = stamp
+        text = ""
         try:
             text = Path(self.control).read_text() if stamp != (0, 0, 0) else ""
             self.dynamic = FaultPlan.parse(text)
         except (OSError, ValueError) as exc:
             log.error("fsio: bad control file %s: %s", self.control, exc)
             self.dynamic = FaultPlan()
-        log.warning("fsio: faults now %r", text.strip() if stamp != (0, 0, 0) else "")
+        log.warning("fsio: faults now %r", text.strip())
 
     def fire(self, kind: str, path: str) -> bool:
-        self._refresh()
-        if not (self.static.fire(kind, path) or self.dynamic.fire(kind, path)):
-            return False
-        self.injected[kind] = self.injected.get(kind, 0) + 1
+        with self.lock:
+            self._refresh()
+            if not (self.static.fire(kind, path) or self.dynamic.fire(kind, path)):
+                return False
+            self.injected[kind] = self.injected.get(kind, 0) + 1
         log.warning("fsio: injected %s on %s", kind, path)
         self.record(op="fault", kind=kind, path=path)
         return True
@@ -197,6 +202,13 @@ class _Layer:
             raise OSError(errno.EIO, os.strerror(errno.EIO), path)
         os.ftruncate(fd, length)
         self.record(op="truncate", path=path, ino=os.fstat(fd).st_ino, size=length)
+
+    def unlink(self, path: str | os.PathLike[str]) -> None:
+        try:  # the inode may be reused by the next file created: what the journal says of it ends here
+            self.record(op="unlink", path=os.fspath(path), ino=os.stat(path).st_ino)
+        except FileNotFoundError:
+            pass
+        os.unlink(path)
 
     def rename(self, src: str | os.PathLike[str], dst: str | os.PathLike[str], replace: bool) -> None:
         if self.fire("rename_eio", os.fspath(dst)):
@@ -288,6 +300,17 @@ def rename(src: str | os.PathLike[str], dst: str | os.PathLike[str]) -> None:
     return _layer.rename(src, dst, replace=False)
 
 
+def unlink(path: str | os.PathLike[str], *, missing_ok: bool = False) -> None:
+    try:
+        if _layer is None:
+            os.unlink(path)
+        else:
+            _layer.unlink(path)
+    except FileNotFoundError:
+        if not missing_ok:
+            raise
+
+
 # --- power loss ----------------------------------------------------------------------------
 
 
@@ -326,9 +349,10 @@ def simulate_power_loss(root: str | os.PathLike[str], journal: str | os.PathLike
     directory after that directory's last fsync disappears, and a file
     renamed over an older one after it comes back as the older one.
     Directories never fsynced through this layer are trusted as they are,
-    a truncate below the last synced size is assumed durable, and files are
-    known by inode (a new file reusing a deleted one's inode inherits its
-    synced size: the model errs towards keeping data there).
+    and a truncate below the last synced size is assumed durable. Files are
+    known by inode; an unlink through this layer ends what is known of one
+    (a file deleted otherwise, and a new file reusing its inode, would
+    inherit its synced size).
     """
     root = Path(root).resolve()
     report = PowerLoss()
@@ -341,10 +365,13 @@ def simulate_power_loss(root: str | os.PathLike[str], journal: str | os.PathLike
         if op == "dirsync":
             listings[event["path"]] = event["entries"]
             continue
-        if op not in ("sync", "fsync_failed", "truncate"):
+        if op not in ("sync", "fsync_failed", "truncate", "unlink"):
             continue
         key = event["ino"]
-        if op == "sync":
+        if op == "unlink":  # a file created later may get this inode: it starts with a clean slate
+            synced.pop(key, None)
+            doubt.pop(key, None)
+        elif op == "sync":
             synced[key] = event["size"]
         elif op == "fsync_failed":
             doubt.setdefault(key, []).append((synced.get(key, 0), event["size"]))

@@ -365,7 +365,7 @@ class Segment:
     def delete(self) -> None:
         self.close()
         for path in (self.path, self.index_path):
-            path.unlink(missing_ok=True)
+            fsio.unlink(path, missing_ok=True)
 
 
 def _peek_size(buf: bytes | memoryview, pos: int) -> int:

@@ -25,7 +25,7 @@ import socket
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from operator import add
@@ -603,6 +603,3 @@ class Admin:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-Callback = Callable[[Future[int]], None]

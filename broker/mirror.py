@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 import tenacity
 import zmq
 
+from broker.client import backoff_seconds
 from broker.errors import ConveyorError
 from broker.protocol import Command, Frame, decode, encode, error_from_header
 from broker.record import Batch, pack_records, unpack_records
@@ -105,7 +106,7 @@ class Mirror:
         if self.socket is not None:
             self.broker.poller.unregister(self.socket)
             self.socket.close(linger=0)
-        delay = float(self._wait(_attempt(min(self.reconnects, 10))))
+        delay = backoff_seconds(self._wait, min(self.reconnects, 10))
         self._next_connect = self.clock() + delay
         self.socket = None
 
@@ -341,9 +342,3 @@ def _from(batch: Batch, offset: int) -> Batch | None:
 
 def _is_shutting_down(reply: Frame) -> bool:
     return reply.command is Command.ERROR and reply.get("name") == "SHUTTING_DOWN"
-
-
-def _attempt(n: int) -> tenacity.RetryCallState:
-    state = tenacity.RetryCallState(retry_object=None, fn=None, args=(), kwargs={})  # type: ignore[arg-type]
-    state.attempt_number = n
-    return state

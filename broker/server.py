@@ -48,6 +48,7 @@ from broker.security import ServerSecurity
 from broker.settings import BrokerSettings
 from broker.storage import FsyncPolicy, TopicConfig, TopicLog
 from broker.store import Store, check_name
+from broker.wakeup import drain
 from monitoring.http import MetricsServer
 from monitoring.metrics import BrokerMetrics, NullMetrics, StateCollector
 
@@ -240,7 +241,7 @@ class Broker:
                 if self.socket in events:
                     self._read_burst()
                 if wake_r.fileno() in events:
-                    _drain(wake_r)
+                    drain(wake_r)
                 if self.mirror is not None:
                     self._mirror_pass(events)
                 self._after_reads()
@@ -885,11 +886,3 @@ class Broker:
         Command.FETCH: _on_fetch,
         Command.ADMIN: _on_admin,
     }
-
-
-def _drain(sock: socket.socket) -> None:
-    try:
-        while sock.recv(4096):
-            pass
-    except (BlockingIOError, OSError):
-        pass

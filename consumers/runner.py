@@ -28,6 +28,7 @@ import zmq
 from prometheus_client import CollectorRegistry
 
 from broker.config import DEFAULT_BROKER
+from broker.wakeup import drain
 from consumers.lanes import AsyncLane, Report, ThreadLane, split
 from consumers.message import Message
 from consumers.session import Subscription
@@ -182,7 +183,7 @@ class Runner:
         poller.register(self._wake_r.fileno(), zmq.POLLIN)
         events = dict(poller.poll(int(timeout * 1000) + 1))
         if self._wake_r.fileno() in events:
-            _drain_fd(self._wake_r)
+            drain(self._wake_r)
         for sock, slot in by_socket.items():
             if sock in events:
                 self._deliver(slot, slot.subscription.read_ready())
@@ -315,11 +316,3 @@ class Runner:
             elif not slot.subscription.subscribed and status == "HEALTHY":
                 status = "DEGRADED"
         return {"status": status, "checks": checks}
-
-
-def _drain_fd(sock: socket.socket) -> None:
-    try:
-        while sock.recv(4096):
-            pass
-    except (BlockingIOError, OSError):
-        pass

@@ -42,6 +42,7 @@ from broker.errors import BrokerUnavailable, ConveyorError, RequestTimeout
 from broker.futures import BatchState, batch_futures, new_future
 from broker.protocol import Command, decode, encode, error_from_header
 from broker.security import secure_client
+from broker.transport import NOBLOCK, recv_frames, send_frames
 from consumers.message import Message, messages_from_entries
 
 __all__ = ["DEFAULT_BROKER", "Admin", "AsyncProducer", "Producer"]
@@ -428,16 +429,15 @@ class _ProducerIO:
         header = {"rid": flight.rid, "topic": flight.topic, "pid": self.p.producer_id, "seq": flight.seq}
         flight.sent_at = time.monotonic()
         try:
-            self.sock.send_multipart(encode(Command.PUBLISH, header, flight.body), zmq.NOBLOCK, copy=False)
+            send_frames(self.sock, encode(Command.PUBLISH, header, flight.body), NOBLOCK)
         except zmq.Again:
             # No connection (the socket does not reconnect by itself): start over on a new one now.
             flight.sent_at = -self.p.request_timeout
 
     def _read_replies(self) -> None:
         while True:
-            try:
-                frames = self.sock.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
+            frames = recv_frames(self.sock)
+            if frames is None:
                 return
             try:
                 reply = decode(frames)

@@ -48,6 +48,7 @@ from broker.security import ServerSecurity
 from broker.settings import BrokerSettings
 from broker.storage import FsyncPolicy, TopicConfig, TopicLog
 from broker.store import Store, check_name
+from broker.transport import NOBLOCK, recv_frames, send_frames
 from broker.wakeup import drain
 from monitoring.http import MetricsServer
 from monitoring.metrics import BrokerMetrics, NullMetrics, StateCollector
@@ -262,9 +263,8 @@ class Broker:
     def _read_burst(self) -> None:
         sock = self.socket
         for _ in range(READ_BURST):
-            try:
-                frames = sock.recv_multipart(zmq.NOBLOCK, copy=True)
-            except zmq.Again:
+            frames = recv_frames(sock)
+            if frames is None:
                 return
             self._handle(frames)
 
@@ -312,7 +312,7 @@ class Broker:
     def _send(self, peer: bytes, frames: list[Any]) -> bool:
         """Non-blocking send; EAGAIN means busy, EHOSTUNREACH means gone."""
         try:
-            self.socket.send_multipart([peer, *frames], zmq.NOBLOCK, copy=False)
+            send_frames(self.socket, [peer, *frames], NOBLOCK)
         except zmq.Again:
             self.metrics.router_send_errors.labels("EAGAIN").inc()
             return False
@@ -404,12 +404,13 @@ class Broker:
             self._fail_confirms(exc, cut_from=log_)  # a sync inside the append failed: the log was cut back
             raise
         self.metrics.append_seconds.observe(time.perf_counter() - started)
+        counters = self.metrics.topic(topic)
         if result.duplicate:
-            self.metrics.duplicate_batches.labels(topic).inc()
+            counters.duplicate_batches.inc()
         else:
-            self.metrics.published_messages.labels(topic).inc(count)
-            self.metrics.published_bytes.labels(topic).inc(len(body))
-            self.metrics.published_batches.labels(topic).inc()
+            counters.published_messages.inc(count)
+            counters.published_bytes.inc(len(body))
+            counters.published_batches.inc()
             self.appended.add(topic)
         self.confirms.append(
             Confirm(peer, frame.get("rid"), log_, result.base_offset, count, result.duplicate, received)
@@ -570,13 +571,13 @@ class Broker:
         touched = group.settle(member, hranges(frame))
         acked = before - member.in_flight
         if acked:
-            self.metrics.acked_messages.labels(group.topic, group.name).inc(acked)
+            self.metrics.group(group.topic, group.name).acked_messages.inc(acked)
             self.to_dispatch.add(group)
         now_ms = time.time() * 1000
         for chunk in touched:
             if not chunk.ranges and chunk.appended_ms:  # once per fully settled chunk, not per message
                 latency = max(0.0, (now_ms - chunk.appended_ms) / 1000)
-                self.metrics.end_to_end_seconds.labels(group.topic, group.name).observe(latency)
+                self.metrics.group(group.topic, group.name).end_to_end_seconds.observe(latency)
 
     def _on_nack(self, peer: bytes, frame: Frame) -> None:
         group, member = self._member(peer, frame)
@@ -626,8 +627,9 @@ class Broker:
                 group.undeliver(plan)
             return
         messages = sum(e.end - e.first if e.offsets is None else len(e.offsets) for e in entries)
-        self.metrics.delivered_messages.labels(group.topic, group.name).inc(messages)
-        self.metrics.delivered_bytes.labels(group.topic, group.name).inc(sum(len(e.batch.body) for e in entries))
+        counters = self.metrics.group(group.topic, group.name)
+        counters.delivered_messages.inc(messages)
+        counters.delivered_bytes.inc(sum(len(e.batch.body) for e in entries))
 
     def _handle_dead_letters(self) -> None:
         for group in list(self.groups.values()):

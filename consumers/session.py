@@ -28,6 +28,7 @@ from broker.errors import ConveyorError
 from broker.groups import to_ranges
 from broker.protocol import Command, Frame, decode, encode, error_from_header
 from broker.security import secure_client
+from broker.transport import recv_frames, send_frames
 from consumers.message import Message, messages_from_entries
 
 log = logging.getLogger("conveyor.consumer")
@@ -132,7 +133,7 @@ class Subscription:
 
     def _send(self, command: Command, header: dict[str, Any]) -> None:
         assert self._sock is not None
-        self._sock.send_multipart(encode(command, header))
+        send_frames(self._sock, encode(command, header))
         self._last_sent = time.monotonic()
 
     # --- receiving --------------------------------------------------------------------
@@ -187,9 +188,8 @@ class Subscription:
         assert self._sock is not None
         messages: list[Message] = []
         while True:
-            try:
-                frames = self._sock.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
+            frames = recv_frames(self._sock)
+            if frames is None:
                 return messages
             self._last_heard = time.monotonic()
             try:

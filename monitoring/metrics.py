@@ -60,6 +60,8 @@ class BrokerMetrics:
 
     def __init__(self, registry: CollectorRegistry) -> None:
         self.registry = registry
+        self._topics: dict[str, TopicMetrics] = {}
+        self._groups: dict[tuple[str, str], GroupMetrics] = {}
         build_info(registry, "broker")
         register_runtime_collectors(registry)
         topic, group = ["topic"], ["topic", "group"]
@@ -164,6 +166,44 @@ class BrokerMetrics:
         )
 
 
+    def topic(self, topic: str) -> TopicMetrics:
+        """The children of one topic, looked up once: ``labels()`` costs more than the update."""
+        found = self._topics.get(topic)
+        if found is None:
+            found = self._topics[topic] = TopicMetrics(self, topic)
+        return found
+
+    def group(self, topic: str, group: str) -> GroupMetrics:
+        found = self._groups.get((topic, group))
+        if found is None:
+            found = self._groups[(topic, group)] = GroupMetrics(self, topic, group)
+        return found
+
+
+class TopicMetrics:
+    """The per-batch counters of one topic."""
+
+    __slots__ = ("duplicate_batches", "published_batches", "published_bytes", "published_messages")
+
+    def __init__(self, metrics: BrokerMetrics, topic: str) -> None:
+        self.published_messages = metrics.published_messages.labels(topic)
+        self.published_bytes = metrics.published_bytes.labels(topic)
+        self.published_batches = metrics.published_batches.labels(topic)
+        self.duplicate_batches = metrics.duplicate_batches.labels(topic)
+
+
+class GroupMetrics:
+    """The per-delivery and per-ack series of one consumer group."""
+
+    __slots__ = ("acked_messages", "delivered_bytes", "delivered_messages", "end_to_end_seconds")
+
+    def __init__(self, metrics: BrokerMetrics, topic: str, group: str) -> None:
+        self.delivered_messages = metrics.delivered_messages.labels(topic, group)
+        self.delivered_bytes = metrics.delivered_bytes.labels(topic, group)
+        self.acked_messages = metrics.acked_messages.labels(topic, group)
+        self.end_to_end_seconds = metrics.end_to_end_seconds.labels(topic, group)
+
+
 class StateCollector(Collector):
     """Reads live broker state at scrape time through ``snapshot()``.
 
@@ -258,6 +298,12 @@ class _NoOp:
     """Stands in for any metric child: every update does nothing."""
 
     def labels(self, *args: object, **kwargs: object) -> _NoOp:
+        return self
+
+    def __call__(self, *args: object) -> _NoOp:  # NullMetrics().topic(name)
+        return self
+
+    def __getattr__(self, name: str) -> _NoOp:  # ... .published_messages
         return self
 
     def inc(self, *args: object) -> None:

@@ -26,6 +26,19 @@ def make_values(seqs: Iterable[int], pad: bytes, sent_ns: int | None = None) -> 
     return [pack(now, seq) + pad for seq in seqs]
 
 
+def make_scheduled_values(seqs: range, pad: bytes, first_due_ns: int, interval_ns: float) -> list[bytes]:
+    """Values for ``seqs``, each stamped with the time it was due, not the time it went out.
+
+    A client whose ``send`` blocks (a synchronous round trip) sends the next
+    messages late; stamping them when finally sent would hide that wait
+    (coordinated omission). Stamped with the schedule, every system is charged
+    for its own client's stalls, as wrk2 and HdrHistogram measure.
+    """
+    pack = STAMP.pack
+    base = seqs.start
+    return [pack(first_due_ns + int((seq - base) * interval_ns), seq) + pad for seq in seqs]
+
+
 def read_stamp(value: bytes) -> tuple[int, int]:
     """``(sent_ns, seq)``."""
     return STAMP.unpack_from(value)

@@ -103,11 +103,13 @@ def _max_rate(client: Any, scenario: Scenario, first: int, count: int, pad: byte
 
 
 def _paced(client: Any, scenario: Scenario, first: int, count: int, pad: bytes, counter: Synchronized[int]) -> int:
-    """Whatever is due now goes out at once (stamped now), then sleep until the next message is due."""
+    """Whatever is due now goes out at once, stamped with when it was due; then sleep until the next is due."""
     interval = scenario.producers / scenario.total_rate
+    interval_ns = interval * 1e9
     start = time.monotonic()
+    start_ns = time.time_ns()  # the wall-clock time of ``start``: the consumer compares stamps with its own clock
     end = start + scenario.duration
-    send, make = client.send, payload.make_values
+    send, make = client.send, payload.make_scheduled_values
     sent = 0
     while sent < count:
         now = time.monotonic()
@@ -115,7 +117,7 @@ def _paced(client: Any, scenario: Scenario, first: int, count: int, pad: bytes, 
             break
         due = min(count, int((now - start) / interval) + 1)
         if due > sent:
-            send(make(range(first + sent, first + due), pad))
+            send(make(range(first + sent, first + due), pad, start_ns + int(sent * interval_ns), interval_ns))
             sent = due
             counter.value = sent
         pause = start + sent * interval - time.monotonic()

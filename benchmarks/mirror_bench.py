@@ -18,6 +18,7 @@ L2 and at L3, each in its own group.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import multiprocessing as mp
 import statistics
@@ -33,6 +34,7 @@ from consumers.session import Subscription
 from consumers.testing import BrokerProcess
 
 STAMP = struct.Struct(">q")
+LEVELS = ("root", "L2", "L3")
 
 
 def consume(address: str, topic: str, group: str, expected: int, out: Any) -> None:
@@ -72,7 +74,7 @@ def produce(address: str, topic: str, count: int, rate: float | None) -> float:
 
 def run(levels: list[BrokerProcess], topic: str, count: int, rate: float | None) -> dict[str, Any]:
     out: Any = mp.Queue()
-    names = ["root", "L2", "L3"][: len(levels)]
+    names = LEVELS[: len(levels)]
     consumers = [
         mp.Process(target=consume, args=(b.address, topic, f"bench-{name}", count, out))
         for b, name in zip(levels, names, strict=True)
@@ -101,33 +103,38 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--messages", type=int, default=200_000)
     parser.add_argument("--paced", type=int, default=25_000, help="messages in the 5,000 msg/s latency run")
+    parser.add_argument(
+        "--levels", type=int, choices=(2, 3), default=3, help="brokers in the chain (2: root -> L2, fewer processes)"
+    )
     parser.add_argument("--json")
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory(dir=".") as data:
         root = BrokerProcess(Path(data) / "root").start()
         l2 = BrokerProcess(Path(data) / "l2", extra=["--upstream", root.address, "--mirror", "*"]).start()
-        l3 = BrokerProcess(Path(data) / "l3", extra=["--upstream", l2.address, "--mirror", "*"]).start()
+        chain = [root, l2]
+        if args.levels == 3:
+            chain.append(BrokerProcess(Path(data) / "l3", extra=["--upstream", l2.address, "--mirror", "*"]).start())
         try:
-            print("paced 5,000 msg/s through root -> L2 -> L3 ...", file=sys.stderr)
-            paced = run([root, l2, l3], "paced", args.paced, 5000.0)
+            print(f"paced 5,000 msg/s through {' -> '.join(LEVELS[: len(chain)])} ...", file=sys.stderr)
+            paced = run(chain, "paced", args.paced, 5000.0)
             print(f"max rate, {args.messages:,} messages ...", file=sys.stderr)
             maxed = run([root, l2], "max", args.messages, None)
         finally:
-            for broker in (l3, l2, root):
+            for broker in reversed(chain):
                 broker.stop()
     print("| level | p50 ms @5k/s | p99 ms @5k/s | max-rate msg/s |\n|---|---:|---:|---:|")
-    for name in ("root", "L2", "L3"):
+    for name in LEVELS[: len(chain)]:
         tp = maxed.get(name, {}).get("msg_per_s")
-        print(f"| {name} | {paced[name]['p50_ms']:.2f} | {paced[name]['p99_ms']:.2f} | "
-              f"{f'{tp:,.0f}' if tp else '-'} |")
-    hop1 = paced["L2"]["p50_ms"] - paced["root"]["p50_ms"]
-    hop2 = paced["L3"]["p50_ms"] - paced["L2"]["p50_ms"]
+        print(f"| {name} | {paced[name]['p50_ms']:.2f} | {paced[name]['p99_ms']:.2f} | {f'{tp:,.0f}' if tp else '-'} |")
+    hops = [paced[b]["p50_ms"] - paced[a]["p50_ms"] for a, b in itertools.pairwise(LEVELS[: len(chain)])]
     ratio = maxed["L2"]["msg_per_s"] / maxed["root"]["msg_per_s"]
-    print(f"\nadded p50 per hop: {hop1:.2f} ms (root->L2), {hop2:.2f} ms (L2->L3); target <= 2 ms")
+    named = ", ".join(f"{hop:.2f} ms ({a}->{b})" for hop, (a, b) in zip(hops, itertools.pairwise(LEVELS), strict=False))
+    print(f"\nadded p50 per hop: {named}; target <= 2 ms")
     print(f"throughput through one hop: {ratio:.0%} of the single broker's; target >= 80%")
     if args.json:
-        Path(args.json).write_text(json.dumps({"paced": paced, "max": maxed, "hop_ms": [hop1, hop2],
-                                               "hop_throughput_ratio": ratio}, indent=2))
+        Path(args.json).write_text(
+            json.dumps({"paced": paced, "max": maxed, "hop_ms": hops, "hop_throughput_ratio": ratio}, indent=2)
+        )
     return 0
 
 

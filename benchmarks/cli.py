@@ -35,6 +35,13 @@ def _setup(parser: argparse.ArgumentParser) -> None:
         metavar="DIR",
         help="profile every Python process of each run (broker, producers, consumers) with py-spy into DIR",
     )
+    parser.add_argument(
+        "--repeat",
+        type=int,
+        default=1,
+        metavar="N",
+        help="run everything N times, interleaved, and report each run's median (p99 for paced scenarios)",
+    )
     parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
 
 
@@ -45,6 +52,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from benchmarks.suite.scenario import load_config
     from benchmarks.suite.summary import markdown_table
 
+    if args.repeat < 1:
+        print("conveyor bench: --repeat must be at least 1", file=sys.stderr)
+        return 2
     config = load_config(args.config, quick=args.quick)
     if args.scenarios:
         keep = {s.strip() for s in args.scenarios.split(",") if s.strip()}
@@ -69,6 +79,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
             progress=progress,
             workdir=args.dir,
             profile=Path(args.py_spy) if args.py_spy else None,
+            repeat=args.repeat,
         )
     except ValueError as exc:
         print(f"conveyor bench: {exc}", file=sys.stderr)

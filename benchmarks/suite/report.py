@@ -132,6 +132,17 @@ def scenario_section(name: str, runs: list[dict[str, Any]], scenario: dict[str, 
     if not ok:
         return "".join(out) + "<p class=bad>No run of this scenario produced numbers.</p>"
     paced = scenario.get("rate", "max") != "max"
+    repeated = [r for r in ok if r.get("repeats")]
+    if repeated:
+        out.append(
+            "<p class=note>Runs (the median one is shown): "
+            + "; ".join(
+                f"{escape(short(r))}: {escape(r['repeats']['metric'])} "
+                + ", ".join(_num(v, ".2f" if paced else ",.0f") for v in r["repeats"]["values"])
+                for r in repeated
+            )
+            + "</p>"
+        )
     out.append("<h3>Throughput</h3>")
     bars = []
     for r in ok:
@@ -199,6 +210,12 @@ def render_html(report: dict[str, Any]) -> str:
         f"Machine: {escape(str(m.get('cpu_model', '')))}, {m.get('cpus')} CPUs, {m.get('memory_gib', '?')} GiB, "
         f"{escape(m.get('platform', ''))}, Python {escape(m.get('python', ''))}.</p>",
     ]
+    if report.get("repeat", 1) > 1:
+        parts.append(
+            f"<p class=note>Every run was made {report['repeat']} times, the systems taking turns; each row is the "
+            "median run (by p99 for the paced scenarios, by end-to-end msg/s otherwise), and the 'runs' line under "
+            "each scenario lists every repetition.</p>"
+        )
     if report.get("quick"):
         parts.append("<p class=warn>A --quick run: small message counts, a smoke test rather than a measurement.</p>")
     if busy:
@@ -264,9 +281,11 @@ shared GIL. Consumers connect and subscribe first; all processes then start on o
 <b>End-to-end msg/s</b>: distinct messages processed / (last receive - first send). <b>Per participant</b>:
 end-to-end / (producers + consumers). <b>msg per CPU s</b>: messages / CPU seconds of every process,
 server included.</li>
-<li><b>Latency</b>: every value starts with its send time (<code>time.time_ns()</code>) and a unique sequence number;
-the consumer subtracts it from the time the batch reached its handler. One machine, one clock. At max rate it
-is mostly queueing; the paced scenarios measure the path itself.</li>
+<li><b>Latency</b>: every value starts with a time stamp (<code>time.time_ns()</code>) and a unique sequence
+number; the consumer subtracts the stamp from the time the batch reached its handler. One machine, one clock. At
+max rate the stamp is the send time and latency is mostly queueing. In the paced scenarios the stamp is the time
+the message was <i>due</i> by the schedule, so a client whose send blocks (a synchronous round trip) is charged
+for the messages it sends late (no coordinated omission, as wrk2 and HdrHistogram measure).</li>
 <li><b>Depth</b>: sent minus processed, sampled 5 times a second from the clients' counters (every system);
 <b>lag</b> and <b>in-flight</b> as the server reports them (Conveyor: Admin.describe_group; Redis: XINFO GROUPS
 lag and pending; NATS: consumer num_pending and num_ack_pending; RabbitMQ: ready messages).</li>

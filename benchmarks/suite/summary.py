@@ -120,6 +120,8 @@ def markdown_table(report: dict[str, Any]) -> str:
             f"| {busiest['process']} ({busiest['cpu_seconds']:.2f}) | {once} |"
         )
     out = [head, *rows]
+    if report.get("repeat", 1) > 1:
+        out.append(f"\nEach row is the median of {report['repeat']} interleaved runs (p99 when paced, else msg/s).")
     checks = check_targets(report)
     if checks:
         out += ["", "| target | measured | met |", "|---|---|---|"]

@@ -216,3 +216,40 @@ def test_report_compares_with_peers_and_checks_targets() -> None:
     html = render_html(report)
     assert "Targets" in html and "missed" in html and html.count("<svg") >= 5
     assert "not installed" in html
+
+
+def test_repeated_runs_are_interleaved_and_the_median_run_is_reported() -> None:
+    from benchmarks.suite.runner import median_runs, plan
+    from benchmarks.suite.systems.base import Variant
+
+    class FakeSystem:
+        def __init__(self, name: str) -> None:
+            self.name = name
+
+        def variants(self, scenario: Scenario) -> list[Variant]:
+            return [Variant(self.name, "x", self.name, "")]
+
+    config = load_config(ROOT / "benchmarks" / "default.json")
+    one = type(config)(config.scenarios[:1], config.settings, config.source)
+    systems = {"conveyor": FakeSystem("conveyor"), "redis": FakeSystem("redis")}
+    order = [sys_obj.name for _s, sys_obj, _v in plan(one, systems, None, repeat=3)]  # type: ignore[arg-type]
+    assert order == ["conveyor", "redis"] * 3  # rounds, not runs of one system back to back
+
+    def run(variant: str, p99: float, paced: bool = True, ok: bool = True) -> dict[str, object]:
+        return {"scenario": "s", "variant": variant, "paced": paced, "latency_ms": {"p99": p99}, "ok": ok}
+
+    chosen = median_runs([run("a", 9.0), run("b", 1.0), run("a", 3.0), run("a", 5.0), run("b", 2.0)])
+    a, b = chosen
+    assert a["latency_ms"] == {"p99": 5.0} and a["repeats"] == {"metric": "p99 ms", "values": [9.0, 3.0, 5.0]}
+    assert b["latency_ms"] == {"p99": 1.0}  # of two, the lower middle
+    failed = median_runs([run("a", 1.0), run("a", 2.0, ok=False), run("a", 3.0)])
+    assert failed[0]["ok"] is False  # a failed repetition is never hidden behind a good median
+    maxed = median_runs([{**run("m", 0, paced=False), "e2e_msg_per_s": v} for v in (300.0, 100.0, 200.0)])
+    assert maxed[0]["e2e_msg_per_s"] == 200.0
+
+
+def test_paced_values_are_stamped_with_their_due_time() -> None:
+    from benchmarks.suite.payload import make_scheduled_values, read_stamp
+
+    values = make_scheduled_values(range(10, 14), b"..", first_due_ns=1_000_000, interval_ns=200_000.0)
+    assert [read_stamp(v) for v in values] == [(1_000_000, 10), (1_200_000, 11), (1_400_000, 12), (1_600_000, 13)]

@@ -146,6 +146,7 @@ class _InFlight:
     sent_at: float
     first_sent: float
     attempts: int = 1
+    last_error: ConveyorError | None = None  # the last retriable error the broker answered
 
 
 class Producer:
@@ -453,13 +454,30 @@ class _ProducerIO:
                 self._on_error(flight, error_from_header(reply.header))
 
     def _on_error(self, flight: _InFlight, exc: ConveyorError) -> None:
-        if exc.retriable and time.monotonic() - flight.first_sent < self.p.delivery_timeout:
-            flight.attempts += 1
-            self.retry_at[flight.rid] = time.monotonic() + backoff_seconds(self.p.retry_wait, flight.attempts)
-            flight.sent_at = float("inf")  # not waiting for an answer until resent
-            return
+        if exc.retriable:
+            flight.last_error = exc
+            if time.monotonic() - flight.first_sent < self.p.delivery_timeout:
+                flight.attempts += 1
+                self.retry_at[flight.rid] = time.monotonic() + backoff_seconds(self.p.retry_wait, flight.attempts)
+                flight.sent_at = float("inf")  # not waiting for an answer until resent
+                return
+            exc = self._timed_out(flight)
         self._finish(flight)
         flight.futures.fail(exc)
+
+    def _timed_out(self, flight: _InFlight) -> ConveyorError:
+        """The error a batch fails with when its delivery timeout ran out.
+
+        The broker's last retriable answer (its class and code: STORAGE_FULL says more than a
+        timeout), or REQUEST_TIMEOUT when no answer ever came.
+        """
+        last = flight.last_error
+        if last is None:
+            return RequestTimeout(f"no confirm from {self.p.address} in time", topic=flight.topic)
+        sent = flight.attempts - (flight.rid in self.retry_at)  # a resend scheduled but never made
+        fields = {"topic": flight.topic, **last.fields, "attempts": sent}
+        fields.pop("message", None)
+        return type(last)(f"delivery timed out after {sent} attempts; last error: {last.message}", **fields)
 
     def _finish(self, flight: _InFlight) -> None:
         del self.in_flight[flight.rid]
@@ -475,8 +493,9 @@ class _ProducerIO:
                 self._transmit(self.in_flight[rid])
         expired = [f for f in self.in_flight.values() if now - f.first_sent >= self.p.delivery_timeout]
         for flight in expired:
+            error = self._timed_out(flight)
             self._finish(flight)
-            flight.futures.fail(RequestTimeout(f"no confirm from {self.p.address} in time", topic=flight.topic))
+            flight.futures.fail(error)
         if any(now - f.sent_at >= self.p.request_timeout for f in self.in_flight.values()):
             self._reconnect(poller)
 

@@ -86,6 +86,15 @@ class OutOfOrderSequence(LogError):
     name = "OUT_OF_ORDER_SEQUENCE"
 
 
+class MetadataCorrupt(ValueError, LogError):
+    """A topic's ``topic.json`` or ``groups.json`` is unreadable or not what it must hold."""
+
+    code = 107
+    name = "METADATA_CORRUPT"
+
+    __init__ = ConveyorError.__init__  # as for SegmentCorrupt: keyword fields
+
+
 # --- protocol and requests --------------------------------------------------
 
 

@@ -19,6 +19,32 @@ def fsync_dir(path: str | os.PathLike[str]) -> None:
         os.close(fd)
 
 
+def make_dirs(path: str | os.PathLike[str]) -> None:
+    """Create ``path`` and its missing parents so that a power cut keeps them.
+
+    A new directory's entry lives in its parent: each created level is
+    followed by an fsync of its parent. The parent of ``path`` is synced even
+    when ``path`` already existed, in case a crash came between an earlier
+    mkdir and its sync.
+    """
+    target = Path(path)
+    missing = []
+    while not target.is_dir():
+        missing.append(target)
+        if target.parent == target:
+            break
+        target = target.parent
+    for directory in reversed(missing):
+        try:
+            directory.mkdir()
+        except FileExistsError:
+            if not directory.is_dir():
+                raise
+        fsync_dir(directory.parent)
+    if not missing:
+        fsync_dir(Path(path).parent)
+
+
 def atomic_write(path: str | os.PathLike[str], data: bytes) -> None:
     """Replace ``path`` with ``data`` so a crash leaves the old or the new file.
 

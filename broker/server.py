@@ -111,6 +111,7 @@ class Broker:
                 retention_ms=settings.retention_ms,
             ),
             quarantine=settings.quarantine,
+            offsets_write_errors=self.metrics.offsets_write_errors,
         )
         self.groups: dict[tuple[str, str], Group] = {}
         self.peers: dict[bytes, Peer] = {}

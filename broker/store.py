@@ -14,13 +14,24 @@ import os
 import re
 import shutil
 import threading
+import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from broker.errors import ConveyorError, InvalidName, TopicExists, UnknownTopic
-from broker.filelog import FileLog
-from broker.fsutil import atomic_write, fsync_dir, storage_errors
+from broker import fsio
+from broker.errors import (
+    ConfigError,
+    ConveyorError,
+    InvalidName,
+    MetadataCorrupt,
+    StorageIOError,
+    TopicExists,
+    UnknownTopic,
+)
+from broker.filelog import QUARANTINE_DIR, FileLog
+from broker.fsutil import atomic_write, fsync_dir, make_dirs, storage_errors
 from broker.memlog import MemoryLog
 from broker.storage import FsyncPolicy, TopicConfig, TopicLog
 
@@ -37,15 +48,27 @@ class OffsetWriter:
 
     An atomic write is two fsyncs and a rename: milliseconds the event loop
     would otherwise stall, several times a second while consumers ack. Only
-    the newest data per file is kept; ``flush()`` waits for everything.
+    the newest data per file is kept. A write that fails (EIO, ENOSPC) keeps
+    its data pending, unless newer data came meanwhile, and is tried again
+    after a backoff that doubles up to ``max_backoff``: logged once per
+    failure streak, counted in ``on_error`` at every failure. ``flush()``
+    tries every pending file once more, now, and raises if one still fails.
     """
 
-    def __init__(self) -> None:
+    def __init__(
+        self,
+        *,
+        on_error: Callable[[Path, ConveyorError], None] | None = None,
+        backoff: float = 0.25,
+        max_backoff: float = 2.0,
+    ) -> None:
         self._pending: dict[Path, bytes] = {}
+        self._failing: dict[Path, _Streak] = {}
         self._cv = threading.Condition()
-        self._busy = False
         self._closed = False
-        self._error: ConveyorError | None = None
+        self._flush_asked = self._flush_done = 0  # flush generations: asked by flush(), done by the thread
+        self._on_error = on_error
+        self._backoff, self._max_backoff = backoff, max_backoff
         self._thread = threading.Thread(target=self._run, name="conveyor-offsets", daemon=True)
         self._thread.start()
 
@@ -57,42 +80,97 @@ class OffsetWriter:
     def _run(self) -> None:
         while True:
             with self._cv:
-                while not self._pending and not self._closed:
-                    self._cv.wait()
-                if not self._pending:
+                items, flushing = self._take()
+                if items is None:
                     return
-                items, self._pending = self._pending, {}
-                self._busy = True
-            error = None
-            for path, data in items.items():
-                try:
-                    atomic_write(path, data)
-                except ConveyorError as exc:  # reported by the next flush() or check()
-                    error = error or exc
+            failures = {path: error for path, data in items.items() if (error := self._write(path, data))}
             with self._cv:
-                self._error = self._error or error
-                self._busy = False
+                for path, data in items.items():
+                    self._settle(path, data, failures.get(path))
+                self._flush_done = max(self._flush_done, flushing)
                 self._cv.notify_all()
 
-    def flush(self) -> None:
-        """Wait until every submitted file is written; raise the first failure since the last check."""
-        with self._cv:
-            while self._pending or self._busy:
-                self._cv.wait()
-        self.check()
+    def _take(self) -> tuple[dict[Path, bytes] | None, int]:
+        """Under the lock: wait for files due (all of them when a flush asks), or None once closed."""
+        while True:
+            flushing = self._flush_asked if self._flush_asked > self._flush_done else 0
+            now = time.monotonic()
+            due = [p for p in self._pending if flushing or p not in self._failing or self._failing[p].retry_at <= now]
+            if due or flushing:
+                return {path: self._pending.pop(path) for path in due}, flushing
+            if self._closed:
+                return None, 0
+            retries = [self._failing[p].retry_at for p in self._pending]
+            self._cv.wait(max(0.0, min(retries) - now) if retries else None)
 
-    def check(self) -> None:
+    @staticmethod
+    def _write(path: Path, data: bytes) -> ConveyorError | None:
+        try:
+            atomic_write(path, data)
+        except ConveyorError as exc:
+            return exc
+        except FileNotFoundError:
+            if path.parent.is_dir():
+                return StorageIOError(f"{path.parent} lost the temp file writing {path}", path=str(path))
+            log.info("offsets file %s not written: its topic was deleted", path)
+        except Exception as exc:  # a bug must not end the thread: flush() would wait for it forever
+            log.exception("writing offsets file %s failed", path)
+            return StorageIOError(f"{type(exc).__name__}: {exc} writing {path}", path=str(path))
+        return None
+
+    def _settle(self, path: Path, data: bytes, error: ConveyorError | None) -> None:
+        """Under the lock: after one write of ``path``, end its failure streak or extend it."""
+        streak = self._failing.get(path)
+        if error is None:
+            if streak is not None:
+                del self._failing[path]
+                log.warning("offsets file %s written again after %d failed attempt(s)", path, streak.failures)
+            return
+        self._pending.setdefault(path, data)  # newer data submitted meanwhile wins
+        if streak is None:
+            streak = self._failing[path] = _Streak(error)
+            log.error("cannot write offsets file %s: %s; retrying with backoff until it works", path, error)
+        streak.failures += 1
+        streak.error = error
+        delay = min(self._max_backoff, self._backoff * 2 ** (streak.failures - 1))
+        streak.retry_at = time.monotonic() + delay
+        if self._on_error is not None:
+            self._on_error(path, error)
+
+    def discard(self, path: Path) -> None:
+        """Forget what is pending for ``path`` (its topic is being deleted)."""
         with self._cv:
-            error, self._error = self._error, None
-        if error is not None:
-            raise error
+            self._pending.pop(path, None)
+            self._failing.pop(path, None)
+
+    def flush(self) -> None:
+        """Write every pending file now and wait; raise if one of them still fails (it stays pending)."""
+        with self._cv:
+            self._flush_asked += 1
+            asked = self._flush_asked
+            self._cv.notify_all()
+            while self._flush_done < asked:
+                self._cv.wait()
+            failing = [streak.error for path, streak in self._failing.items() if path in self._pending]
+        if failing:  # a new instance: the stored one is raised again at every flush of the streak
+            raise type(failing[0])(failing[0].message, **failing[0].fields) from failing[0]
 
     def close(self) -> None:
-        self.flush()
+        """Stop the thread; files still failing are given up (``flush()`` first to try them once more)."""
         with self._cv:
             self._closed = True
+            self._pending.clear()
             self._cv.notify_all()
         self._thread.join()
+
+
+@dataclass
+class _Streak:
+    """Consecutive failed writes of one file."""
+
+    error: ConveyorError
+    failures: int = 0
+    retry_at: float = 0.0
 
 
 def _file_backend(name: str, directory: Path, config: TopicConfig, fsync: FsyncPolicy) -> TopicLog:
@@ -125,7 +203,9 @@ class Store:
         fsync: FsyncPolicy | str = "batch",
         defaults: TopicConfig | None = None,
         quarantine: bool = False,
+        offsets_write_errors: Any = None,
     ) -> None:
+        """``offsets_write_errors``: a counter labelled by topic, incremented at each failed ``groups.json`` write."""
         self.data_dir = Path(data_dir)
         self.topics_dir = self.data_dir / "topics"
         self.fsync = FsyncPolicy.parse(fsync) if isinstance(fsync, str) else fsync
@@ -134,17 +214,53 @@ class Store:
         self.logs: dict[str, TopicLog] = {}
         self.groups: dict[str, dict[str, dict[str, Any]]] = {}
         self._dirty_groups: set[str] = set()
-        self._offsets = OffsetWriter()
+        self._offsets_write_errors = offsets_write_errors
         with storage_errors(str(self.topics_dir)):
-            self.topics_dir.mkdir(parents=True, exist_ok=True)
+            make_dirs(self.topics_dir)
         self._open_topics()
+        self._offsets = OffsetWriter(on_error=self._count_offsets_error)
 
     def _open_topics(self) -> None:
         for directory in sorted(self.topics_dir.iterdir()):
             if directory.is_dir() and (directory / TOPIC_FILE).exists():
-                config = TopicConfig.from_dict(json.loads((directory / TOPIC_FILE).read_text()))
+                config = _read_config(directory / TOPIC_FILE)
                 self.logs[directory.name] = self._make_log(directory.name, config)
-                self.groups[directory.name] = _read_json(directory / GROUPS_FILE)
+                self.groups[directory.name] = self._read_groups(directory.name, directory / GROUPS_FILE)
+
+    def _read_groups(self, topic: str, path: Path) -> dict[str, dict[str, Any]]:
+        """A topic's groups; a corrupt file stops the start, or with ``quarantine`` is moved aside."""
+        try:
+            return _check_groups(path, _read_json(path))
+        except MetadataCorrupt as exc:
+            if not self.quarantine:
+                raise MetadataCorrupt(
+                    f"{exc.message}; start with --quarantine to move it aside "
+                    "(the topic's groups then start again from the log start)",
+                    **exc.fields,
+                ) from None
+            self._quarantine_groups(topic, path, exc)
+            return {}
+
+    def _quarantine_groups(self, topic: str, path: Path, reason: MetadataCorrupt) -> None:
+        """Move a corrupt ``groups.json`` to the topic's ``quarantine/``: its groups restart at the log start."""
+        folder = path.parent / QUARANTINE_DIR
+        with storage_errors(str(folder)):
+            make_dirs(folder)
+            target = _free_name(folder, path.name)
+            fsio.rename(path, target)
+            fsync_dir(folder)
+            fsync_dir(path.parent)
+        log.warning(
+            "%s: quarantined corrupt offsets file as %s (%s); its groups start again from the log start "
+            "(their messages are delivered again)",
+            topic,
+            target,
+            reason.message,
+        )
+
+    def _count_offsets_error(self, path: Path, error: ConveyorError) -> None:
+        if self._offsets_write_errors is not None:
+            self._offsets_write_errors.labels(path.parent.name).inc()
 
     def _make_log(self, name: str, config: TopicConfig) -> TopicLog:
         factory = BACKENDS.get(config.storage)
@@ -165,9 +281,8 @@ class Store:
         directory = self.topics_dir / name
         if topic_config.storage != "memory":  # memory topics are ephemeral: nothing on disk
             with storage_errors(str(directory)):
-                directory.mkdir(exist_ok=True)
+                make_dirs(directory)  # its entry in topics/ is synced: a power cut keeps the new topic
                 atomic_write(directory / TOPIC_FILE, json.dumps(topic_config.to_dict(), sort_keys=True).encode())
-                fsync_dir(self.topics_dir)
         self.logs[name] = self._make_log(name, topic_config)
         self.groups[name] = {}
         return self.logs[name]
@@ -188,6 +303,7 @@ class Store:
         del self.logs[name]
         self.groups.pop(name, None)
         self._dirty_groups.discard(name)
+        self._offsets.discard(self.topics_dir / name / GROUPS_FILE)
         with storage_errors(name):
             shutil.rmtree(self.topics_dir / name, ignore_errors=True)
             fsync_dir(self.topics_dir)
@@ -245,8 +361,6 @@ class Store:
         self._dirty_groups.clear()
         if wait:
             self._offsets.flush()
-        else:
-            self._offsets.check()
 
     def next_sync_due(self) -> float | None:
         dues = [d for d in (log.next_sync_due() for log in self.logs.values()) if d is not None]
@@ -260,15 +374,87 @@ class Store:
         return sum(log.apply_retention() for log in self.logs.values())
 
     def close(self) -> None:
-        self.sync(force=True)
-        self._offsets.close()
+        try:
+            self.sync(force=True)
+        finally:
+            self._offsets.close()
         for topic_log in self.logs.values():
             topic_log.close()
 
 
+GROUP_FIELDS: dict[str, type] = {
+    "committed_offset": int,
+    "max_deliveries": int,
+    "ack_timeout_ms": int,
+    "dead_letter_topic": str,
+    "key_affinity": bool,
+}
+
+
 def _read_json(path: Path) -> dict[str, Any]:
+    """A JSON object from ``path`` ({} when there is no file); anything else is ``MetadataCorrupt``."""
     try:
-        data = json.loads(path.read_text())
+        raw = path.read_bytes()
     except FileNotFoundError:
         return {}
-    return data if isinstance(data, dict) else {}
+    except OSError as exc:
+        raise StorageIOError(f"{exc.strerror} reading {path}", path=str(path), errno=exc.errno) from None
+    try:
+        data = json.loads(raw)
+    except (ValueError, RecursionError) as exc:  # UnicodeDecodeError is a ValueError too
+        raise MetadataCorrupt(f"{path}: not valid JSON ({_one_line(exc)})", path=str(path)) from None
+    if not isinstance(data, dict):
+        raise MetadataCorrupt(f"{path}: expected a JSON object, found {_json_kind(data)}", path=str(path))
+    return data
+
+
+def _read_config(path: Path) -> TopicConfig:
+    try:
+        return TopicConfig.from_dict(_read_json(path))
+    except (TypeError, ValueError, ConfigError) as exc:
+        if isinstance(exc, MetadataCorrupt):
+            raise
+        raise MetadataCorrupt(f"{path}: not a valid topic config ({_one_line(exc)})", path=str(path)) from None
+
+
+def _check_groups(path: Path, data: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """``data`` if it is what ``groups.json`` holds: valid group names, each an object with well-typed fields."""
+
+    def corrupt(what: str) -> MetadataCorrupt:
+        return MetadataCorrupt(f"{path}: {what}", path=str(path))
+
+    for group, state in data.items():
+        if not NAME_RE.fullmatch(group) or group in (".", ".."):
+            raise corrupt(f"{_short(group)} is not a valid group name")
+        if not isinstance(state, dict):
+            raise corrupt(f"group {group!r} is {_json_kind(state)}, not an object")
+        for key, kind in GROUP_FIELDS.items():
+            value = state.get(key, kind())
+            if type(value) is not kind:
+                raise corrupt(f"group {group!r}: {key} must be {_json_kind(kind())}, found {_short(value)}")
+        if state.get("committed_offset", 0) < 0:
+            raise corrupt(f"group {group!r}: committed_offset {state['committed_offset']} is negative")
+    return data
+
+
+def _json_kind(value: Any) -> str:
+    kinds = {dict: "an object", list: "an array", str: "a string", bool: "a boolean", int: "an integer"}
+    return kinds.get(type(value), "a number" if isinstance(value, float) else "null")
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _one_line(exc: BaseException) -> str:
+    return " ".join(str(exc).split())
+
+
+def _free_name(folder: Path, name: str) -> Path:
+    """``folder/name``, or ``name.1``, ``name.2``... if an earlier quarantine took it."""
+    candidate, n = folder / name, 0
+    while candidate.exists():
+        n += 1
+        candidate = folder / f"{name}.{n}"
+    return candidate

@@ -164,7 +164,12 @@ class BrokerMetrics:
             topic,
             registry=registry,
         )
-
+        self.offsets_write_errors = Counter(
+            "conveyor_offsets_write_errors",
+            "Failed writes of a topic's group offsets file (groups.json); each is retried with backoff",
+            topic,
+            registry=registry,
+        )
 
     def topic(self, topic: str) -> TopicMetrics:
         """The children of one topic, looked up once: ``labels()`` costs more than the update."""

@@ -19,14 +19,16 @@ def test_child_follows_a_parent_change_without_losing_offsets(tmp_path):
     topology.write_text(json.dumps({"nodes": {"leaf": {"role": "L3", "parent": l2.address}}}))
     registry = subprocess.Popen(
         [sys.executable, "-m", "broker", "registry", "--topology", str(topology), "--port", "0"],
-        stdout=subprocess.PIPE, text=True,
+        stdout=subprocess.PIPE,
+        text=True,
     )
     leaf = None
     try:
         line = registry.stdout.readline() if registry.stdout else ""
         url = line.split("ready on ")[1].split()[0]
-        leaf = BrokerProcess(tmp_path / "leaf", extra=["--registry", url, "--node", "leaf", "--mirror", "*",
-                                                        "--registry-poll-ms", "300"]).start()
+        leaf = BrokerProcess(
+            tmp_path / "leaf", extra=["--registry", url, "--node", "leaf", "--mirror", "*", "--registry-poll-ms", "300"]
+        ).start()
         publish(root.address, "orders", list(range(1000)))
         assert len(read_all(leaf.address, "orders", 1000)) == 1000
         # When the operator moves the leaf under the root and stops its old parent

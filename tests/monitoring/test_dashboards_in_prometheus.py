@@ -2,9 +2,10 @@
 
 A real broker (whose log had a torn tail when it opened) and real `conveyor run` processes carry a few
 thousand messages, with retries, dead letters, a runner killed mid-traffic, a malformed request and a
-resent batch, while Prometheus scrapes them every second. Then each panel query and each template
-variable query is evaluated through Prometheus' HTTP API, with the variables substituted as Grafana
-would, and must return at least one series.
+resent batch, while a child broker mirrors every topic from it (`--upstream`, after reconnecting once
+while its parent was down) and Prometheus scrapes the three every second. Then each panel query and
+each template variable query is evaluated through Prometheus' HTTP API, with the variables substituted
+as Grafana would, and must return at least one series.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from dashboard_helpers import (
     variable_query,
     variables,
 )
-from monitoring_helpers import PrometheusServer, publish, runner_metrics_url, wait_for
+from monitoring_helpers import PrometheusServer, publish, runner_metrics_url, sample_value, scrape, wait_for
 
 from broker.client import Producer
 from broker.codec import make_record
@@ -92,25 +93,54 @@ def target(metrics_url: str) -> str:
     return metrics_url.split("//", 1)[1].split("/", 1)[0]
 
 
+def mirror_reconnects(child: BrokerProcess, upstream: str) -> float:
+    return sample_value(scrape(child.metrics_url), "conveyor_mirror_reconnects_total", upstream=upstream) or 0.0
+
+
+def by_topic(prometheus: PrometheusServer, expr: str) -> dict[str, float]:
+    return {row["metric"]["topic"]: float(row["value"][1]) for row in prometheus.query(expr)}
+
+
+def mirror_behind(prometheus: PrometheusServer, parent: str, child: str) -> str:
+    """Empty when the child, as Prometheus last saw it, holds every offset of the parent's topics and is HEALTHY."""
+    ends = by_topic(prometheus, f'conveyor_log_end_offset{{instance="{parent}"}}')
+    copied = by_topic(prometheus, f'conveyor_log_end_offset{{instance="{child}"}}')
+    fetched = by_topic(prometheus, f'conveyor_mirror_fetched_messages_total{{instance="{child}"}}')
+    lag = by_topic(prometheus, f'conveyor_mirror_lag_messages{{instance="{child}"}}')
+    status = [float(row["value"][1]) for row in prometheus.query(f'conveyor_mirror_status{{instance="{child}"}}')]
+    nonempty = {topic: end for topic, end in ends.items() if end}  # an empty topic has no fetched series
+    if not nonempty or copied != ends or fetched != nonempty or set(lag.values()) != {0.0} or status != [0.0]:
+        return f"parent ends {ends}, child ends {copied}, fetched {fetched}, lag {lag}, status {status}"
+    return ""
+
+
 def test_every_dashboard_query_returns_data(tmp_path: Path, runner_factory: Any) -> None:
     broker = BrokerProcess(tmp_path / "broker")
+    child: BrokerProcess | None = None
     prometheus: PrometheusServer | None = None
     try:
         # Given a broker that recovered a torn tail at startup
         broker.start()
         publish(broker.address, "orders", range(10))
         broker.stop()
+        # And a child broker mirroring every topic, started while its parent was down: it reconnected once
+        child = BrokerProcess(tmp_path / "child", extra=["--upstream", broker.address, "--mirror", "*"]).start()
+        wait_for(lambda: mirror_reconnects(child, broker.address) >= 1, timeout=10, message="a mirror reconnect")
         tear_tail(tmp_path / "broker" / "topics" / "orders", b"\x00\x01torn" * 7)
         broker.restart()
         # And a runner, plus a second one in the same groups that will die mid-traffic
         runner = runner_factory(broker.address)
         victim = runner_factory(broker.address)
-        # And Prometheus scraping the broker and the surviving runner every second
+        # And Prometheus scraping both brokers and the surviving runner every second
+        parent_target, child_target = target(broker.metrics_url), target(child.metrics_url)
         prometheus = PrometheusServer(
             tmp_path / "prometheus",
-            {"conveyor-broker": [target(broker.metrics_url)], "conveyor-runner": [target(runner_metrics_url(runner))]},
+            {
+                "conveyor-broker": [parent_target, child_target],
+                "conveyor-runner": [target(runner_metrics_url(runner))],
+            },
         ).start()
-        wait_for(prometheus.targets_up, timeout=20, message="both targets up")
+        wait_for(prometheus.targets_up, timeout=20, message="all targets up")
         # When traffic flows, with a malformed request and a resent batch
         bad_requests(broker.address)
         sent = traffic(broker.address, victim)
@@ -128,12 +158,22 @@ def test_every_dashboard_query_returns_data(tmp_path: Path, runner_factory: Any)
                 problems.append(f"no data: {query}")
         assert not problems, f"{len(problems)} queries without data after {sent} messages:\n" + "\n".join(problems)
         # And the numbers are the traffic's, not just present
-        truncated = prometheus.query('sum(conveyor_log_truncated_bytes_total{topic="orders"})')
+        parent = f'instance="{parent_target}"'
+        truncated = prometheus.query(f'sum(conveyor_log_truncated_bytes_total{{{parent}, topic="orders"}})')
         assert float(truncated[0]["value"][1]) == len(b"\x00\x01torn" * 7)
-        assert float(prometheus.query("sum(conveyor_log_end_offset)")[0]["value"][1]) >= sent
+        assert float(prometheus.query(f"sum(conveyor_log_end_offset{{{parent}}})")[0]["value"][1]) >= sent
+        # And the child copied every offset of every topic, is HEALTHY, and counted its reconnect
+        deadline = time.monotonic() + 15
+        while (behind := mirror_behind(prometheus, parent_target, child_target)) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not behind, f"the child did not catch up: {behind}"
+        link = f'instance="{child_target}", upstream="{broker.address}"'
+        assert float(prometheus.query(f"conveyor_mirror_reconnects_total{{{link}}}")[0]["value"][1]) >= 1
     finally:
         if prometheus is not None:
             prometheus.stop()
+        if child is not None:
+            child.stop()
         broker.stop()
 
 

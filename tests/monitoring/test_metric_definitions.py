@@ -55,6 +55,7 @@ BROKER: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "mirror_fetched_bytes": ("conveyor_mirror_fetched_bytes", "counter", TOPIC),
     "mirror_reconnects": ("conveyor_mirror_reconnects", "counter", ("upstream",)),
     "mirror_gaps": ("conveyor_mirror_gaps", "counter", TOPIC),
+    "offsets_write_errors": ("conveyor_offsets_write_errors", "counter", TOPIC),
 }
 RUNNER: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "handled": ("conveyor_runner_messages", "counter", (*HANDLER, "outcome")),

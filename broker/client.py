@@ -38,7 +38,7 @@ import zmq
 from broker.aioclient import AsyncProducer
 from broker.codec import make_record
 from broker.config import DEFAULT_BROKER
-from broker.errors import BrokerUnavailable, ConveyorError, RequestTimeout
+from broker.errors import BrokerUnavailable, BufferFull, ConveyorError, RequestTimeout
 from broker.futures import BatchState, batch_futures, new_future
 from broker.protocol import Command, decode, encode, error_from_header
 from broker.security import secure_client
@@ -147,6 +147,7 @@ class _InFlight:
     first_sent: float
     attempts: int = 1
     last_error: ConveyorError | None = None  # the last retriable error the broker answered
+    held: int = 0  # record bytes counted against the producer's buffer_memory until settled
 
 
 class Producer:
@@ -166,10 +167,14 @@ class Producer:
         max_in_flight: int = 8,
         request_timeout_ms: int = 5000,
         delivery_timeout_ms: int = 120_000,
+        buffer_memory: int = 32 << 20,
+        max_block_ms: float = 60_000,
         retry_wait: Any = None,
         context: zmq.Context[Any] | None = None,
     ) -> None:
         self.address = address
+        self.buffer_memory = buffer_memory
+        self.max_block = max_block_ms / 1000
         self.linger = linger_ms / 1000
         self.batch_size = batch_size
         self.max_batch_bytes = max_batch_bytes
@@ -181,8 +186,10 @@ class Producer:
         self._ctx = context or zmq.Context.instance()
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)
+        self._room = threading.Condition(self._lock)
         self._buffers: dict[str, _Buffer] = {}
         self._outstanding = 0
+        self._held = 0  # bytes of records sent but not yet confirmed or failed
         self._closed = False
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_r.setblocking(False)
@@ -213,6 +220,9 @@ class Producer:
         lock = self._lock
         lock.acquire()  # not ``with``: half the cost, and this runs once per message
         try:
+            if self._held + len(record) > self.buffer_memory and self._held:
+                self._wait_for_room(len(record))
+            self._held += len(record)
             buf = self._buffers.get(topic)
             if buf is None or len(buf.body) + len(record) > self.max_batch_bytes:
                 buf = self._open_buffer(topic, buf)
@@ -245,6 +255,11 @@ class Producer:
             records = list(map(add, _record_prefixes(values), values))
         else:
             records = [_encode_record(v, key, headers) for v in values]
+        size = sum(map(len, records))
+        with self._lock:
+            if self._held + size > self.buffer_memory and self._held:
+                self._wait_for_room(size)
+            self._held += size  # all or nothing: the whole call is queued, or BufferFull and none of it
         futures: list[Future[int]] = []
         done = 0
         total = len(records)
@@ -269,6 +284,27 @@ class Producer:
             futures += batch_futures(batch, first, take)
             done += take
         return futures
+
+    def _wait_for_room(self, size: int) -> None:
+        """Under the lock: block until ``size`` more bytes fit in ``buffer_memory`` (or nothing is held).
+
+        Back-pressure, as Kafka's ``buffer.memory`` and ``max.block.ms``: a caller
+        sending faster than the broker confirms waits here instead of growing the
+        buffer without bound.
+        """
+        deadline = time.monotonic() + self.max_block
+        while self._held and self._held + size > self.buffer_memory:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise BufferFull(
+                    f"{self._held:,} bytes unconfirmed (buffer_memory {self.buffer_memory:,}) "
+                    f"for {self.max_block * 1000:.0f} ms",
+                    held=self._held,
+                    buffer_memory=self.buffer_memory,
+                )
+            for topic in list(self._buffers):  # what lingers would wait for its linger: send it now
+                self._hand_off(topic)
+            self._room.wait(remaining)
 
     def _open_buffer(self, topic: str, full: _Buffer | None) -> _Buffer:
         """Under the lock: a fresh buffer for ``topic``, handing off the full one."""
@@ -330,9 +366,11 @@ class Producer:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _settled(self, count: int) -> None:
+    def _settled(self, count: int, held: int) -> None:
         with self._lock:
             self._outstanding -= count
+            self._held -= held
+            self._room.notify_all()
             if self._outstanding <= 0:
                 self._idle.notify_all()
 
@@ -421,7 +459,7 @@ class _ProducerIO:
         self.seqs[topic] = seq + 1
         now = time.monotonic()
         body = _array_header(buf.count) + buf.body
-        flight = _InFlight(next(self.rids), topic, seq, body, buf.count, buf.batch, now, now)
+        flight = _InFlight(next(self.rids), topic, seq, body, buf.count, buf.batch, now, now, held=len(buf.body))
         self.in_flight[flight.rid] = flight
         self.per_topic[topic] = self.per_topic.get(topic, 0) + 1
         self._transmit(flight)
@@ -483,7 +521,7 @@ class _ProducerIO:
         del self.in_flight[flight.rid]
         self.retry_at.pop(flight.rid, None)
         self.per_topic[flight.topic] -= 1
-        self.p._settled(flight.count)
+        self.p._settled(flight.count, flight.held)
 
     def _check_timeouts(self, poller: zmq.Poller) -> None:
         now = time.monotonic()

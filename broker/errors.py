@@ -180,6 +180,14 @@ class RequestTimeout(ConveyorError):
     retriable = True
 
 
+class BufferFull(ConveyorError):
+    """The producer's buffer stayed full for ``max_block_ms``: the broker confirms slower than the caller sends."""
+
+    code = 403
+    name = "BUFFER_FULL"
+    retriable = True
+
+
 class ShuttingDown(ConveyorError):
     code = 402
     name = "SHUTTING_DOWN"

@@ -21,6 +21,7 @@ import argparse
 import itertools
 import json
 import multiprocessing as mp
+import os
 import statistics
 import struct
 import sys
@@ -39,6 +40,7 @@ LEVELS = ("root", "L2", "L3")
 
 def consume(address: str, topic: str, group: str, expected: int, out: Any) -> None:
     sub = Subscription(topic, group, address=address, credit=2000)
+    cpu0 = time.process_time()
     latencies: list[float] = []
     first = last = 0.0
     count = 0
@@ -54,7 +56,8 @@ def consume(address: str, topic: str, group: str, expected: int, out: Any) -> No
         count += len(batch)
         sub.ack(batch)
     sub.close()
-    out.put({"group": group, "count": count, "first": first, "last": last, "latencies_ms": latencies})
+    cpu = time.process_time() - cpu0
+    out.put({"group": group, "count": count, "first": first, "last": last, "latencies_ms": latencies, "cpu_s": cpu})
 
 
 def produce(address: str, topic: str, count: int, rate: float | None) -> float:
@@ -82,8 +85,13 @@ def run(levels: list[BrokerProcess], topic: str, count: int, rate: float | None)
     for proc in consumers:
         proc.start()
     time.sleep(1.5)  # subscribed (and the topic discovered downstream) before the first send
+    brokers0 = [process_cpu_seconds(b.pid) for b in levels]
+    wall0, producer0 = time.monotonic(), time.process_time()
     started = produce(levels[0].address, topic, count, rate)
+    producer_cpu = time.process_time() - producer0
     results = {r["group"].removeprefix("bench-"): r for r in (out.get(timeout=180) for _ in consumers)}
+    wall = time.monotonic() - wall0
+    brokers_cpu = [process_cpu_seconds(b.pid) - c for b, c in zip(levels, brokers0, strict=True)]
     for proc in consumers:
         proc.join(30)
     summary: dict[str, Any] = {}
@@ -96,7 +104,19 @@ def run(levels: list[BrokerProcess], topic: str, count: int, rate: float | None)
             "p50_ms": statistics.median(lat) if lat else None,
             "p99_ms": lat[int(len(lat) * 0.99) - 1] if lat else None,
         }
+    cpu = {f"broker {n}": round(c, 2) for n, c in zip(names, brokers_cpu, strict=True)}
+    cpu["producer"] = round(producer_cpu, 2)
+    cpu.update({f"consumer {n}": round(results[n]["cpu_s"], 2) for n in names})
+    summary["cpu_seconds"] = cpu
+    summary["wall_seconds"] = round(wall, 2)
     return summary
+
+
+def process_cpu_seconds(pid: int) -> float:
+    """utime + stime of a process (all its threads), from /proc (Linux)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -131,6 +151,13 @@ def main(argv: list[str] | None = None) -> int:
     named = ", ".join(f"{hop:.2f} ms ({a}->{b})" for hop, (a, b) in zip(hops, itertools.pairwise(LEVELS), strict=False))
     print(f"\nadded p50 per hop: {named}; target <= 2 ms")
     print(f"throughput through one hop: {ratio:.0%} of the single broker's; target >= 80%")
+    cpu = paced["cpu_seconds"]
+    busy = sum(cpu.values()) / paced["wall_seconds"]
+    print(
+        f"CPU seconds in the paced run ({paced['wall_seconds']:.1f} s): "
+        + ", ".join(f"{k} {v:.2f}" for k, v in cpu.items())
+        + f"; {busy:.2f} CPUs busy of the {os.cpu_count()}"
+    )
     if args.json:
         Path(args.json).write_text(
             json.dumps({"paced": paced, "max": maxed, "hop_ms": hops, "hop_throughput_ratio": ratio}, indent=2)

@@ -23,6 +23,7 @@ RETRIABLE = {
     "BrokerUnavailable",
     "RequestTimeout",
     "ShuttingDown",
+    "BufferFull",
 }
 
 

@@ -37,7 +37,6 @@ import os
 import platform
 import queue
 import shutil
-import signal
 import struct
 import subprocess
 import sys
@@ -51,6 +50,9 @@ from multiprocessing.sharedctypes import Synchronized
 from multiprocessing.synchronize import Event
 from pathlib import Path
 from typing import Any
+
+from benchmarks.suite.procstat import cpu_seconds, machine_busy_seconds
+from benchmarks.suite.profile import start_profilers, stop_profilers
 
 MESSAGE_BYTES = 100
 TOPIC = "e2e"
@@ -282,53 +284,6 @@ def paced_send(producer: Any, scenario: Scenario) -> None:
 # --- one scenario ---------------------------------------------------------------------------
 
 
-def broker_cpu_seconds(pid: int) -> float:
-    """utime + stime of a process, from /proc (Linux)."""
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def machine_busy_seconds() -> float:
-    """CPU seconds the whole machine has spent busy since boot, from /proc/stat (Linux)."""
-    with open("/proc/stat") as f:
-        fields = [int(v) for v in f.readline().split()[1:]]
-    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
-    return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
-
-
-def start_profilers(
-    out_dir: Path, scenario: Scenario, pids: dict[str, int], *, gil: bool = False
-) -> list[subprocess.Popen[bytes]]:
-    """One ``py-spy record -f raw`` per process (collapsed stacks, per thread, idle time left out).
-
-    With ``gil``, only samples of the thread holding the GIL: closer to CPU time
-    spent in Python code, on a machine where processes wait for a core.
-    """
-    py_spy = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
-    out_dir.mkdir(parents=True, exist_ok=True)
-    stem = f"{scenario.kind}-{scenario.fsync}-{scenario.api}"
-    profilers = []
-    for name, pid in pids.items():
-        cmd = [py_spy, "record", "--pid", str(pid), "--format", "raw", "--threads", "--nonblocking"]
-        cmd += ["--rate", str(PY_SPY_RATE), *(["--gil"] if gil else [])]
-        cmd += ["--output", str(out_dir / f"{stem}-{name.replace(' ', '')}.txt")]
-        profilers.append(subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
-    time.sleep(1.0)  # let py-spy attach before the clock starts
-    return profilers
-
-
-def stop_profilers(profilers: Sequence[subprocess.Popen[bytes]]) -> None:
-    for profiler in profilers:
-        if profiler.poll() is None:
-            profiler.send_signal(signal.SIGINT)
-    for profiler in profilers:
-        try:
-            profiler.wait(20)
-        except subprocess.TimeoutExpired:
-            profiler.kill()
-
-
 def run_scenario(
     root: Path, scenario: Scenario, report: Callable[[str], None], profile: Path | None = None, *, gil: bool = False
 ) -> Result:
@@ -357,16 +312,17 @@ def run_scenario(
         if profile is not None:
             pids = {"broker": broker.pid, "producer": procs[-1].pid or 0}
             pids.update({f"consumer{i + 1}": procs[i].pid or 0 for i in range(CONSUMERS)})
-            profilers = start_profilers(profile, scenario, pids, gil=gil)
+            stem = f"{scenario.kind}-{scenario.fsync}-{scenario.api}"
+            profilers = start_profilers(profile, stem, pids, rate=PY_SPY_RATE, threads=True, gil=gil)
         cpu0, busy0, own0, wall0 = (
-            broker_cpu_seconds(broker.pid),
+            cpu_seconds(broker.pid),
             machine_busy_seconds(),
             time.process_time(),
             time.time(),
         )
         go.set()
         producer, consumers = _collect(scenario, results, counters, procs[-1], stop)
-        broker_cpu = broker_cpu_seconds(broker.pid) - cpu0
+        broker_cpu = cpu_seconds(broker.pid) - cpu0
         busy, own, wall = machine_busy_seconds() - busy0, time.process_time() - own0, time.time() - wall0
     finally:
         stop_profilers(profilers)

@@ -30,6 +30,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from benchmarks.suite.procstat import cpu_seconds
 from broker.client import Producer
 from consumers.session import Subscription
 from consumers.testing import BrokerProcess
@@ -85,13 +86,13 @@ def run(levels: list[BrokerProcess], topic: str, count: int, rate: float | None)
     for proc in consumers:
         proc.start()
     time.sleep(1.5)  # subscribed (and the topic discovered downstream) before the first send
-    brokers0 = [process_cpu_seconds(b.pid) for b in levels]
+    brokers0 = [cpu_seconds(b.pid) for b in levels]
     wall0, producer0 = time.monotonic(), time.process_time()
     started = produce(levels[0].address, topic, count, rate)
     producer_cpu = time.process_time() - producer0
     results = {r["group"].removeprefix("bench-"): r for r in (out.get(timeout=180) for _ in consumers)}
     wall = time.monotonic() - wall0
-    brokers_cpu = [process_cpu_seconds(b.pid) - c for b, c in zip(levels, brokers0, strict=True)]
+    brokers_cpu = [cpu_seconds(b.pid) - c for b, c in zip(levels, brokers0, strict=True)]
     for proc in consumers:
         proc.join(30)
     summary: dict[str, Any] = {}
@@ -110,13 +111,6 @@ def run(levels: list[BrokerProcess], topic: str, count: int, rate: float | None)
     summary["cpu_seconds"] = cpu
     summary["wall_seconds"] = round(wall, 2)
     return summary
-
-
-def process_cpu_seconds(pid: int) -> float:
-    """utime + stime of a process (all its threads), from /proc (Linux)."""
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -11,7 +11,11 @@ from __future__ import annotations
 
 import argparse
 import re
+import shutil
+import signal
+import subprocess
 import sys
+import time
 from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
@@ -24,6 +28,39 @@ def _function(frame: str) -> str:
     frame = frame.strip()
     frame = _LINE.sub(")", frame)
     return re.sub(r"\(.*/(site-packages|lib/python3\.\d+)/", "(", frame)
+
+
+def start_profilers(
+    out_dir: Path, stem: str, pids: dict[str, int], *, rate: int = 250, threads: bool = False, gil: bool = False
+) -> list[subprocess.Popen[bytes]]:
+    """One ``py-spy record --format raw`` per process (collapsed stacks, idle time left out).
+
+    ``threads`` keeps one stack per thread; ``gil`` keeps only samples of the
+    thread holding the GIL, closer to CPU time spent in Python code on a
+    machine where processes wait for a core.
+    """
+    py_spy = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    profilers = []
+    for name, pid in pids.items():
+        out = out_dir / f"{stem}-{name.replace(' ', '').replace('.', '_')}.txt"
+        cmd = [py_spy, "record", "--pid", str(pid), "--format", "raw", "--rate", str(rate), "--nonblocking"]
+        cmd += [*(["--threads"] if threads else []), *(["--gil"] if gil else []), "--output", str(out)]
+        profilers.append(subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+    time.sleep(1.0)  # let py-spy attach before the clock starts
+    return profilers
+
+
+def stop_profilers(profilers: Sequence[subprocess.Popen[bytes]]) -> None:
+    """SIGINT makes py-spy write its file; one that hangs is killed."""
+    for profiler in profilers:
+        if profiler.poll() is None:
+            profiler.send_signal(signal.SIGINT)
+    for profiler in profilers:
+        try:
+            profiler.wait(20)
+        except subprocess.TimeoutExpired:
+            profiler.kill()
 
 
 def summarize(path: Path, top: int = 12) -> str:

@@ -9,7 +9,6 @@ import platform
 import queue
 import re
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -23,6 +22,7 @@ from typing import Any
 
 from benchmarks.suite import stats
 from benchmarks.suite.procstat import cpu_seconds, machine_busy_seconds, tree_cpu_seconds
+from benchmarks.suite.profile import start_profilers, stop_profilers
 from benchmarks.suite.scenario import Config, Scenario
 from benchmarks.suite.systems import NAMES, System, system
 from benchmarks.suite.systems.base import Server, Variant
@@ -99,31 +99,6 @@ def select_variants(scenario: Scenario, sys_obj: System, wanted: Sequence[str] |
     if scenario.systems:
         variants = [v for v in variants if v.system in scenario.systems or v.id in scenario.systems]
     return variants
-
-
-def start_profilers(out_dir: Path, run_name: str, pids: dict[str, int]) -> list[subprocess.Popen[bytes]]:
-    """``py-spy record --format raw`` (collapsed stacks, idle left out) on each Python process of a run."""
-    py_spy = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
-    out_dir.mkdir(parents=True, exist_ok=True)
-    profilers = []
-    for name, pid in pids.items():
-        out = out_dir / f"{run_name}-{name.replace(' ', '').replace('.', '_')}.txt"
-        cmd = [py_spy, "record", "--pid", str(pid), "--format", "raw", "--rate", "250", "--nonblocking"]
-        cmd += ["--output", str(out)]
-        profilers.append(subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
-    time.sleep(1.0)  # let py-spy attach before the clock starts
-    return profilers
-
-
-def stop_profilers(profilers: Sequence[subprocess.Popen[bytes]]) -> None:
-    for profiler in profilers:
-        if profiler.poll() is None:
-            profiler.send_signal(signal.SIGINT)
-    for profiler in profilers:
-        try:
-            profiler.wait(20)
-        except subprocess.TimeoutExpired:
-            profiler.kill()
 
 
 def run_one(

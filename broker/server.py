@@ -541,6 +541,17 @@ class Broker:
     def _create_group(self, topic: str, name: str, frame: Frame) -> Group:
         log_ = self.store.topic(topic)
         start = frame.get("start", "earliest")
+        if topic in self.store.groups_quarantined and start != "earliest":
+            # Its offsets were in the quarantined file: starting later could skip what it never acked.
+            log.warning(
+                "group %s/%s asks to start at %r, but %s's offsets file was quarantined and this may be an old "
+                "group: starting at the log start instead (its messages are delivered again)",
+                topic,
+                name,
+                start,
+                topic,
+            )
+            start = "earliest"
         state = {
             "committed_offset": admin_ops.resolve_position(log_, start),
             "max_deliveries": hfield(frame, "max_deliveries", int, self.settings.max_deliveries),

@@ -214,6 +214,8 @@ class Store:
         self.logs: dict[str, TopicLog] = {}
         self.groups: dict[str, dict[str, dict[str, Any]]] = {}
         self._dirty_groups: set[str] = set()
+        # Topics whose groups.json was quarantined at this start: any group created there may be an old one.
+        self.groups_quarantined: set[str] = set()
         self._offsets_write_errors = offsets_write_errors
         with storage_errors(str(self.topics_dir)):
             make_dirs(self.topics_dir)
@@ -239,6 +241,7 @@ class Store:
                     **exc.fields,
                 ) from None
             self._quarantine_groups(topic, path, exc)
+            self.groups_quarantined.add(topic)
             return {}
 
     def _quarantine_groups(self, topic: str, path: Path, reason: MetadataCorrupt) -> None:

@@ -21,7 +21,7 @@ import zmq.asyncio
 
 from broker.codec import make_record
 from broker.config import DEFAULT_BROKER
-from broker.errors import ConveyorError, RequestTimeout
+from broker.errors import BufferFull, ConveyorError, delivery_timed_out
 from broker.protocol import Command, decode, encode, error_from_header
 from broker.record import pack_records
 from broker.security import secure_client
@@ -38,6 +38,7 @@ class _Batch:
     first_sent: float = 0.0
     sent_at: float = 0.0
     attempts: int = 0
+    last_error: ConveyorError | None = None  # the last retriable error the broker answered
 
 
 class AsyncProducer:
@@ -50,9 +51,15 @@ class AsyncProducer:
         max_batch_bytes: int = 1 << 20,
         request_timeout_ms: int = 5000,
         delivery_timeout_ms: int = 120_000,
+        buffer_memory: int = 32 << 20,
+        max_block_ms: float = 60_000,
         retry_wait: Any = None,
     ) -> None:
         self.address = address
+        self.buffer_memory = buffer_memory
+        self.max_block = max_block_ms / 1000
+        self._held = 0  # record bytes sent but not yet confirmed or failed
+        self._room: asyncio.Condition | None = None
         self.linger = linger_ms / 1000
         self.batch_size = batch_size
         self.max_batch_bytes = max_batch_bytes
@@ -89,6 +96,9 @@ class AsyncProducer:
             await self.start()
         record = make_record(value, key, headers)
         size = len(record[2]) + 16
+        if self._held and self._held + size > self.buffer_memory:
+            await self._wait_for_room(size)
+        self._held += size
         batch = self._buffers.get(topic)
         if batch is not None and batch.size + size > self.max_batch_bytes:
             self._ship(topic)
@@ -104,6 +114,39 @@ class AsyncProducer:
         if len(batch.records) >= self.batch_size:
             self._ship(topic)
         return future
+
+    async def _wait_for_room(self, size: int) -> None:
+        """Back-pressure, as ``Producer``: wait until ``size`` more bytes fit in ``buffer_memory``."""
+        if self._room is None:
+            self._room = asyncio.Condition()
+        for topic in list(self._buffers):  # what lingers would wait for its linger: send it now
+            self._ship(topic)
+
+        def fits() -> bool:
+            return not self._held or self._held + size <= self.buffer_memory
+
+        async with self._room:
+            try:
+                await asyncio.wait_for(self._room.wait_for(fits), self.max_block)
+            except TimeoutError:
+                raise BufferFull(
+                    f"{self._held:,} bytes unconfirmed (buffer_memory {self.buffer_memory:,}) "
+                    f"for {self.max_block * 1000:.0f} ms",
+                    held=self._held,
+                    buffer_memory=self.buffer_memory,
+                ) from None
+
+    def _settled(self, batch: _Batch) -> None:
+        """A batch is confirmed or failed for good: its bytes no longer count against ``buffer_memory``."""
+        self._held -= batch.size
+        if self._room is not None:
+            room = self._room
+
+            async def notify() -> None:
+                async with room:
+                    room.notify_all()
+
+            asyncio.get_running_loop().create_task(notify())
 
     async def send_and_wait(self, topic: str, value: Any, **kwargs: Any) -> int:
         return await (await self.send(topic, value, **kwargs))
@@ -147,6 +190,7 @@ class AsyncProducer:
             if batch is None:
                 continue
             if reply.command is Command.PUBLISHED:
+                self._settled(batch)
                 base = int(reply.get("base_offset"))
                 for i, future in enumerate(batch.futures):
                     if not future.done():
@@ -155,10 +199,14 @@ class AsyncProducer:
                 self._on_error(reply.get("rid"), batch, error_from_header(reply.header))
 
     def _on_error(self, rid: int, batch: _Batch, exc: ConveyorError) -> None:
-        if exc.retriable and time.monotonic() - batch.first_sent < self.delivery_timeout:
-            self._in_flight[rid] = batch
-            asyncio.get_running_loop().call_later(self.request_timeout / 10, self._transmit, rid, batch)
-            return
+        if exc.retriable:
+            batch.last_error = exc
+            if time.monotonic() - batch.first_sent < self.delivery_timeout:
+                self._in_flight[rid] = batch
+                asyncio.get_running_loop().call_later(self.request_timeout / 10, self._transmit, rid, batch)
+                return
+            exc = delivery_timed_out(self.address, batch.topic, exc, batch.attempts)
+        self._settled(batch)
         for future in batch.futures:
             if not future.done():
                 future.set_exception(exc)
@@ -171,9 +219,11 @@ class AsyncProducer:
             for rid, batch in list(self._in_flight.items()):
                 if now - batch.first_sent > self.delivery_timeout:
                     del self._in_flight[rid]
+                    self._settled(batch)
+                    error = delivery_timed_out(self.address, batch.topic, batch.last_error, batch.attempts)
                     for future in batch.futures:
                         if not future.done():
-                            future.set_exception(RequestTimeout(f"no confirm from {self.address} in time"))
+                            future.set_exception(error)
             if any(now - b.sent_at > self.request_timeout for b in self._in_flight.values()):
                 old, self._sock = self._sock, self._new_socket()
                 if old is not None:

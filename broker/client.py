@@ -38,7 +38,7 @@ import zmq
 from broker.aioclient import AsyncProducer
 from broker.codec import make_record
 from broker.config import DEFAULT_BROKER
-from broker.errors import BrokerUnavailable, BufferFull, ConveyorError, RequestTimeout
+from broker.errors import BrokerUnavailable, BufferFull, ConveyorError, delivery_timed_out
 from broker.futures import BatchState, batch_futures, new_future
 from broker.protocol import Command, decode, encode, error_from_header
 from broker.security import secure_client
@@ -504,18 +504,8 @@ class _ProducerIO:
         flight.futures.fail(exc)
 
     def _timed_out(self, flight: _InFlight) -> ConveyorError:
-        """The error a batch fails with when its delivery timeout ran out.
-
-        The broker's last retriable answer (its class and code: STORAGE_FULL says more than a
-        timeout), or REQUEST_TIMEOUT when no answer ever came.
-        """
-        last = flight.last_error
-        if last is None:
-            return RequestTimeout(f"no confirm from {self.p.address} in time", topic=flight.topic)
         sent = flight.attempts - (flight.rid in self.retry_at)  # a resend scheduled but never made
-        fields = {"topic": flight.topic, **last.fields, "attempts": sent}
-        fields.pop("message", None)
-        return type(last)(f"delivery timed out after {sent} attempts; last error: {last.message}", **fields)
+        return delivery_timed_out(self.p.address, flight.topic, flight.last_error, sent)
 
     def _finish(self, flight: _InFlight) -> None:
         del self.in_flight[flight.rid]

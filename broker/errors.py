@@ -199,6 +199,19 @@ class ConfigError(ConveyorError):
     name = "CONFIG_ERROR"
 
 
+def delivery_timed_out(address: str, topic: str, last: ConveyorError | None, attempts: int) -> ConveyorError:
+    """What a batch fails with when its producer's delivery timeout ran out.
+
+    The broker's last retriable answer (its class and code: STORAGE_FULL says
+    more than a timeout), or REQUEST_TIMEOUT when no answer ever came.
+    """
+    if last is None:
+        return RequestTimeout(f"no confirm from {address} in time", topic=topic)
+    fields = {"topic": topic, **last.fields, "attempts": attempts}
+    fields.pop("message", None)
+    return type(last)(f"delivery timed out after {attempts} attempts; last error: {last.message}", **fields)
+
+
 def _all_subclasses(cls: type[ConveyorError]) -> list[type[ConveyorError]]:
     found: list[type[ConveyorError]] = []
     for sub in cls.__subclasses__():

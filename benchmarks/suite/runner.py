@@ -318,14 +318,8 @@ def summarize(
     lags = [s["lag"] for s in samples if s.get("lag") is not None]
     in_flight = [s["in_flight"] for s in samples if s.get("in_flight") is not None]
     return {
-        "scenario": scenario.name,
-        "system": variant.system,
-        "variant": variant.id,
-        "title": variant.title,
-        "durability": variant.durability,
-        "matching_durability": variant.matches,
+        **_identity(scenario, variant),
         "producer_api": next(iter(producers.values())).api if producers else "",
-        "fsync": scenario.fsync,
         "paced": scenario.paced,
         "participants": scenario.participants,
         "sent": sent,
@@ -508,7 +502,8 @@ def _quiet(fn: Callable[[], str]) -> str:
         return ""
 
 
-def _failed(scenario: Scenario, variant: Variant, error: str) -> dict[str, Any]:
+def _identity(scenario: Scenario, variant: Variant) -> dict[str, Any]:
+    """What every result says about which run it is, failed or not."""
     return {
         "scenario": scenario.name,
         "system": variant.system,
@@ -517,6 +512,12 @@ def _failed(scenario: Scenario, variant: Variant, error: str) -> dict[str, Any]:
         "durability": variant.durability,
         "matching_durability": variant.matches,
         "fsync": scenario.fsync,
+    }
+
+
+def _failed(scenario: Scenario, variant: Variant, error: str) -> dict[str, Any]:
+    return {
+        **_identity(scenario, variant),
         "errors": [error],
         "ok": False,
         "exactly_once": False,

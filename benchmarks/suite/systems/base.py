@@ -128,6 +128,52 @@ def run_version(cmd: list[str]) -> str:
 # --- the client side (inside producer and consumer processes) -------------------------------------
 
 
+class ModeView(Server):
+    """A server shared by every run of a bench, seen through one durability mode.
+
+    Its ``stop`` does nothing: the shared server stops with its system
+    (``SharedServerSystem.close``).
+    """
+
+    def __init__(self, server: Any, mode: str) -> None:
+        self.server = server
+        self.mode = mode
+        self.pids = server.pids
+
+    def prepare(self, run: str, scenario: Scenario) -> dict[str, Any]:
+        return dict(self.server.prepare_mode(run, scenario, self.mode))
+
+    def sample(self, endpoint: dict[str, Any]) -> dict[str, float | None]:
+        return dict(self.server.sample(endpoint))
+
+    def cleanup(self, endpoint: dict[str, Any]) -> None:
+        self.server.cleanup(endpoint)
+
+    def stop(self) -> None:
+        pass
+
+
+class SharedServerSystem(System):
+    """A system whose server is slow to start: started once, on the first run, and shared by all."""
+
+    def __init__(self) -> None:
+        self.server: Any = None
+
+    @abc.abstractmethod
+    def new_server(self, root: Path) -> Any:
+        """Start the shared server, keeping its data under ``root``."""
+
+    def start(self, variant: Variant, workdir: Path) -> Server:
+        if self.server is None:
+            self.server = self.new_server(workdir.parent)
+        return ModeView(self.server, variant.mode)
+
+    def close(self) -> None:
+        if self.server is not None:
+            self.server.stop()
+            self.server = None
+
+
 class ProducerClient(abc.ABC):
     api = ""  # which client call sends, e.g. "Producer.send_many()"
 

@@ -35,7 +35,7 @@ DURABILITY = {
 
 
 class NatsServer:
-    """The one nats-server process; ``_ModeServer`` is what a run sees."""
+    """The one nats-server process; ``base.ModeView`` is what a run sees."""
 
     def __init__(self, workdir: Path) -> None:
         self.dir = workdir / "nats"
@@ -121,34 +121,10 @@ class NatsServer:
         base.terminate(self.proc)
 
 
-class _ModeServer(base.Server):
-    """The shared server seen through one storage mode (``prepare`` needs it)."""
-
-    def __init__(self, server: NatsServer, storage: str) -> None:
-        self.server = server
-        self.storage = storage
-        self.pids = server.pids
-
-    def prepare(self, run: str, scenario: Scenario) -> dict[str, Any]:
-        return self.server.prepare_mode(run, scenario, self.storage)
-
-    def sample(self, endpoint: dict[str, Any]) -> dict[str, float | None]:
-        return self.server.sample(endpoint)
-
-    def cleanup(self, endpoint: dict[str, Any]) -> None:
-        self.server.cleanup(endpoint)
-
-    def stop(self) -> None:
-        pass  # the shared server stops with the system
-
-
-class System(base.System):
+class System(base.SharedServerSystem):
     name = "nats"
     title = TITLE
-    reuse_server = False  # each run gets a _ModeServer view; the real server is started once, below
-
-    def __init__(self) -> None:
-        self.server: NatsServer | None = None
+    reuse_server = False  # each run gets a ModeView; the real server is started once (SharedServerSystem)
 
     def unavailable(self) -> str | None:
         if not shutil.which("nats-server"):
@@ -163,15 +139,8 @@ class System(base.System):
         mode = "file" if scenario.fsync == "batch" else "memory"
         return [base.Variant("nats", mode, TITLE, DURABILITY[mode])]
 
-    def start(self, variant: base.Variant, workdir: Path) -> base.Server:
-        if self.server is None:
-            self.server = NatsServer(workdir.parent)
-        return _ModeServer(self.server, variant.mode)
-
-    def close(self) -> None:
-        if self.server is not None:
-            self.server.stop()
-            self.server = None
+    def new_server(self, root: Path) -> NatsServer:
+        return NatsServer(root)
 
     def version(self) -> str:
         import nats

@@ -151,31 +151,9 @@ def _epmd_pids() -> set[int]:
     return found
 
 
-class _ModeServer(base.Server):
-    def __init__(self, server: RabbitServer, mode: str) -> None:
-        self.server = server
-        self.mode = mode
-        self.pids = server.pids
-
-    def prepare(self, run: str, scenario: Scenario) -> dict[str, Any]:
-        return self.server.prepare_mode(run, scenario, self.mode)
-
-    def sample(self, endpoint: dict[str, Any]) -> dict[str, float | None]:
-        return self.server.sample(endpoint)
-
-    def cleanup(self, endpoint: dict[str, Any]) -> None:
-        self.server.cleanup(endpoint)
-
-    def stop(self) -> None:
-        pass
-
-
-class System(base.System):
+class System(base.SharedServerSystem):
     name = "rabbitmq"
     title = TITLE
-
-    def __init__(self) -> None:
-        self.server: RabbitServer | None = None
 
     def unavailable(self) -> str | None:
         if not _server_binary():
@@ -190,15 +168,8 @@ class System(base.System):
         mode = "persistent" if scenario.fsync == "batch" else "transient"
         return [base.Variant("rabbitmq", mode, TITLE, DURABILITY[mode])]
 
-    def start(self, variant: base.Variant, workdir: Path) -> base.Server:
-        if self.server is None:
-            self.server = RabbitServer(workdir.parent)
-        return _ModeServer(self.server, variant.mode)
-
-    def close(self) -> None:
-        if self.server is not None:
-            self.server.stop()
-            self.server = None
+    def new_server(self, root: Path) -> RabbitServer:
+        return RabbitServer(root)
 
     def version(self) -> str:
         import pika

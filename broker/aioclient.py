@@ -59,7 +59,7 @@ class AsyncProducer:
         self.buffer_memory = buffer_memory
         self.max_block = max_block_ms / 1000
         self._held = 0  # record bytes sent but not yet confirmed or failed
-        self._room: asyncio.Condition | None = None
+        self._freed = asyncio.Event()  # set whenever a settled batch gives back buffer room
         self.linger = linger_ms / 1000
         self.batch_size = batch_size
         self.max_batch_bytes = max_batch_bytes
@@ -117,36 +117,27 @@ class AsyncProducer:
 
     async def _wait_for_room(self, size: int) -> None:
         """Back-pressure, as ``Producer``: wait until ``size`` more bytes fit in ``buffer_memory``."""
-        if self._room is None:
-            self._room = asyncio.Condition()
         for topic in list(self._buffers):  # what lingers would wait for its linger: send it now
             self._ship(topic)
-
-        def fits() -> bool:
-            return not self._held or self._held + size <= self.buffer_memory
-
-        async with self._room:
-            try:
-                await asyncio.wait_for(self._room.wait_for(fits), self.max_block)
-            except TimeoutError:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.max_block
+        while self._held and self._held + size > self.buffer_memory:
+            remaining = deadline - loop.time()
+            if remaining <= 0:
                 raise BufferFull(
                     f"{self._held:,} bytes unconfirmed (buffer_memory {self.buffer_memory:,}) "
                     f"for {self.max_block * 1000:.0f} ms",
                     held=self._held,
                     buffer_memory=self.buffer_memory,
-                ) from None
+                )
+            self._freed.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._freed.wait(), remaining)
 
     def _settled(self, batch: _Batch) -> None:
         """A batch is confirmed or failed for good: its bytes no longer count against ``buffer_memory``."""
         self._held -= batch.size
-        if self._room is not None:
-            room = self._room
-
-            async def notify() -> None:
-                async with room:
-                    room.notify_all()
-
-            asyncio.get_running_loop().create_task(notify())
+        self._freed.set()
 
     async def send_and_wait(self, topic: str, value: Any, **kwargs: Any) -> int:
         return await (await self.send(topic, value, **kwargs))

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from broker.groups import Range
+from broker.ranges import Range
 from broker.record import Batch, pack_records, unpack_records
 from broker.storage import TopicLog
 

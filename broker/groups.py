@@ -16,10 +16,9 @@ from typing import Any
 
 import msgpack
 
+from broker.ranges import Range, intersect, normalize, subtract, to_ranges, window
 from broker.record import Batch, pack_records, unpack_records
 from broker.storage import TopicLog
-
-Range = tuple[int, int]
 
 
 @dataclass(slots=True)
@@ -110,11 +109,51 @@ class Entry:
         return head
 
 
+# A DELIVER's header lists its entries, and a peer refuses headers over
+# protocol.MAX_HEADER_BYTES (64 KiB): a member catching up on thousands of
+# one-message batches would otherwise be sent a frame it cannot read, again
+# and again. An entry's encoding is at most ENTRY_BYTES, plus OFFSET_BYTES
+# per offset a keyed entry lists; a DELIVER is planned to fit HEADER_BUDGET,
+# and more goes in a second DELIVER. Listed offsets are capped further so
+# that the ACK of one DELIVER (one range per offset at worst) fits too.
+ENTRY_BYTES = 72
+OFFSET_BYTES = 9
+HEADER_BUDGET = 48 * 1024
+MAX_LISTED_OFFSETS = 2048
+MAX_ENTRIES = HEADER_BUDGET // ENTRY_BYTES
+
+
+def entry_cost(entry: Entry) -> int:
+    return ENTRY_BYTES + OFFSET_BYTES * len(entry.offsets or ())
+
+
 @dataclass(slots=True)
 class Delivery:
     member: Member
     entries: list[Entry]
     chunks: list[Chunk]
+    header_bytes: int = 0
+    listed: int = 0  # offsets listed by keyed entries
+
+
+class Plans:
+    """The DELIVERs one dispatch plans: per member, one open DELIVER until its header is full."""
+
+    def __init__(self) -> None:
+        self.open: dict[int, Delivery] = {}
+        self.all: list[Delivery] = []
+
+    def add(self, member: Member, entries: list[Entry], chunk: Chunk) -> None:
+        cost = sum(map(entry_cost, entries))
+        listed = sum(len(e.offsets or ()) for e in entries)
+        plan = self.open.get(id(member))
+        if plan is None or plan.header_bytes + cost > HEADER_BUDGET or plan.listed + listed > MAX_LISTED_OFFSETS:
+            plan = self.open[id(member)] = Delivery(member, [], [])
+            self.all.append(plan)
+        plan.entries.extend(entries)
+        plan.chunks.append(chunk)
+        plan.header_bytes += cost
+        plan.listed += listed
 
 
 @dataclass(slots=True)
@@ -127,36 +166,6 @@ class DeadLetter:
 
 
 _chunk_ids = itertools.count(1)
-
-
-def subtract(ranges: list[Range], start: int, end: int) -> tuple[list[Range], int]:
-    """``ranges`` minus ``[start, end)``, and how many offsets were removed."""
-    out: list[Range] = []
-    removed = 0
-    for a, b in ranges:
-        if b <= start or a >= end:
-            out.append((a, b))
-            continue
-        removed += min(b, end) - max(a, start)
-        if a < start:
-            out.append((a, start))
-        if b > end:
-            out.append((end, b))
-    return out, removed
-
-
-def intersect(ranges: list[Range], start: int, end: int) -> list[Range]:
-    return [(max(a, start), min(b, end)) for a, b in ranges if b > start and a < end]
-
-
-def to_ranges(offsets: list[int]) -> list[Range]:
-    out: list[Range] = []
-    for offset in offsets:
-        if out and out[-1][1] == offset:
-            out[-1] = (out[-1][0], offset + 1)
-        else:
-            out.append((offset, offset + 1))
-    return out
 
 
 class Group:
@@ -211,13 +220,11 @@ class Group:
     def settle(self, member: Member, ranges: list[Range]) -> list[Chunk]:
         """Remove acked offsets; return the chunks they touched."""
         touched = []
-        for chunk in list(member.chunks.values()):
-            before = chunk.size
-            for start, end in ranges:
-                chunk.ranges, _ = subtract(chunk.ranges, start, end)
-            if chunk.size != before:
+        for chunk, acked in _overlaps(member, ranges):
+            chunk.ranges, removed = subtract(chunk.ranges, acked)
+            if removed:
                 touched.append(chunk)
-                member.in_flight -= before - chunk.size
+                member.in_flight -= removed
                 if not chunk.ranges:
                     self._drop_chunk(chunk, keep_inflight=True)
         return touched
@@ -247,13 +254,11 @@ class Group:
         """IN_PROGRESS: push the lease of the chunks holding these offsets."""
         deadline = self.clock() + self.settings.ack_timeout_ms / 1000
         renewed = 0
-        for chunk in list(member.chunks.values()):
-            picked = sorted(r for start, end in ranges for r in intersect(chunk.ranges, start, end))
+        for chunk, asked in _overlaps(member, ranges):
+            picked = intersect(chunk.ranges, asked)
             if not picked:
                 continue
-            rest = chunk.ranges
-            for start, end in picked:
-                rest, _ = subtract(rest, start, end)
+            rest, _ = subtract(chunk.ranges, picked)
             if rest:  # only part of the chunk is renewed: it becomes a chunk of its own
                 chunk.ranges = rest
                 chunk = self._add_chunk(member, picked, chunk.deliveries, deadline, count_in_flight=False)
@@ -273,15 +278,12 @@ class Group:
     def _take(self, member: Member, ranges: list[Range]) -> list[tuple[list[Range], int]]:
         """Remove ``ranges`` from the member's chunks, keeping their delivery counts."""
         taken: list[tuple[list[Range], int]] = []
-        for chunk in list(member.chunks.values()):
-            picked: list[Range] = []
-            for start, end in ranges:
-                picked += intersect(chunk.ranges, start, end)
-                chunk.ranges, _ = subtract(chunk.ranges, start, end)
+        for chunk, asked in _overlaps(member, ranges):
+            picked = intersect(chunk.ranges, asked)
             if picked:
-                count = sum(b - a for a, b in picked)
-                member.in_flight -= count
-                taken.append((sorted(picked), chunk.deliveries))
+                chunk.ranges, removed = subtract(chunk.ranges, picked)
+                member.in_flight -= removed
+                taken.append((picked, chunk.deliveries))
                 if not chunk.ranges:
                     self._drop_chunk(chunk, keep_inflight=True)
         return taken
@@ -358,7 +360,7 @@ class Group:
         self._admit_joiners()
         if not self.members:
             return []
-        plans: dict[int, Delivery] = {}
+        plans = Plans()
         if self.pending:
             self._dispatch_pending(log, plans)
         if self.settings.key_affinity:
@@ -366,7 +368,7 @@ class Group:
                 self._dispatch_keyed(log, plans, max_bytes)
         else:
             self._dispatch_new(log, plans, max_bytes)
-        return list(plans.values())
+        return plans.all
 
     def _members_with_credit(self, avoid: bytes = b"") -> Iterator[Member]:
         """Members in round-robin order, the one to avoid last."""
@@ -380,7 +382,7 @@ class Group:
     def _advance_rr(self, member: Member) -> None:
         self._rr = (self.members.index(member) + 1) % len(self.members)
 
-    def _dispatch_new(self, log: TopicLog, plans: dict[int, Delivery], max_bytes: int) -> None:
+    def _dispatch_new(self, log: TopicLog, plans: Plans, max_bytes: int) -> None:
         limit = log.durable_offset
         while self.next_offset < limit:
             member = next(self._members_with_credit(), None)
@@ -391,7 +393,7 @@ class Group:
                 return
             self._give(member, batches, limit, plans)
 
-    def _give(self, member: Member, batches: list[Batch], limit: int, plans: dict[int, Delivery]) -> None:
+    def _give(self, member: Member, batches: list[Batch], limit: int, plans: Plans) -> None:
         """One member takes whole batches from ``next_offset`` while it has credit."""
         take = min(member.available, member.batch_size)
         entries: list[Entry] = []
@@ -404,24 +406,17 @@ class Group:
             entries.append(slice_entry(batch, first, end, 1))
             take -= end - first
             self.next_offset = end
-            if take <= 0:
+            if take <= 0 or len(entries) >= MAX_ENTRIES:
                 break
         if entries:
             self._record(member, [(start, self.next_offset)], 1, entries, plans)
             self._advance_rr(member)
 
-    def _record(
-        self, member: Member, ranges: list[Range], deliveries: int, entries: list[Entry], plans: dict[int, Delivery]
-    ) -> None:
+    def _record(self, member: Member, ranges: list[Range], deliveries: int, entries: list[Entry], plans: Plans) -> None:
         deadline = self.clock() + self.settings.ack_timeout_ms / 1000
         chunk = self._add_chunk(member, ranges, deliveries, deadline)
         chunk.appended_ms = entries[0].batch.timestamp_ms if entries else 0
-        plan = plans.get(id(member))
-        if plan is None:
-            plans[id(member)] = Delivery(member, entries, [chunk])
-        else:
-            plan.entries.extend(entries)
-            plan.chunks.append(chunk)
+        plans.add(member, entries, chunk)
 
     def _add_chunk(
         self, member: Member, ranges: list[Range], deliveries: int, deadline: float, *, count_in_flight: bool = True
@@ -434,7 +429,7 @@ class Group:
         heapq.heappush(self._leases, (deadline, chunk.id))
         return chunk
 
-    def _dispatch_pending(self, log: TopicLog, plans: dict[int, Delivery]) -> None:
+    def _dispatch_pending(self, log: TopicLog, plans: Plans) -> None:
         now = self.clock()
         still: list[Pending] = []
         for item in sorted(self.pending, key=lambda p: p.ranges[0][0]):
@@ -446,7 +441,7 @@ class Group:
                 still.append(Pending(remaining, item.deliveries, item.not_before, item.last_error, item.avoid))
         self.pending = still
 
-    def _redeliver(self, log: TopicLog, item: Pending, plans: dict[int, Delivery]) -> list[Range]:
+    def _redeliver(self, log: TopicLog, item: Pending, plans: Plans) -> list[Range]:
         ranges = [r for r in item.ranges if r[1] > log.start_offset]
         ranges = [(max(a, log.start_offset), b) for a, b in ranges]  # retention took the rest
         if self.settings.key_affinity:
@@ -456,6 +451,10 @@ class Group:
                 break
             taken, ranges = _take_prefix(ranges, min(member.available, member.batch_size))
             entries = [e for a, b in taken for e in _entries_for(log, a, b, item.deliveries + 1)]
+            if len(entries) > MAX_ENTRIES:  # many small batches: the rest waits for the next DELIVER
+                taken, rest = _split_at(taken, entries[MAX_ENTRIES].first)
+                ranges = rest + ranges
+                entries = entries[:MAX_ENTRIES]
             self._record(member, taken, item.deliveries + 1, entries, plans)
             self._advance_rr(member)
         return ranges
@@ -468,14 +467,14 @@ class Group:
             key = b""
         return max(self.members, key=lambda m: hash((key, m.key)))
 
-    def _dispatch_keyed(self, log: TopicLog, plans: dict[int, Delivery], max_bytes: int) -> None:
+    def _dispatch_keyed(self, log: TopicLog, plans: Plans, max_bytes: int) -> None:
         limit = log.durable_offset
         while self.next_offset < limit:
             batches = log.read(self.next_offset, max_bytes=max_bytes)
             if not batches or not self._give_keyed(batches, limit, 1, plans):
                 return
 
-    def _give_keyed(self, batches: list[Batch], limit: int, deliveries: int, plans: dict[int, Delivery]) -> bool:
+    def _give_keyed(self, batches: list[Batch], limit: int, deliveries: int, plans: Plans) -> bool:
         """Route each message to its key's owner, in offset order, until one lacks credit."""
         for batch in batches:
             keys = [record[0] for record in unpack_records(batch.body)]
@@ -487,21 +486,22 @@ class Group:
                     self._flush_keyed(batch, picked, deliveries, plans)
                     return False  # head-of-line: order beats throughput here
                 offsets.append(offset)
+                if len(offsets) >= MAX_LISTED_OFFSETS:
+                    self._flush_keyed(batch, picked, deliveries, plans)
                 self.next_offset = offset + 1
             self._flush_keyed(batch, picked, deliveries, plans)
         return True
 
     def _flush_keyed(
-        self, batch: Batch, picked: dict[int, tuple[Member, list[int]]], deliveries: int, plans: dict[int, Delivery]
+        self, batch: Batch, picked: dict[int, tuple[Member, list[int]]], deliveries: int, plans: Plans
     ) -> None:
         for member, offsets in picked.values():
             if offsets:
-                entry = Entry(batch, offsets[0], offsets[-1] + 1, deliveries, offsets)
+                entry = Entry(batch, offsets[0], offsets[-1] + 1, deliveries, list(offsets))
                 self._record(member, to_ranges(offsets), deliveries, [entry], plans)
+                offsets.clear()  # recorded: the member's next offsets in this batch start a new entry
 
-    def _redeliver_keyed(
-        self, log: TopicLog, item: Pending, ranges: list[Range], plans: dict[int, Delivery]
-    ) -> list[Range]:
+    def _redeliver_keyed(self, log: TopicLog, item: Pending, ranges: list[Range], plans: Plans) -> list[Range]:
         for i, (start, end) in enumerate(ranges):
             for batch in _batches_between(log, start, end):
                 keys = [record[0] for record in unpack_records(batch.body)]
@@ -513,6 +513,8 @@ class Group:
                         self._flush_keyed(batch, picked, item.deliveries + 1, plans)
                         return [(off, end), *ranges[i + 1 :]]
                     offsets.append(off)
+                    if len(offsets) >= MAX_LISTED_OFFSETS:
+                        self._flush_keyed(batch, picked, item.deliveries + 1, plans)
                 self._flush_keyed(batch, picked, item.deliveries + 1, plans)
         return []
 
@@ -536,6 +538,26 @@ def _take_prefix(ranges: list[Range], n: int) -> tuple[list[Range], list[Range]]
             taken.append((a, b))
             n -= b - a
     return taken, rest
+
+
+def _overlaps(member: Member, ranges: list[Range]) -> list[tuple[Chunk, list[Range]]]:
+    """Each of the member's chunks with the part of ``ranges`` (as a client sent them) that can touch it."""
+    ranges = normalize(ranges)
+    starts = [start for start, _ in ranges]
+    found = []
+    for chunk in list(member.chunks.values()):
+        if chunk.ranges:
+            part = window(ranges, starts, chunk.ranges[0][0], chunk.ranges[-1][1])
+            if part:
+                found.append((chunk, part))
+    return found
+
+
+def _split_at(ranges: list[Range], cut: int) -> tuple[list[Range], list[Range]]:
+    """``ranges`` below ``cut`` and from ``cut`` on."""
+    before = [(a, min(b, cut)) for a, b in ranges if a < cut]
+    after = [(max(a, cut), b) for a, b in ranges if b > cut]
+    return before, after
 
 
 def _batches_between(log: TopicLog, start: int, end: int) -> Iterator[Batch]:

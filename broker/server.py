@@ -37,7 +37,7 @@ from broker.errors import (
     ShuttingDown,
     UnknownTopic,
 )
-from broker.groups import DeadLetter, Delivery, Group, GroupSettings, Member, Pending
+from broker.groups import MAX_ENTRIES, DeadLetter, Delivery, Group, GroupSettings, Member, Pending
 from broker.mirror import STATUS_CODES, Mirror, MirrorSettings
 from broker.protocol import Command, Frame, decode, encode, error_header
 from broker.protocol import field as hfield
@@ -696,7 +696,7 @@ class Broker:
         batches = []
         if offset < log_.durable_offset:
             batches = log_.read(offset, max_bytes=max_bytes, max_messages=max_messages)
-            batches = [b for b in batches if b.base_offset < log_.durable_offset]
+            batches = [b for b in batches if b.base_offset < log_.durable_offset][:MAX_ENTRIES]  # fits a header
         entries = [
             {
                 "b": b.base_offset,

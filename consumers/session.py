@@ -25,8 +25,8 @@ import zmq
 
 from broker.config import DEFAULT_BROKER
 from broker.errors import ConveyorError
-from broker.groups import to_ranges
 from broker.protocol import Command, Frame, decode, encode, error_from_header
+from broker.ranges import to_ranges
 from broker.security import secure_client
 from broker.transport import recv_frames, send_frames
 from consumers.message import Message, messages_from_entries
@@ -35,6 +35,7 @@ log = logging.getLogger("conveyor.consumer")
 
 
 _offset_of = attrgetter("offset")
+MAX_RANGES_PER_FRAME = 2048  # at most 19 bytes each: an ACK stays well under the broker's 64 KiB header limit
 
 
 def offset_ranges(messages: Iterable[Message | int]) -> list[list[int]]:
@@ -242,8 +243,8 @@ class Subscription:
 
     def _settle(self, command: Command, messages: Iterable[Message | int], **extra: Any) -> None:
         ranges = offset_ranges(messages)
-        if ranges:
-            self._send(command, {"sub": 1, "ranges": ranges, **extra})
+        for start in range(0, len(ranges), MAX_RANGES_PER_FRAME):  # scattered offsets: several frames
+            self._send(command, {"sub": 1, "ranges": ranges[start : start + MAX_RANGES_PER_FRAME], **extra})
 
     def set_credit(self, credit: int, batch_size: int | None = None) -> None:
         self.credit = credit

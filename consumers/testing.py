@@ -14,6 +14,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -110,6 +111,10 @@ class BrokerProcess:
         assert self.proc is not None
         self.proc.send_signal(sig)
 
+    def metric(self, name: str, labels: str = "") -> float:
+        """The sum of the broker's samples of ``name`` whose labels contain ``labels`` (e.g. ``'topic="t"'``)."""
+        return scrape_metric(self.metrics_url, name, labels)
+
     def restart(self, *, kill: bool = False, timeout: float = 20.0) -> BrokerProcess:
         self.kill() if kill else self.stop()
         for _ in range(50):  # the port may take a moment to be free again
@@ -126,3 +131,13 @@ class BrokerProcess:
 
     def __exit__(self, *exc: Any) -> None:
         self.stop()
+
+
+def scrape_metric(url: str, name: str, labels: str = "") -> float:
+    """Sum of the samples of ``name`` at a ``/metrics`` URL whose labels contain ``labels``."""
+    text = urllib.request.urlopen(url, timeout=5).read().decode()
+    total = 0.0
+    for match in re.finditer(rf"^{re.escape(name)}(\{{[^}}]*\}})? (\S+)$", text, re.M):
+        if labels in (match.group(1) or ""):
+            total += float(match.group(2))
+    return total

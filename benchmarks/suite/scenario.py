@@ -28,6 +28,7 @@ class Scenario:
     duration: float = 30.0  # producers stop sending after this many seconds even if messages are left
     credit: int = 0  # unacked messages each consumer may hold (0: twice the batch size)
     linger_ms: float | None = None  # Conveyor producer linger (None: 5 ms at max rate, 1 ms paced)
+    eager: bool | None = None  # Conveyor producer eager sends (None: when paced with fsync=none)
     systems: tuple[str, ...] = ()  # system ids to run (``conveyor``, ``redis:always``...); empty: every match
     description: str = ""
     quick: dict[str, Any] = field(default_factory=dict)  # overrides under --quick
@@ -75,6 +76,13 @@ class Scenario:
         if self.linger_ms is not None:
             return self.linger_ms
         return 1.0 if self.paced else 5.0
+
+    @property
+    def conveyor_eager(self) -> bool:
+        """Eager batches pay where a broker pass is cheap: paced, without fsync (see ``Producer``)."""
+        if self.eager is not None:
+            return self.eager
+        return self.paced and self.fsync == "none"
 
     def label(self) -> str:
         pace = "max rate" if not self.paced else f"{self.total_rate:,.0f} msg/s"

@@ -12,11 +12,9 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import re
 import signal
 import threading
 import time
-import urllib.request
 from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -28,7 +26,7 @@ import tenacity
 from broker.client import Admin, Producer
 from broker.errors import ConveyorError
 from consumers.session import Subscription
-from consumers.testing import BrokerProcess
+from consumers.testing import BrokerProcess, scrape_metric
 
 REPORT = Path(os.environ.get("CONVEYOR_FAULT_REPORT", "/tmp/conveyor-fault-report.jsonl"))
 
@@ -85,12 +83,7 @@ def rss_bytes(pid: int) -> int:
 
 def metric(url: str, name: str, labels: str = "") -> float:
     """Sum of a Prometheus metric's samples whose labels contain ``labels``."""
-    text = urllib.request.urlopen(url, timeout=5).read().decode()
-    total = 0.0
-    for match in re.finditer(rf"^{re.escape(name)}(\{{[^}}]*\}})? (\S+)$", text, re.M):
-        if labels in (match.group(1) or ""):
-            total += float(match.group(2))
-    return total
+    return scrape_metric(url, name, labels)
 
 
 def wait_for(predicate: Callable[[], bool], timeout: float = 10.0, interval: float = 0.05) -> bool:

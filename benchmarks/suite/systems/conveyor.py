@@ -124,7 +124,10 @@ class Producer(base.ProducerClient):
 
         self.topic = endpoint["topic"]
         self.producer = ConveyorProducer(
-            endpoint["address"], linger_ms=scenario.conveyor_linger_ms, batch_size=scenario.batch_size
+            endpoint["address"],
+            linger_ms=scenario.conveyor_linger_ms,
+            batch_size=scenario.batch_size,
+            eager=scenario.conveyor_eager,
         )
         self.send_many = getattr(self.producer, "send_many", None)
         if self.send_many is None:  # an older client: one send() per value

@@ -357,6 +357,8 @@ class Group:
 
     def dispatch(self, log: TopicLog, *, max_bytes: int = 1 << 20) -> list[Delivery]:
         """Plan deliveries for everything deliverable now, round-robin by credit."""
+        if self.next_offset >= log.durable_offset and not self.pending and not self.joining:
+            return []  # the common case after an ack: credit came back, nothing new waits
         self._admit_joiners()
         if not self.members:
             return []

@@ -452,11 +452,12 @@ class Broker:
             return
         self._last_fsync_seconds = time.perf_counter() - started
         self.metrics.fsync_seconds.observe(self._last_fsync_seconds)
-        self._send_confirms()
         for topic in self.appended:
             self._wake_fetches(topic)
             self.to_dispatch.update(g for (t, _n), g in self.groups.items() if t == topic)
         self.appended.clear()
+        self._dispatch()  # deliveries before confirms: what consumers wait for leaves first
+        self._send_confirms()
 
     def _send_confirms(self) -> None:
         now = self.clock()

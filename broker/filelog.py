@@ -10,7 +10,7 @@ from pathlib import Path
 
 from broker import fsio
 from broker.errors import ConveyorError, SegmentCorrupt, StorageIOError
-from broker.fsutil import fsync_dir, storage_errors
+from broker.fsutil import fsync_dir, make_dirs, storage_errors
 from broker.record import Batch, BatchHeader
 from broker.segment import Segment
 from broker.storage import FsyncPolicy, TopicConfig, TopicLog
@@ -89,11 +89,12 @@ class FileLog(TopicLog):
 
     def _quarantine(self, segment: Segment) -> None:
         target = self.directory / QUARANTINE_DIR
-        target.mkdir(exist_ok=True)
+        make_dirs(target)
         segment.close()
         for path in (segment.path, segment.index_path):
             if path.exists():
                 fsio.rename(path, target / path.name)
+        fsync_dir(target)  # both directory entries: a crash now must not lose the evidence nor bring it back
         fsync_dir(self.directory)
         log.error("%s: quarantined corrupt segment %s", self.name, segment.path.name)
 

@@ -448,12 +448,14 @@ class Group:
         ranges = [(max(a, log.start_offset), b) for a, b in ranges]  # retention took the rest
         if self.settings.key_affinity:
             return self._redeliver_keyed(log, item, ranges, plans)
-        for member in self._members_with_credit(item.avoid):
-            if not ranges:
+        while ranges:  # each turn takes at least one offset: it ends
+            member = next(self._members_with_credit(item.avoid), None)
+            if member is None:
                 break
             taken, ranges = _take_prefix(ranges, min(member.available, member.batch_size))
-            entries = [e for a, b in taken for e in _entries_for(log, a, b, item.deliveries + 1)]
-            if len(entries) > MAX_ENTRIES:  # many small batches: the rest waits for the next DELIVER
+            found = (e for a, b in taken for e in _entries_for(log, a, b, item.deliveries + 1))
+            entries = list(itertools.islice(found, MAX_ENTRIES + 1))  # read no further than one DELIVER holds
+            if len(entries) > MAX_ENTRIES:  # many small batches: the rest goes in the next DELIVER
                 taken, rest = _split_at(taken, entries[MAX_ENTRIES].first)
                 ranges = rest + ranges
                 entries = entries[:MAX_ENTRIES]
@@ -575,11 +577,9 @@ def _batches_between(log: TopicLog, start: int, end: int) -> Iterator[Batch]:
             offset = batch.next_offset
 
 
-def _entries_for(log: TopicLog, start: int, end: int, deliveries: int) -> list[Entry]:
-    return [
-        slice_entry(batch, max(start, batch.base_offset), min(end, batch.next_offset), deliveries)
-        for batch in _batches_between(log, start, end)
-    ]
+def _entries_for(log: TopicLog, start: int, end: int, deliveries: int) -> Iterator[Entry]:
+    for batch in _batches_between(log, start, end):
+        yield slice_entry(batch, max(start, batch.base_offset), min(end, batch.next_offset), deliveries)
 
 
 def slice_entry(batch: Batch, first: int, end: int, deliveries: int) -> Entry:

@@ -631,6 +631,11 @@ class Broker:
                 self._deliver(group, plan)
 
     def _deliver(self, group: Group, plan: Delivery) -> None:
+        if plan.member.peer not in self.peers:
+            return  # gone during this dispatch: leaving already put its offsets back
+        if plan.member.busy:
+            group.undeliver(plan)  # an earlier DELIVER of this dispatch bounced: keep the member's order
+            return
         entries = plan.entries
         header = {"sub": plan.member.sub_id, "topic": group.topic, "entries": [e.header() for e in entries]}
         frames = encode(Command.DELIVER, header, *(e.batch.body for e in entries))

@@ -79,11 +79,8 @@ class DuplicateSequence(LogError):
     name = "DUPLICATE_SEQUENCE"
 
 
-class OutOfOrderSequence(LogError):
-    """A producer skipped sequence numbers: an earlier batch never arrived."""
-
-    code = 106
-    name = "OUT_OF_ORDER_SEQUENCE"
+# 106 is reserved: it once named a producer sequence gap, but gaps are allowed (a
+# batch refused for good takes no place), so nothing raises it; codes are never reused.
 
 
 class MetadataCorrupt(ValueError, LogError):

@@ -15,6 +15,7 @@ import sys
 import threading
 import time
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -141,3 +142,17 @@ def scrape_metric(url: str, name: str, labels: str = "") -> float:
         if labels in (match.group(1) or ""):
             total += float(match.group(2))
     return total
+
+
+def wait_for(predicate: Callable[[], object], timeout: float = 10.0, interval: float = 0.02) -> bool:
+    """Poll ``predicate`` until it is true or ``timeout`` passes; its last answer, as a bool.
+
+    For tests that watch another process (a broker, a runner) reach a state it
+    announces nowhere else; every loop ends by itself.
+    """
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(interval)
+    return bool(predicate())

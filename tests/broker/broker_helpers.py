@@ -43,12 +43,3 @@ def quiet(subs: Sequence[Subscription], seconds: float) -> list[Message]:
             if batch:
                 sub.ack(batch)
     return extra
-
-
-def wait_for(predicate: Callable[[], bool], timeout: float = 10.0, interval: float = 0.05) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(interval)
-    return predicate()

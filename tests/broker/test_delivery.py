@@ -5,11 +5,12 @@ from __future__ import annotations
 import collections
 import time
 
-from broker_helpers import drain, quiet, wait_for
+from broker_helpers import drain, quiet
 
 from broker.client import Admin, Producer
 from broker.errors import UnknownTopic
 from consumers.session import Subscription
+from consumers.testing import wait_for
 
 
 def publish(address: str, topic: str, values: list, **kwargs) -> list[int]:

@@ -6,10 +6,11 @@ import subprocess
 import sys
 import textwrap
 
-from broker_helpers import drain, quiet, wait_for
+from broker_helpers import drain, quiet
 
 from broker.client import Admin, Producer
 from consumers.session import Subscription
+from consumers.testing import wait_for
 
 HOLDER = textwrap.dedent(
     """

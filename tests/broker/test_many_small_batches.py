@@ -13,12 +13,12 @@ import logging
 import time
 
 import pytest
-from broker_helpers import drain, quiet, wait_for
+from broker_helpers import drain, quiet
 
 from broker.client import Admin, Producer
 from broker.groups import MAX_ENTRIES
 from consumers.session import Subscription
-from consumers.testing import BrokerProcess
+from consumers.testing import BrokerProcess, wait_for
 
 BATCHES = 3 * MAX_ENTRIES + 17  # several DELIVERs' worth of entries
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from broker.client import Admin, AsyncProducer, Producer
-from consumers.testing import BrokerProcess
+from consumers.testing import BrokerProcess, wait_for
 
 LONG_LINGER_MS = 3000
 
@@ -48,7 +48,7 @@ def test_messages_sent_while_a_batch_is_in_flight_go_as_one_batch_when_it_is_con
             broker.signal(signal.SIGSTOP)  # the first batch stays in flight
             try:
                 first = producer.send("busy", b"first")
-                assert _until(lambda: len(producer._io.in_flight) == 1)
+                assert wait_for(lambda: len(producer._io.in_flight) == 1, timeout=5)
                 rest = [producer.send("busy", f"m{i}".encode()) for i in range(99)]
                 time.sleep(0.3)
                 assert len(producer._io.in_flight) == 1, "the others wait for the confirm, not for 60 s of linger"
@@ -80,12 +80,3 @@ def test_async_producer_is_eager_the_same_way(tmp_path: Path) -> None:
         Admin(broker.address).create_topic("aio")
         asyncio.run(scenario(broker))
         assert batches(broker, "aio") == 3
-
-
-def _until(predicate, timeout: float = 5.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.01)
-    return False

@@ -9,8 +9,6 @@ it ``REQUEST_TIMEOUT``.
 from __future__ import annotations
 
 import re
-import time
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -19,16 +17,7 @@ import tenacity
 from broker.client import Admin, Producer
 from broker.errors import RequestTimeout, StorageFull, StorageIOError
 from broker.fsio import ENV_CONTROL
-from consumers.testing import BrokerProcess
-
-
-def wait_for(predicate: Callable[[], bool], timeout: float = 5.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.02)
-    return True
+from consumers.testing import BrokerProcess, wait_for
 
 
 def refused_send(address: str, topic: str) -> BaseException | None:

@@ -26,7 +26,7 @@ import tenacity
 from broker.client import Admin, Producer
 from broker.errors import ConveyorError
 from consumers.session import Subscription
-from consumers.testing import BrokerProcess, scrape_metric
+from consumers.testing import BrokerProcess, scrape_metric, wait_for
 
 REPORT = Path(os.environ.get("CONVEYOR_FAULT_REPORT", "/tmp/conveyor-fault-report.jsonl"))
 
@@ -84,15 +84,6 @@ def rss_bytes(pid: int) -> int:
 def metric(url: str, name: str, labels: str = "") -> float:
     """Sum of a Prometheus metric's samples whose labels contain ``labels``."""
     return scrape_metric(url, name, labels)
-
-
-def wait_for(predicate: Callable[[], bool], timeout: float = 10.0, interval: float = 0.05) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(interval)
-    return predicate()
 
 
 # --- the log and the oracle --------------------------------------------------------------

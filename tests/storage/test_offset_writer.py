@@ -6,7 +6,7 @@ import json
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -15,6 +15,7 @@ from broker import fsio
 from broker import store as store_module
 from broker.errors import ConveyorError, MetadataCorrupt, StorageFull, StorageIOError
 from broker.store import GROUPS_FILE, OffsetWriter, Store
+from consumers.testing import wait_for
 
 
 @pytest.fixture
@@ -24,15 +25,6 @@ def faults(tmp_path: Path) -> Iterator[Path]:
     fsio.configure(control=str(control))
     yield control
     fsio.configure()
-
-
-def wait_for(predicate: Callable[[], bool], timeout: float = 5.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.01)
-    return predicate()
 
 
 class Errors:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -481,45 +481,54 @@ class Group:
     def _give_keyed(self, batches: list[Batch], limit: int, deliveries: int, plans: Plans) -> bool:
         """Route each message to its key's owner, in offset order, until one lacks credit."""
         for batch in batches:
-            keys = [record[0] for record in unpack_records(batch.body)]
+            records = unpack_records(batch.body)
+            keys = [record[0] for record in records]
             picked: dict[int, tuple[Member, list[int]]] = {}
             for offset in range(max(self.next_offset, batch.base_offset), min(batch.next_offset, limit)):
                 member = self.owner(keys[offset - batch.base_offset])
                 _, offsets = picked.setdefault(id(member), (member, []))
                 if member.available - len(offsets) <= 0:
-                    self._flush_keyed(batch, picked, deliveries, plans)
+                    self._flush_keyed(batch, records, picked, deliveries, plans)
                     return False  # head-of-line: order beats throughput here
                 offsets.append(offset)
                 if len(offsets) >= MAX_LISTED_OFFSETS:
-                    self._flush_keyed(batch, picked, deliveries, plans)
+                    self._flush_keyed(batch, records, picked, deliveries, plans)
                 self.next_offset = offset + 1
-            self._flush_keyed(batch, picked, deliveries, plans)
+            self._flush_keyed(batch, records, picked, deliveries, plans)
         return True
 
     def _flush_keyed(
-        self, batch: Batch, picked: dict[int, tuple[Member, list[int]]], deliveries: int, plans: Plans
+        self,
+        batch: Batch,
+        records: Sequence[Any],
+        picked: dict[int, tuple[Member, list[int]]],
+        deliveries: int,
+        plans: Plans,
     ) -> None:
         for member, offsets in picked.values():
             if offsets:
-                entry = Entry(batch, offsets[0], offsets[-1] + 1, deliveries, list(offsets))
+                # A slice of the body: a batch split over several entries is not sent whole with each.
+                entry = slice_entry(batch, offsets[0], offsets[-1] + 1, deliveries, records)
+                entry.offsets = list(offsets)
                 self._record(member, to_ranges(offsets), deliveries, [entry], plans)
                 offsets.clear()  # recorded: the member's next offsets in this batch start a new entry
 
     def _redeliver_keyed(self, log: TopicLog, item: Pending, ranges: list[Range], plans: Plans) -> list[Range]:
         for i, (start, end) in enumerate(ranges):
             for batch in _batches_between(log, start, end):
-                keys = [record[0] for record in unpack_records(batch.body)]
+                records = unpack_records(batch.body)
+                keys = [record[0] for record in records]
                 picked: dict[int, tuple[Member, list[int]]] = {}
                 for off in range(max(start, batch.base_offset), min(batch.next_offset, end)):
                     member = self.owner(keys[off - batch.base_offset])
                     _, offsets = picked.setdefault(id(member), (member, []))
                     if member.available - len(offsets) <= 0:
-                        self._flush_keyed(batch, picked, item.deliveries + 1, plans)
+                        self._flush_keyed(batch, records, picked, item.deliveries + 1, plans)
                         return [(off, end), *ranges[i + 1 :]]
                     offsets.append(off)
                     if len(offsets) >= MAX_LISTED_OFFSETS:
-                        self._flush_keyed(batch, picked, item.deliveries + 1, plans)
-                self._flush_keyed(batch, picked, item.deliveries + 1, plans)
+                        self._flush_keyed(batch, records, picked, item.deliveries + 1, plans)
+                self._flush_keyed(batch, records, picked, item.deliveries + 1, plans)
         return []
 
     # --- dead letters ------------------------------------------------------------------
@@ -582,15 +591,17 @@ def _entries_for(log: TopicLog, start: int, end: int, deliveries: int) -> Iterat
         yield slice_entry(batch, max(start, batch.base_offset), min(end, batch.next_offset), deliveries)
 
 
-def slice_entry(batch: Batch, first: int, end: int, deliveries: int) -> Entry:
+def slice_entry(batch: Batch, first: int, end: int, deliveries: int, records: Sequence[Any] | None = None) -> Entry:
     """An entry for ``[first, end)`` of a batch; re-encode only a small slice.
 
     Forwarding the stored body costs nothing but bandwidth; when the slice is
     under half of a large batch, re-packing just the slice is cheaper.
+    ``records``: the batch already unpacked, if the caller has it.
     """
     if batch.count > 16 and (end - first) * 2 < batch.count:
-        records = unpack_records(batch.body)[first - batch.base_offset : end - batch.base_offset]
-        body = pack_records(list(records))
+        if records is None:
+            records = unpack_records(batch.body)
+        body = pack_records(list(records[first - batch.base_offset : end - batch.base_offset]))
         batch = Batch(first, end - first, batch.timestamp_ms, body)
     return Entry(batch, first, end, deliveries)
 

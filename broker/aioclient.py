@@ -21,7 +21,7 @@ import zmq.asyncio
 
 from broker.codec import make_record
 from broker.config import DEFAULT_BROKER
-from broker.errors import BufferFull, ConveyorError, delivery_timed_out
+from broker.errors import ConveyorError, buffer_full, delivery_timed_out
 from broker.protocol import Command, decode, encode, error_from_header
 from broker.record import pack_records
 from broker.security import secure_client
@@ -131,12 +131,7 @@ class AsyncProducer:
         while self._held and self._held + size > self.buffer_memory:
             remaining = deadline - loop.time()
             if remaining <= 0:
-                raise BufferFull(
-                    f"{self._held:,} bytes unconfirmed (buffer_memory {self.buffer_memory:,}) "
-                    f"for {self.max_block * 1000:.0f} ms",
-                    held=self._held,
-                    buffer_memory=self.buffer_memory,
-                )
+                raise buffer_full(self._held, self.buffer_memory, self.max_block)
             self._freed.clear()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._freed.wait(), remaining)

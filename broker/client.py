@@ -47,7 +47,7 @@ import zmq
 from broker.aioclient import AsyncProducer
 from broker.codec import make_record
 from broker.config import DEFAULT_BROKER
-from broker.errors import BrokerUnavailable, BufferFull, ConveyorError, delivery_timed_out
+from broker.errors import BrokerUnavailable, ConveyorError, buffer_full, delivery_timed_out
 from broker.futures import BatchState, batch_futures, new_future
 from broker.protocol import Command, decode, encode, error_from_header
 from broker.security import secure_client
@@ -307,12 +307,7 @@ class Producer:
         while self._held and self._held + size > self.buffer_memory:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                raise BufferFull(
-                    f"{self._held:,} bytes unconfirmed (buffer_memory {self.buffer_memory:,}) "
-                    f"for {self.max_block * 1000:.0f} ms",
-                    held=self._held,
-                    buffer_memory=self.buffer_memory,
-                )
+                raise buffer_full(self._held, self.buffer_memory, self.max_block)
             for topic in list(self._buffers):  # what lingers would wait for its linger: send it now
                 self._hand_off(topic)
             self._room.wait(remaining)

@@ -196,6 +196,15 @@ class ConfigError(ConveyorError):
     name = "CONFIG_ERROR"
 
 
+def buffer_full(held: int, buffer_memory: int, max_block: float) -> BufferFull:
+    """What a producer's send raises when ``held`` bytes stayed over ``buffer_memory`` for ``max_block`` seconds."""
+    return BufferFull(
+        f"{held:,} bytes unconfirmed (buffer_memory {buffer_memory:,}) for {max_block * 1000:.0f} ms",
+        held=held,
+        buffer_memory=buffer_memory,
+    )
+
+
 def delivery_timed_out(address: str, topic: str, last: ConveyorError | None, attempts: int) -> ConveyorError:
     """What a batch fails with when its producer's delivery timeout ran out.
 

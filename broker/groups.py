@@ -481,21 +481,29 @@ class Group:
     def _give_keyed(self, batches: list[Batch], limit: int, deliveries: int, plans: Plans) -> bool:
         """Route each message to its key's owner, in offset order, until one lacks credit."""
         for batch in batches:
-            records = unpack_records(batch.body)
-            keys = [record[0] for record in records]
-            picked: dict[int, tuple[Member, list[int]]] = {}
-            for offset in range(max(self.next_offset, batch.base_offset), min(batch.next_offset, limit)):
-                member = self.owner(keys[offset - batch.base_offset])
-                _, offsets = picked.setdefault(id(member), (member, []))
-                if member.available - len(offsets) <= 0:
-                    self._flush_keyed(batch, records, picked, deliveries, plans)
-                    return False  # head-of-line: order beats throughput here
-                offsets.append(offset)
-                if len(offsets) >= MAX_LISTED_OFFSETS:
-                    self._flush_keyed(batch, records, picked, deliveries, plans)
-                self.next_offset = offset + 1
-            self._flush_keyed(batch, records, picked, deliveries, plans)
+            end = min(batch.next_offset, limit)
+            stopped = self._route_keyed(batch, max(self.next_offset, batch.base_offset), end, deliveries, plans)
+            self.next_offset = max(self.next_offset, end if stopped is None else stopped)
+            if stopped is not None:
+                return False  # head-of-line: order beats throughput here
         return True
+
+    def _route_keyed(self, batch: Batch, start: int, end: int, deliveries: int, plans: Plans) -> int | None:
+        """Plan ``[start, end)`` of a batch to its keys' owners; the offset where one ran out of credit, or None."""
+        records = unpack_records(batch.body)
+        keys = [record[0] for record in records]
+        picked: dict[int, tuple[Member, list[int]]] = {}
+        for offset in range(start, end):
+            member = self.owner(keys[offset - batch.base_offset])
+            _, offsets = picked.setdefault(id(member), (member, []))
+            if member.available - len(offsets) <= 0:
+                self._flush_keyed(batch, records, picked, deliveries, plans)
+                return offset
+            offsets.append(offset)
+            if len(offsets) >= MAX_LISTED_OFFSETS:
+                self._flush_keyed(batch, records, picked, deliveries, plans)
+        self._flush_keyed(batch, records, picked, deliveries, plans)
+        return None
 
     def _flush_keyed(
         self,
@@ -516,19 +524,10 @@ class Group:
     def _redeliver_keyed(self, log: TopicLog, item: Pending, ranges: list[Range], plans: Plans) -> list[Range]:
         for i, (start, end) in enumerate(ranges):
             for batch in _batches_between(log, start, end):
-                records = unpack_records(batch.body)
-                keys = [record[0] for record in records]
-                picked: dict[int, tuple[Member, list[int]]] = {}
-                for off in range(max(start, batch.base_offset), min(batch.next_offset, end)):
-                    member = self.owner(keys[off - batch.base_offset])
-                    _, offsets = picked.setdefault(id(member), (member, []))
-                    if member.available - len(offsets) <= 0:
-                        self._flush_keyed(batch, records, picked, item.deliveries + 1, plans)
-                        return [(off, end), *ranges[i + 1 :]]
-                    offsets.append(off)
-                    if len(offsets) >= MAX_LISTED_OFFSETS:
-                        self._flush_keyed(batch, records, picked, item.deliveries + 1, plans)
-                self._flush_keyed(batch, records, picked, item.deliveries + 1, plans)
+                first, last = max(start, batch.base_offset), min(batch.next_offset, end)
+                stopped = self._route_keyed(batch, first, last, item.deliveries + 1, plans)
+                if stopped is not None:
+                    return [(stopped, end), *ranges[i + 1 :]]
         return []
 
     # --- dead letters ------------------------------------------------------------------

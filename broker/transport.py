@@ -45,21 +45,21 @@ def send_frames(sock: zmq.Socket[Any], frames: Sequence[Any], flags: int = 0) ->
 def recv_frames(sock: zmq.Socket[Any]) -> list[bytes] | None:
     """Every part of the next waiting message, or ``None`` when nothing waits; never blocks."""
     try:
-        frame = _recv(sock, NOBLOCK, False)
+        return _parts(sock, NOBLOCK)
     except zmq.Again:
         return None
-    parts = [frame.bytes]
-    while frame.more:
-        frame = _recv(sock, NOBLOCK, False)
-        parts.append(frame.bytes)
-    return parts
 
 
 def recv_frames_blocking(sock: zmq.Socket[Any]) -> list[bytes]:
     """Every part of the next message, waiting for it (after a poll said one is there)."""
-    frame = _recv(sock, 0, False)
+    return _parts(sock, 0)
+
+
+def _parts(sock: zmq.Socket[Any], flags: int) -> list[bytes]:
+    """The parts of one message; once its first part is in, the rest are already there."""
+    frame = _recv(sock, flags, False)
     parts = [frame.bytes]
     while frame.more:
-        frame = _recv(sock, 0, False)
+        frame = _recv(sock, flags, False)
         parts.append(frame.bytes)
     return parts

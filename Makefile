@@ -3,6 +3,7 @@ PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-dev
+BASE   := $(VENV)/.installed
 
 .PHONY: run test deps lint typecheck unit venv bench-log bench-e2e soak clean
 
@@ -11,14 +12,19 @@ $(PY):
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 
+# The broker alone: what `make run` needs (no pyspark, no test tools).
+$(BASE): $(PY) pyproject.toml
+	$(PY) -m pip install --quiet -e .
+	touch $@
+
 $(STAMP): $(PY) pyproject.toml
 	$(PY) -m pip install --quiet -e '.[dev,spark]'
-	touch $@
+	touch $(BASE) $@
 
 venv: $(STAMP)
 
 ## Start a broker with the embedded defaults (./conveyor-data, tcp://127.0.0.1:5555, metrics on :9100).
-run: $(STAMP)
+run: $(BASE)
 	$(VENV)/bin/conveyor broker
 
 ## Install what the tests need, lint, type-check and run the whole suite.

@@ -20,7 +20,7 @@ import zmq
 import zmq.asyncio
 
 from broker.codec import make_record
-from broker.config import DEFAULT_BROKER
+from broker.config import DEFAULT_BROKER, check_address
 from broker.errors import ConveyorError, buffer_full, delivery_timed_out
 from broker.protocol import Command, decode, encode, error_from_header
 from broker.record import pack_records
@@ -85,6 +85,7 @@ class AsyncProducer:
         return self
 
     def _new_socket(self) -> zmq.asyncio.Socket:
+        check_address(self.address)
         sock = self._ctx.socket(zmq.DEALER)
         secure_client(sock)
         sock.setsockopt(zmq.LINGER, 0)

@@ -1,7 +1,10 @@
 """The ``conveyor`` command: broker, publish, tail, topics, groups, run, bench.
 
-Every option also comes from ``CONVEYOR_<OPTION>`` and from a TOML file
-named by ``--config``. Client commands take ``--broker ADDR``.
+Every option in an ``Option`` list (the broker's settings, ``--broker``, the
+runner's) also comes from ``CONVEYOR_<OPTION>`` and from a TOML file named by
+``--config``; a command's own arguments (a topic, ``--format``) are flags
+only. Client commands take ``--broker ADDR``. A wrong argument is a
+``CONFIG_ERROR`` with exit code 2, never a traceback.
 """
 
 from __future__ import annotations
@@ -14,8 +17,8 @@ from collections.abc import Callable, Sequence
 from datetime import datetime
 from typing import Any
 
-from broker.config import DEFAULT_BROKER, Option, add_options, resolve
-from broker.errors import ConveyorError
+from broker.config import DEFAULT_BROKER, Option, add_options, check_address, resolve
+from broker.errors import ConfigError, ConveyorError
 from broker.settings import BrokerSettings, broker_options
 
 CLIENT_OPTIONS = [
@@ -30,9 +33,10 @@ def client_options(args: argparse.Namespace, command: str, options: list[Option]
     from broker import security
 
     opts = resolve(args, options or CLIENT_OPTIONS, command)
+    check_address(opts["broker"])
     if opts.get("curve_server_key") or opts.get("curve_key"):
         if not (opts.get("curve_server_key") and opts.get("curve_key")):
-            raise ConveyorError("CURVE needs both --curve-server-key and --curve-key")
+            raise ConfigError("CURVE needs both --curve-server-key and --curve-key")
         security.configure(server_key=opts["curve_server_key"], client_key_file=opts["curve_key"])
     return opts
 
@@ -101,15 +105,18 @@ def _publish_setup(parser: argparse.ArgumentParser) -> None:
 
 @command("publish", "publish messages to a topic", _publish_setup)
 def cmd_publish(args: argparse.Namespace) -> int:
-    from broker.client import Producer
+    from broker.client import Admin, Producer
 
     opts = client_options(args, "publish")
     headers = dict(_pair(h) for h in args.header) or None
-    values = args.messages or (line.rstrip("\n") for line in sys.stdin)
+    raws = args.messages or (line.rstrip("\n") for line in sys.stdin)
+    values = [_parse_value(raw, args.format, number) for number, raw in enumerate(raws, 1)]  # all valid, or none sent
+    with Admin(opts["broker"]) as admin:
+        admin.hello()  # no broker there: the same error, after the same wait, as every other command
     futures = []
     with Producer(opts["broker"], request_timeout_ms=5000, delivery_timeout_ms=30_000) as producer:
-        for raw in values:
-            futures.append(producer.send(args.topic, _parse_value(raw, args.format), key=args.key, headers=headers))
+        for value in values:
+            futures.append(producer.send(args.topic, value, key=args.key, headers=headers))
         producer.flush(timeout=60)
     offsets = [f.result() for f in futures]
     if not args.quiet:
@@ -119,9 +126,12 @@ def cmd_publish(args: argparse.Namespace) -> int:
     return 0
 
 
-def _parse_value(raw: str, fmt: str) -> Any:
+def _parse_value(raw: str, fmt: str, number: int) -> Any:
     if fmt == "json":
-        return json.loads(raw)
+        try:
+            return json.loads(raw)
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"message {number} is not JSON ({exc}): {raw[:80]!r}") from None
     if fmt == "bytes":
         return raw.encode()
     return raw
@@ -130,7 +140,7 @@ def _parse_value(raw: str, fmt: str) -> Any:
 def _pair(text: str) -> tuple[str, str]:
     key, sep, value = text.partition("=")
     if not sep:
-        raise ConveyorError(f"expected K=V, got {text!r}")
+        raise ConfigError(f"expected K=V, got {text!r}")
     return key, value
 
 
@@ -191,8 +201,16 @@ def _start_offset(admin: Any, topic: str, start: str) -> int:
         return int(info["end_offset"])
     if start.lstrip("-").isdigit():
         return max(int(start), int(info["start_offset"]))
-    when = datetime.fromisoformat(start)
-    return _offset_for_time(admin, topic, int(when.timestamp() * 1000), info)
+    return _offset_for_time(admin, topic, _timestamp_ms(start, "--from"), info)
+
+
+def _timestamp_ms(text: str, option: str) -> int:
+    try:
+        return int(datetime.fromisoformat(text).timestamp() * 1000)
+    except ValueError:
+        raise ConfigError(
+            f"{option} takes earliest, latest, an offset or an ISO time (2026-11-26T10:00:00), not {text!r}"
+        ) from None
 
 
 def _offset_for_time(admin: Any, topic: str, ts_ms: int, info: dict[str, Any]) -> int:
@@ -244,7 +262,7 @@ def _topics_setup(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--format", choices=["table", "json"], default="table")
 
 
-@command("topics", "list, create, describe or delete topics", _topics_setup)
+@command("topics", "list, create, describe, delete or refresh topics", _topics_setup)
 def cmd_topics(args: argparse.Namespace) -> int:
     from broker.client import Admin
 
@@ -254,7 +272,7 @@ def cmd_topics(args: argparse.Namespace) -> int:
             result: Any = admin.list_topics()
         else:
             if not args.name:
-                raise ConveyorError(f"topics {args.action} needs a topic name")
+                raise ConfigError(f"topics {args.action} needs a topic name")
             if args.action == "create":
                 config = {k: _number(v) for k, v in (_pair(s) for s in args.set)}
                 result = admin.create_topic(args.name, **config)
@@ -292,7 +310,7 @@ def cmd_groups(args: argparse.Namespace) -> int:
             result: Any = admin.list_groups(args.topic)
         else:
             if not (args.topic and args.group):
-                raise ConveyorError(f"groups {args.action} needs TOPIC GROUP")
+                raise ConfigError(f"groups {args.action} needs TOPIC GROUP")
             if args.action == "describe":
                 result = admin.describe_group(args.topic, args.group)
             elif args.action == "delete":
@@ -302,7 +320,7 @@ def cmd_groups(args: argparse.Namespace) -> int:
                     admin.refresh_topic(args.topic)  # the topic's groups restart at the parent's start
                     result = admin.describe_group(args.topic, args.group)
                 elif not args.to:
-                    raise ConveyorError("groups reset needs --to earliest|latest|OFFSET|ISO-TIME, or --refresh")
+                    raise ConfigError("groups reset needs --to earliest|latest|OFFSET|ISO-TIME, or --refresh")
                 else:
                     result = admin.reset_offsets(args.topic, args.group, _reset_target(args.to))
     _show(result, args.format, ["topic", "group", "committed_offset", "end_offset", "lag", "in_flight"])
@@ -314,7 +332,7 @@ def _reset_target(text: str) -> Any:
         return text
     if text.lstrip("-").isdigit():
         return int(text)
-    return {"timestamp": int(datetime.fromisoformat(text).timestamp() * 1000)}
+    return {"timestamp": _timestamp_ms(text, "--to")}
 
 
 def _number(text: str) -> Any:
@@ -372,7 +390,11 @@ def cmd_keys(args: argparse.Namespace) -> int:
         print(f"secret key file (keep it):  {secret}")
         print(f"public key: {zmq.auth.load_certificate(str(public))[0].decode()}")
     else:
-        print(zmq.auth.load_certificate(args.name)[0].decode())
+        try:
+            key = zmq.auth.load_certificate(args.name)[0]
+        except (OSError, ValueError) as exc:
+            raise ConfigError(f"{args.name}: not a readable CURVE certificate ({exc})") from None
+        print(key.decode())
     return 0
 
 
@@ -382,12 +404,22 @@ def cmd_keys(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     _load_plugins()
     parser = argparse.ArgumentParser(prog="conveyor", description="Conveyor message broker")
+    parser.add_argument("--version", action="version", version=f"conveyor {_version()}")
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, (help_text, setup, handler) in COMMANDS.items():
         sub = subparsers.add_parser(name, help=help_text, description=help_text)
         setup(sub)
         sub.set_defaults(handler=handler)
     return parser
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("conveyor")
+    except PackageNotFoundError:
+        return "(not installed)"
 
 
 def _load_plugins() -> None:

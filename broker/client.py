@@ -46,7 +46,7 @@ import zmq
 
 from broker.aioclient import AsyncProducer
 from broker.codec import make_record
-from broker.config import DEFAULT_BROKER
+from broker.config import DEFAULT_BROKER, check_address
 from broker.errors import BrokerUnavailable, ConveyorError, buffer_full, delivery_timed_out
 from broker.futures import BatchState, batch_futures, new_future
 from broker.protocol import Command, decode, encode, error_from_header
@@ -72,7 +72,11 @@ def new_dealer(ctx: zmq.Context[Any], address: str, *, auto_reconnect: bool = Tr
         sock.setsockopt(zmq.RECONNECT_IVL, -1)
     sock.setsockopt(zmq.SNDHWM, 100_000)
     sock.setsockopt(zmq.RCVHWM, 100_000)
-    sock.connect(address)
+    try:
+        sock.connect(check_address(address))
+    except ConveyorError:
+        sock.close(linger=0)
+        raise
     return sock
 
 
@@ -576,7 +580,10 @@ class Admin:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0 or not self._sock.poll(int(remaining * 1000) + 1):
                     self._reset_socket()
-                    raise BrokerUnavailable(f"no answer from {self.address} in time")
+                    raise BrokerUnavailable(
+                        f"no answer from {self.address} in time (is a broker running there? "
+                        "one that requires CURVE also needs --curve-server-key and --curve-key)"
+                    )
                 reply = decode(self._sock.recv_multipart())
                 if reply.get("rid") != rid:
                     continue  # a late answer to an abandoned request

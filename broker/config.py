@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import tomllib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -18,6 +19,21 @@ from typing import Any
 from broker.errors import ConfigError
 
 DEFAULT_BROKER = "tcp://127.0.0.1:5555"
+
+_ENDPOINT = re.compile(r"^(tcp://[^\s/]+:[0-9]+|ipc://\S+|inproc://\S+)$")
+
+
+def check_address(address: str) -> str:
+    """``address`` if it is an endpoint a client can connect to; else a ``ConfigError`` that says what is.
+
+    ZeroMQ would raise a bare EINVAL ("Invalid argument") for ``127.0.0.1:5555``.
+    """
+    if not isinstance(address, str) or not _ENDPOINT.match(address):
+        raise ConfigError(
+            f"{address!r} is not a broker address: use tcp://HOST:PORT (like {DEFAULT_BROKER}) or ipc://PATH",
+            address=str(address),
+        )
+    return address
 
 
 @dataclass(frozen=True)

@@ -25,6 +25,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
+from broker.config import check_address
+from broker.errors import ConfigError
+
 log = logging.getLogger("conveyor.registry")
 
 
@@ -46,10 +49,13 @@ class RegistryWatch:
         try:
             with urllib.request.urlopen(f"{self.url}/nodes/{self.node}", timeout=5) as response:
                 entry = json.loads(response.read())
-            self.parent = str(entry.get("parent") or "")
+            parent = str(entry.get("parent") or "")
+            if parent:
+                check_address(parent)  # a typo in the registry must not reach the mirror's connect
+            self.parent = parent
             self.role = str(entry.get("role") or "")
             self.error = ""
-        except (OSError, ValueError) as exc:
+        except (OSError, ValueError, ConfigError) as exc:
             self.error = f"{type(exc).__name__}: {exc}"
             log.warning("registry %s unreadable: %s", self.url, self.error)
         return self.parent

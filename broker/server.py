@@ -174,7 +174,15 @@ class Broker:
         sock.setsockopt(zmq.SNDHWM, self.settings.sndhwm)
         sock.setsockopt(zmq.RCVHWM, self.settings.rcvhwm)
         sock.setsockopt(zmq.MAXMSGSIZE, self.settings.max_batch_bytes + 65536)
-        sock.bind(self.settings.bind)
+        try:
+            sock.bind(self.settings.bind)
+        except zmq.ZMQError as exc:
+            sock.close(linger=0)
+            raise ConfigError(
+                f"cannot bind {self.settings.bind}: {exc.strerror} (another broker there? "
+                "--bind takes tcp://HOST:PORT, port * for any free one)",
+                bind=self.settings.bind,
+            ) from None
         self.socket = sock
         self.endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self._setup_mirror()

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any
 
-from broker.config import Option, parse_bool
+from broker.config import Option, check_address, parse_bool
 
 MiB = 1 << 20
 
@@ -48,6 +48,10 @@ class BrokerSettings:
     registry: str = ""
     node: str = ""
     registry_poll_ms: int = 5000
+
+    def __post_init__(self) -> None:
+        if self.upstream:
+            check_address(self.upstream)
 
 
 HELP = {

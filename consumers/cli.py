@@ -49,6 +49,7 @@ def cmd_run(args: argparse.Namespace) -> int:
             flush=True,
         )
 
+    print(f"conveyor runner: {len(consumers)} consumer(s), connecting to {opts['broker']}", flush=True)
     code = runner.run(ready=ready)
     print("conveyor runner stopped cleanly", flush=True)
     return code

@@ -10,6 +10,7 @@ retries, dead letters), so the I/O thread settles in ranges, not messages.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import queue
 import threading
@@ -207,6 +208,11 @@ class AsyncLane:
 
     def close(self) -> None:
         self.loop.call_soon_threadsafe(self.queue.put_nowait, None)
+
+    def join(self, timeout: float) -> None:
+        """Wait for the task to end, so that stopping the loop does not leave it pending."""
+        with contextlib.suppress(Exception):
+            self.task.result(timeout)
 
     async def _run(self) -> None:
         while (item := await self.queue.get()) is not None:

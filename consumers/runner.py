@@ -144,17 +144,21 @@ class Runner:
     # --- the loop ---------------------------------------------------------------------------
 
     def run(self, *, install_signals: bool = True, ready: Callable[[Runner], None] | None = None) -> int:
+        """Run until stopped; ``ready`` is called once the broker has answered every subscription."""
         self._start()
         if install_signals:
             for sig in (signal.SIGTERM, signal.SIGINT):
                 signal.signal(sig, lambda *_: self.stop())
             signal.set_wakeup_fd(self._wake_w.fileno(), warn_on_full_buffer=False)
         self._running = True
-        if ready:
-            ready(self)
+        announced = ready is None
         try:
             while self._running and not self.stopping.is_set():
                 self._pass(self._poll_timeout())
+                if not announced and all(slot.subscription.subscribed for slot in self.slots):
+                    announced = True  # ready means subscribed: the broker answered every consumer
+                    assert ready is not None
+                    ready(self)
             self._drain()
         finally:
             if install_signals:
@@ -298,6 +302,10 @@ class Runner:
                 lane.close()
             slot.subscription.close()
         if self._loop is not None:
+            for slot in self.slots:
+                for lane in slot.lanes:
+                    if isinstance(lane, AsyncLane):
+                        lane.join(timeout=5)  # it has its None: it ends at once (the drain waited for work)
             self._loop.call_soon_threadsafe(self._loop.stop)
         if self.metrics_server:
             self.metrics_server.stop()

@@ -23,7 +23,7 @@ from typing import Any
 
 import zmq
 
-from broker.config import DEFAULT_BROKER
+from broker.config import DEFAULT_BROKER, check_address
 from broker.errors import ConveyorError
 from broker.protocol import Command, Frame, decode, encode, error_from_header
 from broker.ranges import to_ranges
@@ -103,6 +103,7 @@ class Subscription:
     # --- connection -----------------------------------------------------------------
 
     def _connect(self) -> None:
+        check_address(self.address)
         sock = self._ctx.socket(zmq.DEALER)
         secure_client(sock)
         sock.setsockopt(zmq.LINGER, 0)

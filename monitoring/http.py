@@ -14,6 +14,8 @@ from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
+from broker.errors import ConfigError
+
 HealthCheck = Callable[[], dict[str, Any]]
 SHUTDOWN_POLL_SECONDS = 0.1
 
@@ -54,7 +56,14 @@ def _report(health: HealthCheck) -> dict[str, Any]:
 
 class MetricsServer:
     def __init__(self, registry: CollectorRegistry, health: HealthCheck, *, host: str, port: int) -> None:
-        self.httpd = ThreadingHTTPServer((host, port), _handler(registry, health))
+        try:
+            self.httpd = ThreadingHTTPServer((host, port), _handler(registry, health))
+        except OSError as exc:  # the port is taken, most often: say so, not with a traceback
+            raise ConfigError(
+                f"cannot serve metrics on {host}:{port}: {exc.strerror} "
+                "(--metrics-port 0 for any free port, -1 for none)",
+                port=port,
+            ) from None
         self.httpd.daemon_threads = True
         self.port = self.httpd.server_address[1]
         self.thread = threading.Thread(target=self._serve, name="conveyor-metrics", daemon=True)

@@ -28,6 +28,7 @@ import msgpack
 import pyarrow as pa
 import zmq
 
+from broker.config import check_address
 from broker.errors import (
     BrokerUnavailable,
     ConveyorError,
@@ -124,7 +125,7 @@ class Connection:
         sock.setsockopt(zmq.SNDHWM, 1000)
         if not self.auto_reconnect:
             sock.setsockopt(zmq.RECONNECT_IVL, -1)
-        sock.connect(self.address)
+        sock.connect(check_address(self.address))
         return sock
 
     def reconnect(self) -> None:

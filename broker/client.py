@@ -582,7 +582,7 @@ class Admin:
                     self._reset_socket()
                     raise BrokerUnavailable(
                         f"no answer from {self.address} in time (is a broker running there? "
-                        "one that requires CURVE also needs --curve-server-key and --curve-key)"
+                        "one that requires CURVE answers only clients that have its public key)"
                     )
                 reply = decode(self._sock.recv_multipart())
                 if reply.get("rid") != rid:

@@ -10,6 +10,7 @@ only. Client commands take ``--broker ADDR``. A wrong argument is a
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import sys
@@ -18,7 +19,7 @@ from datetime import datetime
 from typing import Any
 
 from broker.config import DEFAULT_BROKER, Option, add_options, check_address, resolve
-from broker.errors import ConfigError, ConveyorError
+from broker.errors import ConfigError, ConveyorError, UnknownGroup
 from broker.settings import BrokerSettings, broker_options
 
 CLIENT_OPTIONS = [
@@ -317,8 +318,9 @@ def cmd_groups(args: argparse.Namespace) -> int:
                 result = admin.delete_group(args.topic, args.group)
             else:
                 if args.refresh:
-                    admin.refresh_topic(args.topic)  # the topic's groups restart at the parent's start
-                    result = admin.describe_group(args.topic, args.group)
+                    result = admin.refresh_topic(args.topic)  # the topic's groups restart at the parent's start
+                    with contextlib.suppress(UnknownGroup):  # no such group here yet: the refresh is the result
+                        result = admin.describe_group(args.topic, args.group)
                 elif not args.to:
                     raise ConfigError("groups reset needs --to earliest|latest|OFFSET|ISO-TIME, or --refresh")
                 else:

@@ -56,6 +56,7 @@ from monitoring.metrics import BrokerMetrics, NullMetrics, StateCollector
 log = logging.getLogger("conveyor.broker")
 
 READ_BURST = 4096  # messages read per pass before the group commit
+READ_ONLY_DLQ_RETRY_SECONDS = 30.0  # a mirrored dead-letter topic stays read-only until the group is reconfigured
 
 
 @dataclass(slots=True)
@@ -671,6 +672,20 @@ class Broker:
                 if built is None:
                     continue
                 name = dead_letter_topic(group.topic, group.settings.dead_letter_topic)
+                if name in self.store.logs and self.store.logs[name].config.read_only:
+                    # A mirror holds the parent's offsets: a local append would make it a different log.
+                    log.error(
+                        "dead-lettering %s/%s: %s is mirrored from the parent and read-only here; give the group a "
+                        "local dead-letter topic (dead_letter_topic, @retry_policy(dead_letter=...)). Redelivering "
+                        "in %.0f s instead",
+                        group.topic,
+                        group.name,
+                        name,
+                        READ_ONLY_DLQ_RETRY_SECONDS,
+                    )
+                    self.metrics.dead_letter_failures.labels(group.topic, group.name, "read_only_topic").inc(built[1])
+                    self._undead(group, dead, delay=READ_ONLY_DLQ_RETRY_SECONDS)
+                    continue
                 try:
                     target = self.store.get_or_create(name)
                     result = target.append(built[0], built[1])
@@ -678,6 +693,7 @@ class Broker:
                     log.error("dead-lettering %s/%s failed, redelivering instead: %s", group.topic, group.name, exc)
                     if name in self.store.logs:  # a sync inside the append may have cut it back
                         self._fail_confirms(exc, cut_from=self.store.logs[name])
+                    self.metrics.dead_letter_failures.labels(group.topic, group.name, "storage").inc(built[1])
                     self._undead(group, dead)
                     continue
                 self.dead_writes.append(DeadWrite(group, dead, target, result.base_offset + result.count))
@@ -685,10 +701,10 @@ class Broker:
                 self.metrics.dead_lettered_messages.labels(group.topic, group.name).inc(built[1])
             self.to_dispatch.add(group)
 
-    def _undead(self, group: Group, letter: DeadLetter) -> None:
+    def _undead(self, group: Group, letter: DeadLetter, *, delay: float = 1.0) -> None:
         """Dead letters that could not be stored are not settled: redeliver them (and dead-letter them again)."""
         if self.groups.get((group.topic, group.name)) is group:
-            group.pending.append(Pending(list(letter.ranges), letter.deliveries, self.clock() + 1.0, letter.reason))
+            group.pending.append(Pending(list(letter.ranges), letter.deliveries, self.clock() + delay, letter.reason))
             self.to_dispatch.add(group)
 
     # --- fetch ---------------------------------------------------------------------------

@@ -218,6 +218,12 @@ class BrokerMetrics:
         self.dead_lettered_messages = Counter(
             "conveyor_dead_lettered_messages", "Messages moved to a dead-letter topic", group, registry=registry
         )
+        self.dead_letter_failures = Counter(
+            "conveyor_dead_letter_failures",
+            "Dead letters that could not be stored and wait for redelivery, by reason (read_only_topic, storage)",
+            [*group, "reason"],
+            registry=registry,
+        )
         self.protocol_errors = Counter(
             "conveyor_protocol_errors",
             "Requests answered with ERROR, by stable code",

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 import threading
 import time
 import urllib.error
@@ -14,7 +16,7 @@ import pytest
 from broker.client import Admin, Producer
 from broker.errors import ReadOnlyTopic
 from consumers.session import Subscription
-from consumers.testing import BrokerProcess
+from consumers.testing import BrokerProcess, wait_for
 
 
 @pytest.fixture
@@ -177,3 +179,53 @@ def test_refresh_resets_consumers_and_announces_ready(chain):
     assert ("READY", 500) in events
     assert sorted(m.offset for m in again) == list(range(500))
     assert [m.value for m in sorted(again, key=lambda m: m.offset)] == list(range(500))
+
+
+def test_a_child_never_dead_letters_into_a_mirrored_topic(tmp_path):
+    """Dead letters of a group on a child whose dead-letter topic is a mirror are refused, counted and kept.
+
+    The mirror must stay the parent's log, offset for offset: a local append there
+    would shift everything the parent adds later.
+    """
+    root = BrokerProcess(tmp_path / "root").start()
+    child = BrokerProcess(tmp_path / "child", extra=["--upstream", root.address, "--mirror", "*"]).start()
+    try:
+        publish(root.address, "orders", ["bad order"])
+        publish(root.address, "orders.dlq", ["dead at the root"])
+        assert len(read_all(child.address, "orders.dlq", 1)) == 1, "the parent's dead-letter topic is mirrored"
+        sub = Subscription("orders", "billing", address=child.address, credit=10)
+        try:
+            got: list = []
+            assert wait_for(lambda: got.extend(sub.receive(timeout=0.2)) or got, timeout=20)
+            sub.term(got, reason="cannot bill")  # dead-letter it now
+            failures = 'reason="read_only_topic"'
+            assert wait_for(lambda: child.metric("conveyor_dead_letter_failures_total", failures) >= 1, timeout=10)
+            with Admin(child.address) as admin:
+                assert admin.describe_group("orders", "billing")["committed_offset"] == 0, "kept, not settled"
+        finally:
+            sub.close()
+        publish(root.address, "orders.dlq", ["dead at the root, later"])
+        at_root = read_all(root.address, "orders.dlq", 2)
+        assert read_all(child.address, "orders.dlq", 2) == at_root, "the mirror still holds the parent's log"
+        with Admin(child.address) as admin:
+            assert admin.describe_topic("orders.dlq")["end_offset"] == 2
+    finally:
+        child.stop()
+        root.stop()
+
+
+def test_groups_reset_refresh_on_a_child_without_that_group_succeeds(tmp_path):
+    """The refresh is what was asked for; a group that does not exist on the child yet is no failure."""
+    root = BrokerProcess(tmp_path / "root").start()
+    child = BrokerProcess(tmp_path / "child", extra=["--upstream", root.address, "--mirror", "*"]).start()
+    try:
+        publish(root.address, "orders", ["a", "b"])
+        assert len(read_all(child.address, "orders", 2)) == 2
+        cmd = [sys.executable, "-m", "broker", "groups", "reset", "orders", "nobody", "--refresh"]
+        result = subprocess.run([*cmd, "--broker", child.address], capture_output=True, text=True, timeout=60)
+        assert result.returncode == 0, result.stderr
+        assert "Traceback" not in result.stderr
+        assert read_all(child.address, "orders", 2) == read_all(root.address, "orders", 2), "mirrored again"
+    finally:
+        child.stop()
+        root.stop()

@@ -68,7 +68,7 @@ def describe_group(broker: Broker, topic: str, name: str) -> dict[str, Any]:
         "end_offset": log.end_offset,
         "lag": max(0, log.end_offset - committed),
         "in_flight": group.in_flight,
-        "pending_redelivery": sum(b - a for p in list(group.pending) for a, b in p.ranges),
+        "pending_redelivery": group.pending_messages,
         "members": [
             {"peer": m.peer.hex(), "sub": m.sub_id, "credit": m.credit, "in_flight": m.in_flight}
             for m in group.members + group.joining
@@ -186,8 +186,7 @@ def state_snapshot(broker: Broker) -> dict[str, Rows]:
         add("conveyor_group_lag_messages", labels, max(0, log.end_offset - committed))
         add("conveyor_group_lag_seconds", labels, _lag_seconds(log, committed, now_ms))
         add("conveyor_group_in_flight_messages", labels, group.in_flight)
-        pending = sum(b - a for p in list(group.pending) for a, b in p.ranges)
-        add("conveyor_group_pending_redelivery_messages", labels, pending)
+        add("conveyor_group_pending_redelivery_messages", labels, group.pending_messages)
         add("conveyor_group_credit_messages", labels, sum(m.credit for m in list(group.members)))
         add("conveyor_group_members", labels, len(group.members) + len(group.joining))
     add("conveyor_connected_clients", (), len(broker.peers))

@@ -34,7 +34,7 @@ def client_options(args: argparse.Namespace, command: str, options: list[Option]
     from broker import security
 
     opts = resolve(args, options or CLIENT_OPTIONS, command)
-    check_address(opts["broker"])
+    check_address(opts["broker"])  # the clients check it too; here it fails before `run` imports any handler
     if opts.get("curve_server_key") or opts.get("curve_key"):
         if not (opts.get("curve_server_key") and opts.get("curve_key")):
             raise ConfigError("CURVE needs both --curve-server-key and --curve-key")

@@ -16,7 +16,7 @@ from typing import Any
 
 import msgpack
 
-from broker.ranges import Range, intersect, normalize, subtract, to_ranges, window
+from broker.ranges import Range, count, intersect, normalize, subtract, to_ranges, window
 from broker.record import Batch, pack_records, unpack_records
 from broker.storage import TopicLog
 
@@ -71,7 +71,7 @@ class Chunk:
 
     @property
     def size(self) -> int:
-        return sum(end - start for start, end in self.ranges)
+        return count(self.ranges)
 
 
 @dataclass(slots=True)
@@ -240,15 +240,15 @@ class Group:
         taken = self._take(member, ranges)
         now = self.clock()
         for chunk_ranges, deliveries in taken:
-            count = deliveries - 1 if release else deliveries
-            self._requeue(chunk_ranges, count, now + delay_ms / 1000, error, member.key)
-        return sum(end - start for rs, _d in taken for start, end in rs)
+            counted = deliveries - 1 if release else deliveries
+            self._requeue(chunk_ranges, counted, now + delay_ms / 1000, error, member.key)
+        return sum(count(rs) for rs, _d in taken)
 
     def terminate(self, member: Member, ranges: list[Range], reason: str) -> int:
         taken = self._take(member, ranges)
         for chunk_ranges, deliveries in taken:
             self.dead.append(DeadLetter(chunk_ranges, deliveries, reason))
-        return sum(end - start for rs, _d in taken for start, end in rs)
+        return sum(count(rs) for rs, _d in taken)
 
     def renew(self, member: Member, ranges: list[Range]) -> int:
         """IN_PROGRESS: push the lease of the chunks holding these offsets."""
@@ -265,7 +265,7 @@ class Group:
             else:
                 chunk.deadline = deadline
                 heapq.heappush(self._leases, (deadline, chunk.id))
-            renewed += sum(b - a for a, b in picked)
+            renewed += count(picked)
         return renewed
 
     def undeliver(self, plan: Delivery) -> None:
@@ -344,6 +344,11 @@ class Group:
     @property
     def in_flight(self) -> int:
         return sum(m.in_flight for m in list(self.members))
+
+    @property
+    def pending_messages(self) -> int:
+        """Offsets waiting to be redelivered (nacked, expired, or dead letters that could not be stored)."""
+        return sum(count(p.ranges) for p in list(self.pending))
 
     def reset(self, offset: int) -> None:
         """Move the group; in-flight and pending work is forgotten."""

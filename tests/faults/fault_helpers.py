@@ -26,7 +26,7 @@ import tenacity
 from broker.client import Admin, Producer
 from broker.errors import ConveyorError
 from consumers.session import Subscription
-from consumers.testing import BrokerProcess, scrape_metric, wait_for
+from consumers.testing import BrokerProcess, wait_for
 
 REPORT = Path(os.environ.get("CONVEYOR_FAULT_REPORT", "/tmp/conveyor-fault-report.jsonl"))
 
@@ -79,11 +79,6 @@ def rss_bytes(pid: int) -> int:
         if line.startswith("VmRSS:"):
             return int(line.split()[1]) * 1024
     raise RuntimeError(f"no VmRSS for {pid}")
-
-
-def metric(url: str, name: str, labels: str = "") -> float:
-    """Sum of a Prometheus metric's samples whose labels contain ``labels``."""
-    return scrape_metric(url, name, labels)
 
 
 # --- the log and the oracle --------------------------------------------------------------

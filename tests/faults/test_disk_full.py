@@ -17,7 +17,7 @@ import urllib.request
 import msgpack
 import pytest
 import zmq
-from fault_helpers import consumers, drain_group, fetch_all, metric, report, wait_for
+from fault_helpers import consumers, drain_group, fetch_all, report, wait_for
 from test_io_errors import whole_batches_only
 
 from broker.client import Producer
@@ -108,7 +108,7 @@ def test_a_full_disk_refuses_publishes_clearly_harms_nothing_and_recovers(broker
     # and on the wire the answer is STORAGE_FULL, retriable
     reply = raw_publish(broker.address, seq=0)
     assert (reply["command"], reply["name"], reply["code"]) == ("ERROR", "STORAGE_FULL", 103)
-    assert metric(broker.metrics_url, "conveyor_protocol_errors_total", 'name="STORAGE_FULL"') >= 2
+    assert broker.metric("conveyor_protocol_errors_total", 'name="STORAGE_FULL"') >= 2
     health_url = broker.metrics_url.replace("/metrics", "/healthz")
     with contextlib.suppress(urllib.error.HTTPError):
         health = json.loads(urllib.request.urlopen(health_url, timeout=5).read())
@@ -140,7 +140,7 @@ def test_a_full_disk_refuses_publishes_clearly_harms_nothing_and_recovers(broker
     broker.start()
     stored = [v for _o, v in fetch_all(broker.address, TOPIC)]
     assert stored == [*values, *slack, *(f"after-{i}" for i in range(200)), b"x" * 100]
-    assert metric(broker.metrics_url, "conveyor_log_truncated_bytes_total") == 0
+    assert broker.metric("conveyor_log_truncated_bytes_total") == 0
     report(
         "disk-full",
         mode=mode,

@@ -11,7 +11,7 @@ import random
 import time
 
 import pytest
-from fault_helpers import consumers, drain_group, fetch_all, metric, report, wait_for
+from fault_helpers import consumers, drain_group, fetch_all, report, wait_for
 
 from broker.client import Admin, Producer
 from broker.errors import OffsetOutOfRange
@@ -67,7 +67,7 @@ def test_a_torn_tail_at_every_byte_of_the_last_batch_is_cut_and_nothing_before_i
             assert [v for _o, v in fetch_all(broker.address, topic)] == [f"a{i}" for i in range(10)] + [
                 f"b{i}" for i in range(10)
             ]
-            assert metric(broker.metrics_url, "conveyor_log_truncated_bytes_total", f'topic="{topic}"') == cut
+            assert broker.metric("conveyor_log_truncated_bytes_total", f'topic="{topic}"') == cut
             assert producer.send(topic, "again").result(timeout=10) == 20
     report("torn-tails", cut_points=len(cuts), header_bytes=HEADER_SIZE, last_batch_bytes=last_size)
 

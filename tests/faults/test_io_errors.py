@@ -19,7 +19,7 @@ import time
 import msgpack
 import pytest
 import zmq
-from fault_helpers import Load, fetch_all, judge, metric, report, wait_for
+from fault_helpers import Load, fetch_all, judge, report, wait_for
 from test_files import batches_of
 
 from broker.client import Admin, Producer
@@ -78,7 +78,7 @@ def finish(broker, load: Load, journal, name: str, *, power_cut: bool) -> dict:
     broker.restart(kill=True)
     stored = fetch_all(broker.address, TOPIC)
     verdict = judge(load.confirmed(), load.sent(), stored)
-    errors = metric(broker.metrics_url, "conveyor_log_truncated_bytes_total")
+    errors = broker.metric("conveyor_log_truncated_bytes_total")
     broker.stop()
     batches = whole_batches_only(broker.data_dir)
     numbers = {
@@ -101,7 +101,7 @@ def test_a_failed_fsync_is_never_confirmed_even_after_a_power_cut(brokers, tmp_p
         # When single fsyncs of the log fail now and then
         inject(control, "fsync_eio=1,match=.log", times=6, gap=0.3, load=load)
         # Then producers were told to retry, and got confirms again once fsync worked
-        assert metric(broker.metrics_url, "conveyor_protocol_errors_total", 'name="STORAGE_IO_ERROR"') >= 1
+        assert broker.metric("conveyor_protocol_errors_total", 'name="STORAGE_IO_ERROR"') >= 1
         before = load.confirmed_count
         assert wait_for(lambda: load.confirmed_count > before + 100, timeout=20)
         numbers = finish(broker, load, journal, "fsync-eio-then-power-cut", power_cut=True)

@@ -13,7 +13,7 @@ import json
 import time
 
 import pytest
-from fault_helpers import consumers, drain_group, metric, report, wait_for
+from fault_helpers import consumers, drain_group, report, wait_for
 from test_files import consume_all, publish_batches
 
 from broker.client import Admin
@@ -141,10 +141,10 @@ def test_a_failing_offsets_write_is_retried_until_it_works_logged_once_and_count
     publish_batches(broker.address, TOPIC, [[f"n{i}" for i in range(50)]])
     consume_all(broker, TOPIC, "g", 150)
     # Then the failed write is retried: counted each time, logged once for the whole streak
-    assert wait_for(lambda: metric(broker.metrics_url, ERRORS, f'topic="{TOPIC}"') >= 3, timeout=10)
+    assert wait_for(lambda: broker.metric(ERRORS, f'topic="{TOPIC}"') >= 3, timeout=10)
     time.sleep(1.0)
     assert committed_on_disk(broker) == 100
-    failures = metric(broker.metrics_url, ERRORS, f'topic="{TOPIC}"')
+    failures = broker.metric(ERRORS, f'topic="{TOPIC}"')
     injected = len(lines(broker, "injected write_eio"))
     assert injected <= 15, f"{injected} attempts: a busy loop, not a backoff"
     assert len(lines(broker, "cannot write offsets file")) == 1
@@ -152,18 +152,18 @@ def test_a_failing_offsets_write_is_retried_until_it_works_logged_once_and_count
     control.write_text("")
     assert wait_for(lambda: committed_on_disk(broker) == 150, timeout=10), "the failed write was dropped"
     assert wait_for(lambda: len(lines(broker, "written again after")) == 1)
-    settled = metric(broker.metrics_url, ERRORS, f'topic="{TOPIC}"')
+    settled = broker.metric(ERRORS, f'topic="{TOPIC}"')
     time.sleep(0.3)
-    assert metric(broker.metrics_url, ERRORS, f'topic="{TOPIC}"') == settled
+    assert broker.metric(ERRORS, f'topic="{TOPIC}"') == settled
     # And a later failure (the rename this time) is a new streak: logged again, retried again
     control.write_text("rename_eio,match=groups.json")
     publish_batches(broker.address, TOPIC, [[f"o{i}" for i in range(10)]])
     consume_all(broker, TOPIC, "g", 160)
-    assert wait_for(lambda: metric(broker.metrics_url, ERRORS, f'topic="{TOPIC}"') > settled, timeout=10)
+    assert wait_for(lambda: broker.metric(ERRORS, f'topic="{TOPIC}"') > settled, timeout=10)
     assert wait_for(lambda: len(lines(broker, "cannot write offsets file")) == 2)
     control.write_text("")
     assert wait_for(lambda: committed_on_disk(broker) == 160, timeout=10)
-    total = metric(broker.metrics_url, ERRORS, f'topic="{TOPIC}"')
+    total = broker.metric(ERRORS, f'topic="{TOPIC}"')
     # And after a crash the group resumes from what was finally written
     broker.restart(kill=True)
     with Admin(broker.address) as admin:

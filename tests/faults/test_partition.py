@@ -11,7 +11,7 @@ from __future__ import annotations
 import threading
 import time
 
-from fault_helpers import ConsumerThread, Proxy, drain_group, fetch_all, judge_group, metric, report, wait_for
+from fault_helpers import ConsumerThread, Proxy, drain_group, fetch_all, judge_group, report, wait_for
 
 from broker.client import Admin, Producer
 
@@ -83,6 +83,6 @@ def test_a_partitioned_consumer_is_evicted_its_messages_move_on_and_it_recovers(
         near_deliveries=len(near.deliveries),
         redelivered=members.duplicates,
         members_while_stalled=len(evicted["members"]),
-        redelivered_member_gone=metric(broker.metrics_url, "conveyor_redelivered_messages_total", "member_gone"),
+        redelivered_member_gone=broker.metric("conveyor_redelivered_messages_total", "member_gone"),
         proxy_connections=proxy.connections,
     )

@@ -22,7 +22,7 @@ import time
 
 import msgpack
 import pytest
-from fault_helpers import ConsumerThread, Load, fetch_all, judge, judge_group, metric, report, rss_bytes, wait_for
+from fault_helpers import ConsumerThread, Load, fetch_all, judge, judge_group, report, rss_bytes, wait_for
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_fuzz import messages as malformed_messages
@@ -116,7 +116,7 @@ def target(tmp_path_factory):
     load.__enter__()
     consumer.start()
     RSS.append(rss_bytes(broker.pid))
-    broker.errors_before = metric(broker.metrics_url, "conveyor_protocol_errors_total")  # type: ignore[attr-defined]
+    broker.errors_before = broker.metric("conveyor_protocol_errors_total")  # type: ignore[attr-defined]
     yield broker, load, consumer
     consumer.stop()
     load.stop()
@@ -284,7 +284,7 @@ def test_the_broker_counted_the_errors_and_the_bystanders_lost_nothing(target):
     verdict.assert_safe()
     assert wait_for(lambda: len({o for o, _v, _a in consumer.deliveries}) >= len(stored), timeout=20)
     assert not judge_group([consumer], stored).missing
-    counted = metric(broker.metrics_url, "conveyor_protocol_errors_total") - broker.errors_before
+    counted = broker.metric("conveyor_protocol_errors_total") - broker.errors_before
     alive(broker)
     peak = max(RSS)
     report(

@@ -26,7 +26,6 @@ from fault_helpers import (
     fetch_all,
     judge,
     judge_group,
-    metric,
     report,
     wait_for,
 )
@@ -61,7 +60,7 @@ def test_a_frozen_broker_stores_every_resent_batch_once(brokers):
     stored = fetch_all(broker.address, "frozen")
     verdict = judge(load.confirmed(), load.sent(), stored)
     members = judge_group(group, stored)
-    resent = metric(broker.metrics_url, "conveyor_duplicate_batches_total")
+    resent = broker.metric("conveyor_duplicate_batches_total")
     reconnects = sum(t.producer._io.reconnects for t in load.threads)
     report(
         "sigstop-broker",
@@ -153,7 +152,7 @@ def test_a_frozen_consumer_loses_its_messages_to_the_other_member(brokers):
         delivered_to_thread=len(other.deliveries),
         redelivered_after_freeze=len(redelivered),
         drained_after_s=round(evicted_after, 2),
-        redelivered_metric=metric(broker.metrics_url, "conveyor_redelivered_messages_total"),
+        redelivered_metric=broker.metric("conveyor_redelivered_messages_total"),
     )
 
 

@@ -92,6 +92,21 @@ class MetadataCorrupt(ValueError, LogError):
     __init__ = ConveyorError.__init__  # as for SegmentCorrupt: keyword fields
 
 
+class DataDirLocked(LogError):
+    """Another process holds the data directory's lock: two brokers on one directory lose data."""
+
+    code = 108
+    name = "DATA_DIR_LOCKED"
+
+
+class TooManyOpenFiles(LogError):
+    """The process ran out of file descriptors (EMFILE); retry once topics or connections close."""
+
+    code = 109
+    name = "TOO_MANY_OPEN_FILES"
+    retriable = True
+
+
 # --- protocol and requests --------------------------------------------------
 
 
@@ -163,6 +178,20 @@ class ReadOnlyTopic(ConveyorError):
     name = "READ_ONLY_TOPIC"
 
 
+class TopicLimit(ConveyorError):
+    """The broker holds as many topics as it is configured (or has descriptors) for."""
+
+    code = 305
+    name = "TOPIC_LIMIT"
+
+
+class GroupLimit(ConveyorError):
+    """The broker holds as many consumer groups as it is configured for."""
+
+    code = 306
+    name = "GROUP_LIMIT"
+
+
 class BrokerUnavailable(ConveyorError):
     """No answer from the broker in time; safe to retry with idempotence."""
 
@@ -188,6 +217,21 @@ class BufferFull(ConveyorError):
 class ShuttingDown(ConveyorError):
     code = 402
     name = "SHUTTING_DOWN"
+    retriable = True
+
+
+class AuthFailed(ConveyorError):
+    """The broker refused the client's CURVE handshake (unknown or mismatched key)."""
+
+    code = 404
+    name = "AUTH_FAILED"
+
+
+class RateLimited(ConveyorError):
+    """A rate limit refused the request; ``retry_after_ms`` says when to try again."""
+
+    code = 405
+    name = "RATE_LIMITED"
     retriable = True
 
 

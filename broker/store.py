@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from broker import fsio
+from broker.datadir_lock import DataDirLock
 from broker.errors import (
     ConfigError,
     ConveyorError,
@@ -217,9 +218,17 @@ class Store:
         # Topics whose groups.json was quarantined at this start: any group created there may be an old one.
         self.groups_quarantined: set[str] = set()
         self._offsets_write_errors = offsets_write_errors
-        with storage_errors(str(self.topics_dir)):
-            make_dirs(self.topics_dir)
-        self._open_topics()
+        # Before anything is read or recovered: a second process on this directory would cut our tail.
+        self.lock = DataDirLock(self.data_dir)
+        try:
+            with storage_errors(str(self.topics_dir)):
+                make_dirs(self.topics_dir)
+            self._open_topics()
+        except BaseException:
+            for topic_log in self.logs.values():
+                topic_log.close()
+            self.lock.release()
+            raise
         self._offsets = OffsetWriter(on_error=self._count_offsets_error)
 
     def _open_topics(self) -> None:
@@ -380,9 +389,12 @@ class Store:
         try:
             self.sync(force=True)
         finally:
-            self._offsets.close()
-        for topic_log in self.logs.values():
-            topic_log.close()
+            try:
+                self._offsets.close()
+                for topic_log in self.logs.values():
+                    topic_log.close()
+            finally:
+                self.lock.release()
 
 
 GROUP_FIELDS: dict[str, type] = {

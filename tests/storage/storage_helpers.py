@@ -10,6 +10,7 @@ from pathlib import Path
 from broker.filelog import FileLog
 from broker.record import HEADER_SIZE, pack_records
 from broker.storage import FsyncPolicy, TopicConfig, TopicLog
+from broker.store import Store
 
 
 class FakeClock:
@@ -130,3 +131,12 @@ def crash(log: FileLog) -> None:
         if segment._fd >= 0:
             os.close(segment._fd)
             segment._fd = -1
+
+
+def crash_store(store: Store) -> None:
+    """Drop a Store like a dying process would: staged offsets unwritten, files and the data-dir lock let go."""
+    store._offsets.close()  # gives up whatever is still pending
+    for topic_log in store.logs.values():
+        if isinstance(topic_log, FileLog):
+            crash(topic_log)
+    store.lock.release()

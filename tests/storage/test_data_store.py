@@ -7,7 +7,7 @@ import os
 import random
 
 import pytest
-from storage_helpers import random_body
+from storage_helpers import crash_store, random_body
 
 from broker import fsutil
 from broker.errors import InvalidName, StorageIOError, TopicExists, UnknownTopic
@@ -72,9 +72,11 @@ def test_delete_topic_removes_its_files_and_groups(data_dir):
     assert not (data_dir / "topics" / "t").exists()
     with pytest.raises(UnknownTopic):
         store.topic("t")
-    assert Store(data_dir).logs == {}
-    fresh = store.create_topic("t")
-    assert (fresh.end_offset, store.group("t", "g")) == (0, None)
+    crash_store(store)
+    reopened = Store(data_dir)
+    assert reopened.logs == {}
+    fresh = reopened.create_topic("t")
+    assert (fresh.end_offset, reopened.group("t", "g")) == (0, None)
 
 
 def test_unknown_topic(data_dir):
@@ -101,6 +103,7 @@ def test_group_offsets_persist_across_reopen(data_dir):
     store.commit_offsets({("t", "g1"): 10, ("t", "g2"): 3})
     store.save_group("t", "g3", {"committed_offset": 7, "max_deliveries": 5})
     store.sync()
+    crash_store(store)
 
     reopened = Store(data_dir)
 
@@ -115,6 +118,7 @@ def test_group_offsets_not_synced_are_not_on_disk(data_dir):
     store.commit_offsets({("t", "g"): 10})
     store.sync()
     store.commit_offsets({("t", "g"): 20})  # staged, never synced: a crash now keeps 10
+    crash_store(store)
 
     assert Store(data_dir).group("t", "g") == {"committed_offset": 10}
 
@@ -126,6 +130,7 @@ def test_deleted_group_is_gone_after_reopen(data_dir):
     store.sync()
     store.delete_group("t", "g")
     store.sync()
+    crash_store(store)
     assert Store(data_dir).group("t", "g") is None
 
 
@@ -149,6 +154,7 @@ def test_group_write_is_atomic_when_the_rename_fails(data_dir, monkeypatch):
     monkeypatch.undo()
     # Then the old file is intact and a reopen sees the old offset
     assert groups.read_bytes() == before
+    crash_store(store)
     assert Store(data_dir).group("t", "g") == {"committed_offset": 10}
 
 
@@ -158,6 +164,7 @@ def test_a_leftover_temp_file_does_not_matter(data_dir):
     store.commit_offsets({("t", "g"): 4})
     store.sync()
     (data_dir / "topics" / "t" / f".{GROUPS_FILE}.tmp").write_bytes(b'{"g": {"committed_off')
+    crash_store(store)
 
     assert Store(data_dir).group("t", "g") == {"committed_offset": 4}
 

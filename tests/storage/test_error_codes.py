@@ -24,6 +24,8 @@ RETRIABLE = {
     "RequestTimeout",
     "ShuttingDown",
     "BufferFull",
+    "TooManyOpenFiles",
+    "RateLimited",
 }
 
 

@@ -36,6 +36,11 @@ class GroupSettings:
             "key_affinity": self.key_affinity,
         }
 
+    def changes(self, other: GroupSettings) -> dict[str, tuple[Any, Any]]:
+        """Each setting ``other`` has another value for: name -> (this value, other's)."""
+        mine, theirs = self.to_dict(), other.to_dict()
+        return {k: (mine[k], theirs[k]) for k in mine if mine[k] != theirs[k]}
+
 
 @dataclass(eq=False, slots=True)
 class Member:
@@ -190,6 +195,10 @@ class Group:
         self._leases: list[tuple[float, int]] = []
         self._rr = 0
         self.dead: list[DeadLetter] = []
+
+    def apply_settings(self, settings: GroupSettings) -> None:
+        """New settings from a newer subscription: leases and deliveries from now on follow them."""
+        self.settings = settings
 
     # --- membership --------------------------------------------------------------
 

@@ -516,7 +516,11 @@ class Broker:
         batch_size = max(1, min(hfield(frame, "batch_size", int, credit), credit))
         if topic not in self.store.logs:
             self._topic_for_write(topic)  # subscribing first is normal: create it
-        group = self.groups.get((topic, name)) or self._create_group(topic, name, frame)
+        group = self.groups.get((topic, name))
+        if group is None:
+            group = self._create_group(topic, name, frame)
+        else:
+            self._apply_settings(group, self._subscription_settings(frame, group.settings))
         known = self.peers[peer]
         if sub_id in known.members:
             raise InvalidRequest(f"subscription {sub_id} already exists on this connection", field="sub")
@@ -562,18 +566,48 @@ class Broker:
                 topic,
             )
             start = "earliest"
-        state = {
-            "committed_offset": admin_ops.resolve_position(log_, start),
-            "max_deliveries": hfield(frame, "max_deliveries", int, self.settings.max_deliveries),
-            "ack_timeout_ms": hfield(frame, "ack_timeout_ms", int, self.settings.ack_timeout_ms),
-            "dead_letter_topic": hfield(frame, "dead_letter_topic", str, ""),
-            "key_affinity": hfield(frame, "key_affinity", bool, False),
-        }
-        if state["dead_letter_topic"]:
-            check_name(state["dead_letter_topic"])
+        defaults = GroupSettings(
+            max_deliveries=self.settings.max_deliveries, ack_timeout_ms=self.settings.ack_timeout_ms
+        )
+        settings = self._subscription_settings(frame, defaults)
+        state = {"committed_offset": admin_ops.resolve_position(log_, start), **settings.to_dict()}
         group = self._make_group(topic, name, state)
         self.store.save_group(topic, name, {**group.settings.to_dict(), "committed_offset": group.next_offset})
         return group
+
+    def _subscription_settings(self, frame: Frame, current: GroupSettings) -> GroupSettings:
+        """The group settings a SUBSCRIBE asks for; a field it leaves out keeps ``current``."""
+        settings = GroupSettings(
+            max_deliveries=hfield(frame, "max_deliveries", int, current.max_deliveries),
+            ack_timeout_ms=hfield(frame, "ack_timeout_ms", int, current.ack_timeout_ms),
+            dead_letter_topic=hfield(frame, "dead_letter_topic", str, current.dead_letter_topic),
+            key_affinity=hfield(frame, "key_affinity", bool, current.key_affinity),
+        )
+        if settings.max_deliveries < 1:
+            raise InvalidRequest("max_deliveries must be at least 1", field="max_deliveries")
+        if settings.ack_timeout_ms < 1:
+            raise InvalidRequest("ack_timeout_ms must be at least 1", field="ack_timeout_ms")
+        if settings.dead_letter_topic:
+            check_name(settings.dead_letter_topic)
+        return settings
+
+    def _apply_settings(self, group: Group, settings: GroupSettings) -> None:
+        """The newest subscription's settings are the group's (what a redeploy expects): apply, log, store."""
+        changes = group.settings.changes(settings)
+        if not changes:
+            return
+        log.warning(
+            "group %s/%s: settings changed by a new subscription: %s",
+            group.topic,
+            group.name,
+            ", ".join(f"{k} {old!r} -> {new!r}" for k, (old, new) in changes.items()),
+        )
+        group.apply_settings(settings)
+        state = self.store.group(group.topic, group.name) or {}
+        committed = state.get("committed_offset", group.committed_offset)
+        self.store.save_group(group.topic, group.name, {**state, **settings.to_dict(), "committed_offset": committed})
+        self.metrics.group_settings_changes.labels(group.topic, group.name).inc()
+        self.to_dispatch.add(group)
 
     def _member(self, peer: bytes, frame: Frame) -> tuple[Group, Member]:
         sub_id = hfield(frame, "sub", int)

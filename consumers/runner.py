@@ -102,7 +102,8 @@ class Runner:
     def _slot(self, consumer: Consumer) -> Slot:
         lanes_n = self.concurrency or consumer.concurrency
         policy = consumer.policy
-        dead_letter = policy.dead_letter if isinstance(policy.dead_letter, str) else None
+        # "" asks for the default dead-letter topic: a redeploy without one undoes an earlier custom one.
+        dead_letter = policy.dead_letter if isinstance(policy.dead_letter, str) else ""
         subscription = Subscription(
             consumer.topic,
             consumer.group,

@@ -42,10 +42,7 @@ class Consumer:
         self.is_async = inspect.iscoroutinefunction(self.fn)
         if not isinstance(self.ack_policy, AckPolicy):
             self.ack_policy = AckPolicy(self.ack_policy)
-        if self.concurrency < 1:
-            raise TypeError("concurrency must be at least 1")
-        if self.batch_size < 1:
-            raise TypeError("batch_size must be at least 1")
+        _check_options(self)
         self.__name__ = getattr(self.fn, "__name__", "consumer")
         self.__doc__ = getattr(self.fn, "__doc__", None)
 
@@ -79,6 +76,21 @@ class Consumer:
             "credit": self.credit,
             "retry": self.policy.describe(),
         }
+
+
+def _check_options(c: Consumer) -> None:
+    """Refuse at declaration what the runner or the broker could not honour."""
+    for name in ("batch", "key_ordered"):
+        if not isinstance(getattr(c, name), bool):
+            raise TypeError(f"{name} takes True or False, not {getattr(c, name)!r}")
+    for name, low in (("concurrency", 1), ("batch_size", 1), ("prefetch", 0), ("ack_timeout_ms", 1)):
+        value = getattr(c, name)
+        if not isinstance(value, int) or isinstance(value, bool) or value < low:
+            raise TypeError(f"{name} must be an int of at least {low}, not {value!r}")
+    if c.ack_timeout_ms > 2**31 - 1:
+        raise TypeError(f"ack_timeout_ms must be at most {2**31 - 1}, not {c.ack_timeout_ms}")
+    if c.retry is not None and not isinstance(c.retry, RetryPolicy):
+        raise TypeError("retry takes a RetryPolicy (use @retry_policy)")
 
 
 DEFAULT_RETRY = RetryPolicy()

@@ -9,6 +9,7 @@ a TERM into the dead-letter topic. Nothing sleeps while holding a lease.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -17,6 +18,10 @@ import tenacity
 
 BACKOFFS = ("exponential", "fixed", "linear")
 F = TypeVar("F")
+
+# The broker's bound for a policy whose stop counts no attempts (stop_after_delay, stop_never, a
+# function): the policy decides, and the bound only ends a message that kills every runner it meets.
+UNBOUNDED_DELIVERIES = 1_000_000
 
 
 def default_retriable(exc: BaseException) -> bool:
@@ -50,8 +55,22 @@ class RetryPolicy:
     def __post_init__(self) -> None:
         if self.backoff not in BACKOFFS:
             raise TypeError(f"backoff must be one of {', '.join(BACKOFFS)}, not {self.backoff!r}")
-        if self.max_attempts < 1:
-            raise TypeError("max_attempts must be at least 1")
+        if not _is_int(self.max_attempts) or self.max_attempts < 1:
+            raise TypeError(f"max_attempts must be an int of at least 1, not {self.max_attempts!r}")
+        for name in ("initial_delay", "max_delay", "multiplier", "jitter"):
+            value = getattr(self, name)
+            if not _is_number(value) or value < 0:
+                raise TypeError(f"{name} must be a number of at least 0, not {value!r}")
+        if self.multiplier < 1:
+            raise TypeError(f"multiplier must be at least 1 (a backoff that shrinks), not {self.multiplier!r}")
+        if self.max_delay < self.initial_delay:
+            raise TypeError(f"max_delay ({self.max_delay}) is below initial_delay ({self.initial_delay})")
+        for name in ("stop", "wait", "retry"):
+            value = getattr(self, name)
+            if value is not None and not callable(value):
+                raise TypeError(f"{name} takes a tenacity strategy (a callable), not {value!r}")
+        if not (self.dead_letter is None or isinstance(self.dead_letter, bool | str)):
+            raise TypeError(f"dead_letter takes a topic name, True or False, not {self.dead_letter!r}")
         self.retry_on = _types(self.retry_on, "retry_on")
         self.give_up_on = _types(self.give_up_on, "give_up_on")
         self._built = (
@@ -80,21 +99,35 @@ class RetryPolicy:
             return isinstance(exc, self.retry_on)
         return default_retriable(exc)
 
-    def decide(self, exc: BaseException, attempt: int) -> Decision:
-        """What to do after ``attempt`` (1-based, the broker's count) failed with ``exc``."""
+    def decide(self, exc: BaseException, attempt: int, *, first_delivered: float | None = None) -> Decision:
+        """What to do after ``attempt`` (1-based, the broker's count) failed with ``exc``.
+
+        ``first_delivered``: when the broker first delivered the message (seconds since
+        the epoch), so that time-based stops measure from there, across runners.
+        """
         stop, wait, retry = self._built
-        state = _state(exc, attempt)
+        state = _state(exc, attempt, first_delivered)
         reason = describe(exc)
         if not retry(state):
             return Decision(False, reason=f"not retriable: {reason}")
+        # ``max_delay`` caps the built-in backoffs (in ``_wait``); a ``wait`` of the user's is taken as given.
+        delay = max(0.0, float(wait(state)))
+        state.upcoming_sleep = delay  # as tenacity sets it before asking stop (stop_before_delay reads it)
         if stop(state):
             return Decision(False, reason=f"gave up after {attempt} attempts: {reason}")
-        return Decision(True, delay=min(float(wait(state)), self.max_delay), reason=reason)
+        return Decision(True, delay=delay, reason=reason)
 
     @property
-    def attempts_limit(self) -> int | None:
-        """The broker-side safety net for this policy, when it is a plain count."""
-        return self.max_attempts if self.stop is None else None
+    def attempts_limit(self) -> int:
+        """The delivery limit the broker enforces for this policy: the policy's own count.
+
+        ``stop_after_attempt(n)`` gives n; ``a | b`` the smaller of the counts it holds,
+        ``a & b`` the larger when both count. A stop that counts no attempts
+        (``stop_after_delay``) gives ``UNBOUNDED_DELIVERIES``: the policy decides.
+        """
+        if self.stop is None:
+            return self.max_attempts
+        return attempt_limit(self.stop) or UNBOUNDED_DELIVERIES
 
     def describe(self) -> dict[str, Any]:
         """The policy as data, for the CLI and logs."""
@@ -109,6 +142,28 @@ class RetryPolicy:
         }
 
 
+def attempt_limit(stop: Any) -> int | None:
+    """The most attempts a tenacity stop allows, or None when it does not count attempts."""
+    if isinstance(stop, tenacity.stop_after_attempt):
+        return int(stop.max_attempt_number)
+    if isinstance(stop, tenacity.stop_any):  # stops at the first of its stops: the smallest count
+        counts = [c for c in map(attempt_limit, stop.stops) if c is not None]
+        return min(counts) if counts else None
+    if isinstance(stop, tenacity.stop_all):  # stops once all agree: only bounded when each counts
+        all_counts = [attempt_limit(s) for s in stop.stops]
+        counted = [c for c in all_counts if c is not None]
+        return max(counted) if counted and len(counted) == len(all_counts) else None
+    return None
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
 def _types(value: Any, name: str) -> tuple[type[BaseException], ...]:
     items = value if isinstance(value, tuple | list) else (value,)
     for item in items:
@@ -117,9 +172,11 @@ def _types(value: Any, name: str) -> tuple[type[BaseException], ...]:
     return tuple(items)
 
 
-def _state(exc: BaseException, attempt: int) -> tenacity.RetryCallState:
+def _state(exc: BaseException, attempt: int, first_delivered: float | None = None) -> tenacity.RetryCallState:
     state = tenacity.RetryCallState(retry_object=None, fn=None, args=(), kwargs={})  # type: ignore[arg-type]
     state.attempt_number = attempt
+    if first_delivered:  # tenacity measures on the monotonic clock: place the first delivery on it
+        state.start_time = time.monotonic() - max(0.0, time.time() - first_delivered)
     state.set_exception((type(exc), exc, exc.__traceback__))
     return state
 
@@ -139,6 +196,15 @@ def retry_policy(**options: Any) -> Callable[[F], F]:
         raise TypeError(
             f"unknown retry_policy option(s): {', '.join(sorted(unknown))}; known: {', '.join(sorted(RETRY_OPTIONS))}"
         )
+    if "max_attempts" in options and options.get("stop") is not None:
+        raise TypeError(
+            "retry_policy takes max_attempts or stop, not both (stop=stop_after_attempt(n) is max_attempts)"
+        )
+    if "max_delay" in options and options.get("wait") is not None:
+        raise TypeError("max_delay caps the built-in backoffs; with your own wait, cap it there (wait_*(max=...))")
+    for name in ("backoff", "initial_delay", "multiplier"):
+        if name in options and options.get("wait") is not None:
+            raise TypeError(f"{name} shapes the built-in backoffs and is unused with wait=; pass one or the other")
     policy = RetryPolicy(**options)
 
     def attach(target: F) -> F:

@@ -224,6 +224,12 @@ class BrokerMetrics:
             [*group, "reason"],
             registry=registry,
         )
+        self.group_settings_changes = Counter(
+            "conveyor_group_settings_changes",
+            "Times a newer subscription changed a group's settings (max_deliveries, ack_timeout_ms, ...)",
+            group,
+            registry=registry,
+        )
         self.protocol_errors = Counter(
             "conveyor_protocol_errors",
             "Requests answered with ERROR, by stable code",

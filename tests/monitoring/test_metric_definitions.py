@@ -44,6 +44,7 @@ BROKER: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "redelivered_messages": ("conveyor_redelivered_messages", "counter", (*GROUP, "reason")),
     "dead_lettered_messages": ("conveyor_dead_lettered_messages", "counter", GROUP),
     "dead_letter_failures": ("conveyor_dead_letter_failures", "counter", (*GROUP, "reason")),
+    "group_settings_changes": ("conveyor_group_settings_changes", "counter", GROUP),
     "protocol_errors": ("conveyor_protocol_errors", "counter", ("code", "name")),
     "router_send_errors": ("conveyor_router_send_errors", "counter", ("error",)),
     "truncated_bytes": ("conveyor_log_truncated_bytes", "counter", TOPIC),

@@ -1,0 +1,84 @@
+"""What @consumer and @retry_policy refuse when a consumer is declared, and what the policy tells the broker."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import tenacity
+
+from decorators import consumer, retry_policy
+from decorators.retry import UNBOUNDED_DELIVERIES, RetryPolicy
+
+
+def handler(message):
+    return None
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"prefetch": -1},
+        {"concurrency": 0},
+        {"batch_size": 0},
+        {"batch": "yes"},
+        {"key_ordered": 1},
+        {"ack_timeout_ms": 0},
+        {"ack_timeout_ms": 2**31},
+        {"concurrency": 2.5},
+    ],
+)
+def test_impossible_consumer_options_are_refused_when_declared(options):
+    with pytest.raises(TypeError):
+        consumer("t", **options)(handler)
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"jitter": -1},
+        {"initial_delay": -0.1},
+        {"multiplier": 0.5},
+        {"max_attempts": 0},
+        {"max_attempts": True},
+        {"max_delay": 1, "initial_delay": 2},
+        {"max_attempts": 3, "stop": tenacity.stop_after_attempt(3)},
+        {"max_delay": 5, "wait": tenacity.wait_fixed(1)},
+        {"backoff": "fixed", "wait": tenacity.wait_fixed(1)},
+        {"stop": 3},
+        {"dead_letter": 7},
+    ],
+)
+def test_impossible_retry_settings_are_refused_when_declared(options):
+    with pytest.raises(TypeError):
+        retry_policy(**options)
+
+
+@pytest.mark.parametrize(
+    ("stop", "limit"),
+    [
+        (None, 5),
+        (tenacity.stop_after_attempt(15), 15),
+        (tenacity.stop_after_attempt(15) | tenacity.stop_after_attempt(4), 4),
+        (tenacity.stop_after_attempt(7) | tenacity.stop_after_delay(60), 7),
+        (tenacity.stop_after_attempt(3) & tenacity.stop_after_attempt(9), 9),
+        (tenacity.stop_after_attempt(3) & tenacity.stop_after_delay(60), UNBOUNDED_DELIVERIES),
+        (tenacity.stop_after_delay(60), UNBOUNDED_DELIVERIES),
+        (tenacity.stop_never, UNBOUNDED_DELIVERIES),
+    ],
+)
+def test_the_policy_tells_the_broker_its_delivery_limit(stop, limit):
+    assert RetryPolicy(stop=stop).attempts_limit == limit
+
+
+def test_max_delay_caps_only_the_built_in_backoffs():
+    own = RetryPolicy(wait=tenacity.wait_fixed(120))
+    assert own.decide(RuntimeError("x"), 1).delay == 120
+    built = RetryPolicy(initial_delay=10, multiplier=4, max_delay=30)
+    assert built.decide(RuntimeError("x"), 3).delay == 30
+
+
+def test_stop_after_delay_measures_from_the_first_delivery():
+    policy = RetryPolicy(stop=tenacity.stop_after_delay(5), wait=tenacity.wait_fixed(0))
+    assert policy.decide(RuntimeError("x"), 2, first_delivered=time.time() - 1).retry
+    assert not policy.decide(RuntimeError("x"), 2, first_delivered=time.time() - 6).retry

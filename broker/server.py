@@ -26,6 +26,7 @@ import zmq
 from prometheus_client import CollectorRegistry
 
 from broker import admin_ops
+from broker.containment import Containment
 from broker.deadletter import dead_letter_body, dead_letter_topic
 from broker.errors import (
     ConfigError,
@@ -42,6 +43,7 @@ from broker.mirror import STATUS_CODES, Mirror, MirrorSettings
 from broker.protocol import Command, Frame, decode, encode, error_header
 from broker.protocol import field as hfield
 from broker.protocol import ranges as hranges
+from broker.ranges import count as count_offsets
 from broker.record import NO_PRODUCER, validate_body
 from broker.registry import RegistryWatch
 from broker.security import ServerSecurity
@@ -56,7 +58,11 @@ from monitoring.metrics import BrokerMetrics, NullMetrics, StateCollector
 log = logging.getLogger("conveyor.broker")
 
 READ_BURST = 4096  # messages read per pass before the group commit
-READ_ONLY_DLQ_RETRY_SECONDS = 30.0  # a mirrored dead-letter topic stays read-only until the group is reconfigured
+# A dead letter that cannot be stored for a reason time will not fix (a mirrored, read-only dead-letter
+# topic, an invalid name, a bug) is kept unsettled and tried again this slowly: never dropped, never
+# retried every second.
+DEAD_LETTER_RETRY_SECONDS = 30.0
+DISPATCH_RETRY_SECONDS = (1.0, 30.0)  # first and longest wait before a group whose dispatch raised is tried again
 
 
 @dataclass(slots=True)
@@ -101,6 +107,7 @@ class Broker:
         self.clock: Callable[[], float] = time.monotonic
         self.registry = registry or CollectorRegistry(auto_describe=True)
         self.metrics: Any = BrokerMetrics(self.registry) if settings.metrics else NullMetrics()
+        self.containment = Containment(self.metrics.internal_errors, clock=self.clock)
         if settings.metrics:
             self.registry.register(StateCollector(self._state_snapshot))
         self.store: Store = Store(
@@ -121,6 +128,7 @@ class Broker:
         self.fetch_waits: dict[str, list[FetchWait]] = defaultdict(list)
         self.appended: set[str] = set()
         self.to_dispatch: set[Group] = set()
+        self.dispatch_retries: dict[Group, tuple[float, float]] = {}  # group -> (due, backoff)
         self.running = False
         self.endpoint = ""
         self.metrics_server: MetricsServer | None = None
@@ -254,7 +262,8 @@ class Broker:
                 if wake_r.fileno() in events:
                     drain(wake_r)
                 if self.mirror is not None:
-                    self._mirror_pass(events)
+                    with self.containment.guard("mirror"):
+                        self._mirror_pass(events)
                 self._after_reads()
                 self.metrics.loop_seconds.observe(time.perf_counter() - started)
         finally:
@@ -285,7 +294,8 @@ class Broker:
         self._handle_dead_letters()
         # self.confirms: a pass that only answered resent (duplicate) batches still owes their confirms.
         if self.appended or self.confirms or self.store.next_sync_due() is not None:
-            self._group_commit()
+            with self.containment.guard("group_commit"):
+                self._group_commit()
         self._dispatch()
 
     def _mirror_pass(self, events: dict[Any, int]) -> None:
@@ -357,8 +367,15 @@ class Broker:
         except ConveyorError as exc:
             self._reply_error(peer, exc, rid)
         except Exception as exc:  # the broker never dies of a client's bytes
-            log.exception("internal error handling a request from %s", peer.hex())
-            self._reply_error(peer, ConveyorError(f"internal error: {type(exc).__name__}"), rid)
+            self.containment.record("request", exc, {"peer": peer.hex(), "command": self._command_name(body)})
+            with self.containment.guard("request"):
+                self._reply_error(peer, ConveyorError(f"internal error: {type(exc).__name__}"), rid)
+
+    @staticmethod
+    def _command_name(body: list[bytes]) -> str:
+        with contextlib.suppress(Exception):
+            return Command(body[1][0]).name
+        return "?"
 
     def _touch(self, identity: bytes) -> Peer:
         peer = self.peers.get(identity)
@@ -668,10 +685,24 @@ class Broker:
         groups, self.to_dispatch = self.to_dispatch, set()
         for group in groups:
             log_ = self.store.logs.get(group.topic)
-            if log_ is None or (group.topic, group.name) not in self.groups:
+            if log_ is None or self.groups.get((group.topic, group.name)) is not group:
+                self.dispatch_retries.pop(group, None)
                 continue
-            for plan in group.dispatch(log_):
-                self._deliver(group, plan)
+            try:
+                for plan in group.dispatch(log_):
+                    self._deliver(group, plan)
+            except Exception as exc:  # contained to this group, which is tried again later
+                self.containment.record("dispatch", exc, {"topic": group.topic, "group": group.name})
+                self._retry_dispatch_later(group)
+            else:
+                if self.dispatch_retries:
+                    self.dispatch_retries.pop(group, None)
+
+    def _retry_dispatch_later(self, group: Group) -> None:
+        """A group whose dispatch raised is dispatched again after 1 s, doubling to 30 s while it fails."""
+        _due, backoff = self.dispatch_retries.get(group, (0.0, DISPATCH_RETRY_SECONDS[0] / 2))
+        backoff = min(backoff * 2, DISPATCH_RETRY_SECONDS[1])
+        self.dispatch_retries[group] = (self.clock() + backoff, backoff)
 
     def _deliver(self, group: Group, plan: Delivery) -> None:
         if plan.member.peer not in self.peers:
@@ -700,40 +731,58 @@ class Broker:
             for dead in group.take_dead():
                 if source is None:
                     continue
-                built = dead_letter_body(
-                    source, dead.ranges, group=group.name, deliveries=dead.deliveries, reason=dead.reason
-                )
-                if built is None:
-                    continue
-                name = dead_letter_topic(group.topic, group.settings.dead_letter_topic)
-                if name in self.store.logs and self.store.logs[name].config.read_only:
-                    # A mirror holds the parent's offsets: a local append would make it a different log.
-                    log.error(
-                        "dead-lettering %s/%s: %s is mirrored from the parent and read-only here; give the group a "
-                        "local dead-letter topic (dead_letter_topic, @retry_policy(dead_letter=...)). Redelivering "
-                        "in %.0f s instead",
-                        group.topic,
-                        group.name,
-                        name,
-                        READ_ONLY_DLQ_RETRY_SECONDS,
-                    )
-                    self.metrics.dead_letter_failures.labels(group.topic, group.name, "read_only_topic").inc(built[1])
-                    self._undead(group, dead, delay=READ_ONLY_DLQ_RETRY_SECONDS)
-                    continue
                 try:
-                    target = self.store.get_or_create(name)
-                    result = target.append(built[0], built[1])
-                except ConveyorError as exc:
-                    log.error("dead-lettering %s/%s failed, redelivering instead: %s", group.topic, group.name, exc)
-                    if name in self.store.logs:  # a sync inside the append may have cut it back
-                        self._fail_confirms(exc, cut_from=self.store.logs[name])
-                    self.metrics.dead_letter_failures.labels(group.topic, group.name, "storage").inc(built[1])
-                    self._undead(group, dead)
-                    continue
-                self.dead_writes.append(DeadWrite(group, dead, target, result.base_offset + result.count))
-                self.appended.add(target.name)
-                self.metrics.dead_lettered_messages.labels(group.topic, group.name).inc(built[1])
+                    self._dead_letter(group, source, dead)
+                except Exception as exc:  # never lost: kept unsettled and tried again, slowly
+                    context = {"topic": group.topic, "group": group.name, "ranges": dead.ranges[:4]}
+                    self.containment.record("dead_letter", exc, context)
+                    failures = self.metrics.dead_letter_failures.labels(group.topic, group.name, "internal")
+                    failures.inc(count_offsets(dead.ranges))
+                    self._undead(group, dead, delay=DEAD_LETTER_RETRY_SECONDS)
             self.to_dispatch.add(group)
+
+    def _dead_letter(self, group: Group, source: TopicLog, dead: DeadLetter) -> None:
+        built = dead_letter_body(source, dead.ranges, group=group.name, deliveries=dead.deliveries, reason=dead.reason)
+        if built is None:
+            return
+        name = dead_letter_topic(group.topic, group.settings.dead_letter_topic)
+        if name in self.store.logs and self.store.logs[name].config.read_only:
+            # A mirror holds the parent's offsets: a local append would make it a different log.
+            log.error(
+                "dead-lettering %s/%s: %s is mirrored from the parent and read-only here; give the group a "
+                "local dead-letter topic (dead_letter_topic, @retry_policy(dead_letter=...)). Redelivering "
+                "in %.0f s instead",
+                group.topic,
+                group.name,
+                name,
+                DEAD_LETTER_RETRY_SECONDS,
+            )
+            self.metrics.dead_letter_failures.labels(group.topic, group.name, "read_only_topic").inc(built[1])
+            self._undead(group, dead, delay=DEAD_LETTER_RETRY_SECONDS)
+            return
+        try:
+            target = self.store.get_or_create(name)
+            result = target.append(built[0], built[1])
+        except ConveyorError as exc:
+            retriable = exc.retriable
+            delay = 1.0 if retriable else DEAD_LETTER_RETRY_SECONDS
+            log.error(
+                "dead-lettering %s/%s into %s failed, redelivering in %.0f s instead: %s",
+                group.topic,
+                group.name,
+                name,
+                delay,
+                exc,
+            )
+            if name in self.store.logs:  # a sync inside the append may have cut it back
+                self._fail_confirms(exc, cut_from=self.store.logs[name])
+            reason = "storage" if retriable else exc.name.lower()
+            self.metrics.dead_letter_failures.labels(group.topic, group.name, reason).inc(built[1])
+            self._undead(group, dead, delay=delay)
+            return
+        self.dead_writes.append(DeadWrite(group, dead, target, result.base_offset + result.count))
+        self.appended.add(target.name)
+        self.metrics.dead_lettered_messages.labels(group.topic, group.name).inc(built[1])
 
     def _undead(self, group: Group, letter: DeadLetter, *, delay: float = 1.0) -> None:
         """Dead letters that could not be stored are not settled: redeliver them (and dead-letter them again)."""
@@ -842,6 +891,24 @@ class Broker:
         interval = self.settings.heartbeat_ms / 1000
         # Offsets are committed here: come back in time for --offsets-commit-ms too.
         self._next_housekeeping = now + min(interval, 0.25, max(0.01, self.settings.offsets_commit_ms / 1000))
+        with self.containment.guard("heartbeats"):
+            self._heartbeats(now, interval)
+        for group in list(self.groups.values()):
+            with self.containment.guard("leases", topic=group.topic, group=group.name):
+                self._expire_leases(group, now)
+        with self.containment.guard("fetch_expiry"):
+            self._expire_fetches(now)
+        for group, (due, _backoff) in list(self.dispatch_retries.items()):
+            if due <= now:
+                self.to_dispatch.add(group)
+        if now >= self._next_commit:
+            self._next_commit = now + self.settings.offsets_commit_ms / 1000
+            with self.containment.guard("offsets_commit"):
+                self._commit_offsets()
+            with self.containment.guard("retention"):
+                self.store.apply_retention()
+
+    def _heartbeats(self, now: float, interval: float) -> None:
         dead_after = interval * self.settings.liveness
         for identity, peer in list(self.peers.items()):
             if now - peer.last_seen > dead_after:
@@ -850,19 +917,13 @@ class Broker:
                 self._peer_gone(identity, "member_gone")
             elif peer.members and now - peer.last_sent >= interval:
                 self._send(identity, encode(Command.HEARTBEAT))
-        for group in self.groups.values():
-            expired = group.expire_leases()
-            if expired:
-                self.metrics.redelivered_messages.labels(group.topic, group.name, "lease_expired").inc(expired)
-            if group.pending and any(p.not_before <= now for p in group.pending):
-                self.to_dispatch.add(group)
-            if expired:
-                self.to_dispatch.add(group)
-        self._expire_fetches(now)
-        if now >= self._next_commit:
-            self._commit_offsets()
-            self.store.apply_retention()
-            self._next_commit = now + self.settings.offsets_commit_ms / 1000
+
+    def _expire_leases(self, group: Group, now: float) -> None:
+        expired = group.expire_leases()
+        if expired:
+            self.metrics.redelivered_messages.labels(group.topic, group.name, "lease_expired").inc(expired)
+        if expired or (group.pending and any(p.not_before <= now for p in group.pending)):
+            self.to_dispatch.add(group)
 
     def _commit_offsets(self) -> None:
         offsets = {(g.topic, g.name): g.committed_offset for g in self.groups.values()}
@@ -944,6 +1005,8 @@ class Broker:
             upstream = self.mirror.health()
             checks["upstream"] = upstream
             status = max(status, upstream["status"], key=lambda s: STATUS_CODES[s])
+        checks["internal_errors"] = internal = self.containment.check()
+        status = max(status, internal["status"], key=lambda s: STATUS_CODES[s])
         return {"status": status, "checks": checks}
 
     def _state_snapshot(self) -> dict[str, list[tuple[tuple[str, ...], float]]]:

@@ -230,6 +230,13 @@ class BrokerMetrics:
             group,
             registry=registry,
         )
+        self.internal_errors = Counter(
+            "conveyor_internal_errors",
+            "Exceptions contained inside the broker's loop (logged with a traceback; the broker went on), "
+            "by the unit of work that raised (request, dispatch, dead_letter, leases, heartbeats, ...)",
+            ["where"],
+            registry=registry,
+        )
         self.protocol_errors = Counter(
             "conveyor_protocol_errors",
             "Requests answered with ERROR, by stable code",

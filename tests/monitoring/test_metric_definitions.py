@@ -45,6 +45,7 @@ BROKER: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "dead_lettered_messages": ("conveyor_dead_lettered_messages", "counter", GROUP),
     "dead_letter_failures": ("conveyor_dead_letter_failures", "counter", (*GROUP, "reason")),
     "group_settings_changes": ("conveyor_group_settings_changes", "counter", GROUP),
+    "internal_errors": ("conveyor_internal_errors", "counter", ("where",)),
     "protocol_errors": ("conveyor_protocol_errors", "counter", ("code", "name")),
     "router_send_errors": ("conveyor_router_send_errors", "counter", ("error",)),
     "truncated_bytes": ("conveyor_log_truncated_bytes", "counter", TOPIC),
@@ -349,7 +350,13 @@ def test_broker_health_turns_unhealthy_when_the_loop_is_stuck(broker: Broker, se
     status, body = http_get(f"{url}/healthz")
     report = json.loads(body)
     assert (status, report["status"]) == (200, "HEALTHY"), report
-    assert set(report["checks"]) == {"disk_free_bytes", "disk_writable", "last_fsync_seconds", "event_loop_lag_seconds"}
+    assert set(report["checks"]) == {
+        "disk_free_bytes",
+        "disk_writable",
+        "last_fsync_seconds",
+        "event_loop_lag_seconds",
+        "internal_errors",
+    }
     # When the loop has not passed for much longer than the heartbeat
     now = broker.clock()
     broker.clock = lambda: now + 60

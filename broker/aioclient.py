@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import logging
 import random
 import time
 from dataclasses import dataclass, field
@@ -20,8 +21,8 @@ import zmq
 import zmq.asyncio
 
 from broker.codec import make_record
-from broker.config import DEFAULT_BROKER, check_address
-from broker.errors import ConveyorError, buffer_full, delivery_timed_out
+from broker.config import broker_address, check_address
+from broker.errors import ConveyorError, RequestTimeout, buffer_full, delivery_timed_out
 from broker.protocol import Command, decode, encode, error_from_header
 from broker.record import pack_records
 from broker.security import secure_client
@@ -42,9 +43,16 @@ class _Batch:
 
 
 class AsyncProducer:
+    """The asyncio producer; ``address`` defaults to ``CONVEYOR_BROKER``, else ``tcp://127.0.0.1:5555``.
+
+    ``close()`` is bounded as ``Producer.close()``: it gives up after
+    ``close_timeout_ms`` without a confirm, failing what is left with a
+    ``RequestTimeout`` that names the broker.
+    """
+
     def __init__(
         self,
-        address: str = DEFAULT_BROKER,
+        address: str | None = None,
         *,
         linger_ms: float = 5.0,
         batch_size: int = 1000,
@@ -53,10 +61,14 @@ class AsyncProducer:
         delivery_timeout_ms: int = 120_000,
         buffer_memory: int = 32 << 20,
         max_block_ms: float = 60_000,
+        close_timeout_ms: float = 5000,
         eager: bool = False,
         retry_wait: Any = None,
     ) -> None:
-        self.address = address
+        self.address = broker_address(address)
+        self.close_timeout = close_timeout_ms / 1000
+        self._last_settled = time.monotonic()
+        self._last_heard: float | None = None  # when the broker last answered anything
         self.eager = eager  # as Producer: a batch may go at once while none of its topic is in flight
         self.buffer_memory = buffer_memory
         self.max_block = max_block_ms / 1000
@@ -139,6 +151,7 @@ class AsyncProducer:
 
     def _settled(self, batch: _Batch) -> None:
         """A batch is confirmed or failed for good: its bytes no longer count against ``buffer_memory``."""
+        self._last_settled = time.monotonic()
         self._held -= batch.size
         self._freed.set()
         self._flights[batch.topic] -= 1
@@ -180,6 +193,7 @@ class AsyncProducer:
             except zmq.ZMQError:
                 await asyncio.sleep(0.01)  # the socket was replaced under us
                 continue
+            self._last_heard = time.monotonic()
             try:
                 reply = decode(frames)
             except ConveyorError:
@@ -230,16 +244,44 @@ class AsyncProducer:
                     self._transmit(rid, batch)
 
     async def flush(self, timeout: float | None = None) -> None:
-        """Ship every buffer and wait for all confirms."""
+        """Ship every buffer and wait for all confirms; past ``timeout``, a ``RequestTimeout`` naming the broker."""
+        await self._wait_settled(timeout, None)
+
+    async def _wait_settled(self, timeout: float | None, silence: float | None) -> None:
+        """Wait for every confirm: up to ``timeout`` in all, or until ``silence`` seconds pass without one."""
         for topic in list(self._buffers):
             self._ship(topic)
-        pending = [f for b in self._in_flight.values() for f in b.futures]
-        if pending:
-            await asyncio.wait_for(asyncio.gather(*pending, return_exceptions=True), timeout)
+        started = time.monotonic()
+        while pending := [f for b in self._in_flight.values() for f in b.futures if not f.done()]:
+            now = time.monotonic()
+            limits = [] if timeout is None else [started + timeout]
+            if silence is not None:
+                limits.append(max(self._last_settled, started) + silence)
+            if limits and now >= min(limits):
+                raise self._unconfirmed(len(pending), now - started)
+            wait = min(1.0, min(limits) - now) if limits else None
+            await asyncio.wait(pending, timeout=wait)
 
-    async def close(self, timeout: float | None = 30.0) -> None:
+    def _unconfirmed(self, count: int, waited: float) -> RequestTimeout:
+        if self._last_heard is None:
+            heard = "nothing was ever heard from that address: is a broker running there?"
+        else:
+            heard = f"its last answer came {time.monotonic() - self._last_heard:.1f} s ago"
+        return RequestTimeout(
+            f"{count} message(s) not confirmed by {self.address} after {waited:.1f} s; {heard}",
+            address=self.address,
+            unconfirmed=count,
+        )
+
+    async def close(self, timeout: float | None = None) -> None:
+        """Ship what is queued and wait for its confirms, as ``Producer.close()``: at most ``timeout`` in all,
+        or by default until ``close_timeout_ms`` passes without a confirm; then what is left fails."""
+        silence = self.close_timeout if timeout is None else None
         try:
-            await self.flush(timeout)
+            await self._wait_settled(timeout, silence)
+        except RequestTimeout as error:
+            self._fail_in_flight(error)
+            raise
         finally:
             for task in self._tasks:
                 task.cancel()
@@ -249,8 +291,25 @@ class AsyncProducer:
                 self._sock.close(linger=0)
                 self._sock = None
 
+    def _fail_in_flight(self, error: RequestTimeout) -> None:
+        for batch in self._in_flight.values():
+            failure = (
+                error
+                if batch.last_error is None
+                else delivery_timed_out(self.address, batch.topic, batch.last_error, batch.attempts)
+            )
+            for future in batch.futures:
+                if not future.done():
+                    future.set_exception(failure)
+        self._in_flight.clear()
+
     async def __aenter__(self) -> AsyncProducer:
         return await self.start()
 
-    async def __aexit__(self, *exc: object) -> None:
-        await self.close()
+    async def __aexit__(self, exc_type: type[BaseException] | None, *_: object) -> None:
+        try:
+            await self.close()
+        except RequestTimeout as error:
+            if exc_type is None:
+                raise
+            logging.getLogger("conveyor.client").warning("%s", error)  # keep the exception already leaving

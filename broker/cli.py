@@ -13,13 +13,15 @@ import argparse
 import contextlib
 import json
 import logging
+import os
 import sys
 from collections.abc import Callable, Sequence
 from datetime import datetime
 from typing import Any
 
+from broker import exitcodes
 from broker.config import DEFAULT_BROKER, Option, add_options, check_address, resolve
-from broker.errors import ConfigError, ConveyorError, UnknownGroup
+from broker.errors import ConfigError, ConveyorError, OffsetOutOfRange, UnknownGroup
 from broker.settings import BrokerSettings, broker_options
 
 CLIENT_OPTIONS = [
@@ -165,6 +167,11 @@ def _tail_setup(parser: argparse.ArgumentParser) -> None:
         default=0,
         help="exit when no message arrives for this many seconds (0: wait forever)",
     )
+    parser.add_argument(
+        "--wait",
+        action="store_true",
+        help="with --from past the end of the topic: wait for that offset instead of exiting with OFFSET_OUT_OF_RANGE",
+    )
 
 
 @command("tail", "print messages of a topic", _tail_setup)
@@ -176,7 +183,7 @@ def cmd_tail(args: argparse.Namespace) -> int:
     opts = client_options(args, "tail")
     printed = 0
     with Admin(opts["broker"]) as admin:
-        offset = _start_offset(admin, args.topic, args.start)
+        offset = _start_offset(admin, args.topic, args.start, wait=args.wait)
         last_data = time.monotonic()
         while args.count <= 0 or printed < args.count:
             want = 1000 if args.count <= 0 else min(1000, args.count - printed)
@@ -194,15 +201,38 @@ def cmd_tail(args: argparse.Namespace) -> int:
     return 0
 
 
-def _start_offset(admin: Any, topic: str, start: str) -> int:
+def _start_offset(admin: Any, topic: str, start: str, *, wait: bool = False) -> int:
     info = admin.describe_topic(topic)
+    first, end = int(info["start_offset"]), int(info["end_offset"])
     if start == "earliest":
-        return int(info["start_offset"])
+        return first
     if start == "latest":
-        return int(info["end_offset"])
+        return end
     if start.lstrip("-").isdigit():
-        return max(int(start), int(info["start_offset"]))
+        return _checked_offset(topic, int(start), first, end, wait)
     return _offset_for_time(admin, topic, _timestamp_ms(start, "--from"), info)
+
+
+def _checked_offset(topic: str, offset: int, first: int, end: int, wait: bool) -> int:
+    """An offset ``--from`` may start at: below the log start is clamped (with a note), past the end is an error.
+
+    Printing nothing and exiting 0 for an offset the topic has not reached
+    would look like an empty range; ``--wait`` is the way to ask for it.
+    """
+    if offset < 0:
+        raise ConfigError(f"--from takes earliest, latest, an offset of 0 or more, or an ISO time, not {offset}")
+    if offset < first:
+        print(f"conveyor tail: offset {offset} was removed by retention; starting at {first}", file=sys.stderr)
+        return first
+    if offset > end and not wait:
+        raise OffsetOutOfRange(
+            f"--from {offset} is past the end of {topic} (its next message gets offset {end}); "
+            f"use --from latest, or --wait to wait for offset {offset}",
+            topic=topic,
+            offset=offset,
+            end_offset=end,
+        )
+    return offset
 
 
 def _timestamp_ms(text: str, option: str) -> int:
@@ -441,9 +471,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(args.handler(args))
     except ConveyorError as exc:
         print(f"conveyor {args.command}: {exc}", file=sys.stderr)
-        return 2
+        return exitcodes.ERROR
     except KeyboardInterrupt:
-        return 130
+        return exitcodes.INTERRUPTED
+    except BrokenPipeError:
+        _silence_stdout()
+        return exitcodes.BROKEN_PIPE
+
+
+def _silence_stdout() -> None:
+    """The reader went away: point stdout at /dev/null so that the interpreter's final flush stays quiet too."""
+    with contextlib.suppress(OSError, ValueError):
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
 
 
 if __name__ == "__main__":

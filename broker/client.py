@@ -26,7 +26,9 @@ from __future__ import annotations
 
 import bisect
 import contextlib
+import functools
 import itertools
+import logging
 import math
 import os
 import random
@@ -34,7 +36,7 @@ import socket
 import threading
 import time
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from operator import add
@@ -46,8 +48,8 @@ import zmq
 
 from broker.aioclient import AsyncProducer
 from broker.codec import make_record
-from broker.config import DEFAULT_BROKER, check_address
-from broker.errors import BrokerUnavailable, ConveyorError, buffer_full, delivery_timed_out
+from broker.config import DEFAULT_BROKER, broker_address, check_address
+from broker.errors import BrokerUnavailable, ConveyorError, RequestTimeout, buffer_full, delivery_timed_out
 from broker.futures import BatchState, batch_futures, new_future
 from broker.protocol import Command, decode, encode, error_from_header
 from broker.security import secure_client
@@ -55,6 +57,8 @@ from broker.transport import NOBLOCK, recv_frames, send_frames
 from consumers.message import Message, messages_from_entries
 
 __all__ = ["DEFAULT_BROKER", "Admin", "AsyncProducer", "Producer"]
+
+log = logging.getLogger("conveyor.client")
 
 
 def new_dealer(ctx: zmq.Context[Any], address: str, *, auto_reconnect: bool = True) -> zmq.Socket[Any]:
@@ -141,10 +145,10 @@ class _Buffer:
 
     __slots__ = ("batch", "body", "count", "opened")
 
-    def __init__(self, opened: float) -> None:
+    def __init__(self, opened: float, explain_timeout: Callable[[float | None], BaseException]) -> None:
         self.body = bytearray()
         self.count = 0
-        self.batch = BatchState()
+        self.batch = BatchState(explain_timeout)
         self.opened = opened
 
 
@@ -167,12 +171,19 @@ class Producer:
     """A thread-safe, batching, idempotent producer with publisher confirms.
 
     ``send()`` returns a ``concurrent.futures.Future`` of the message's offset,
-    resolved when the broker confirms the batch as durable.
+    resolved when the broker confirms the batch as durable. ``address``
+    defaults to ``CONVEYOR_BROKER``, else ``tcp://127.0.0.1:5555``.
+
+    ``close()`` (and leaving a ``with`` block) waits for outstanding confirms
+    while the broker keeps confirming, and gives up after ``close_timeout_ms``
+    without one: a broker that is down costs 5 s, not the delivery timeout.
+    Every wait that runs out raises ``RequestTimeout`` (a ``TimeoutError``)
+    naming the broker.
     """
 
     def __init__(
         self,
-        address: str = DEFAULT_BROKER,
+        address: str | None = None,
         *,
         linger_ms: float = 5.0,
         batch_size: int = 1000,
@@ -182,11 +193,13 @@ class Producer:
         delivery_timeout_ms: int = 120_000,
         buffer_memory: int = 32 << 20,
         max_block_ms: float = 60_000,
+        close_timeout_ms: float = 5000,
         eager: bool = False,
         retry_wait: Any = None,
         context: zmq.Context[Any] | None = None,
     ) -> None:
-        self.address = address
+        self.address = broker_address(address)
+        self.close_timeout = close_timeout_ms / 1000
         self.eager = eager
         self.buffer_memory = buffer_memory
         self.max_block = max_block_ms / 1000
@@ -206,6 +219,8 @@ class Producer:
         self._outstanding = 0
         self._held = 0  # bytes of records sent but not yet confirmed or failed
         self._closed = False
+        self._abort: RequestTimeout | None = None  # set by close() when it gives up: the I/O thread fails the rest
+        self._last_settled = time.monotonic()
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_r.setblocking(False)
         self._wake_w.setblocking(False)
@@ -322,7 +337,7 @@ class Producer:
             raise RuntimeError("producer is closed")
         if full is not None:
             self._hand_off(topic)
-        buf = self._buffers[topic] = _Buffer(time.monotonic())
+        buf = self._buffers[topic] = _Buffer(time.monotonic(), functools.partial(self._result_timed_out, topic))
         if not self._woken:  # the I/O thread starts the linger clock
             self._woken = True
             self._wake()
@@ -342,8 +357,17 @@ class Producer:
             self._wake_w.send(b"\0")
 
     def flush(self, timeout: float | None = None) -> None:
-        """Send everything now and wait until every message is confirmed or failed."""
-        deadline = None if timeout is None else time.monotonic() + timeout
+        """Send everything now and wait until every message is confirmed or failed.
+
+        Past ``timeout`` seconds: ``RequestTimeout`` (a ``TimeoutError``) naming the broker.
+        """
+        self._wait_settled(timeout, None)
+
+    def _wait_settled(self, timeout: float | None, silence: float | None) -> None:
+        """Hand off every buffer and wait for their confirms: up to ``timeout`` in all,
+        or until ``silence`` seconds pass without any batch settling."""
+        started = time.monotonic()
+        deadline = None if timeout is None else started + timeout
         with self._lock:
             self._woken = True
             self._wake()
@@ -352,32 +376,70 @@ class Producer:
                     self._hand_off(topic)
                 if not self._outstanding:
                     return
-                remaining = None if deadline is None else deadline - time.monotonic()
-                if remaining is not None and remaining <= 0:
-                    raise TimeoutError(f"{self._outstanding} messages still unconfirmed")
-                self._idle.wait(remaining if remaining is not None else 1.0)
+                now = time.monotonic()
+                limit = deadline
+                if silence is not None:
+                    quiet_until = max(self._last_settled, started) + silence
+                    limit = quiet_until if limit is None else min(limit, quiet_until)
+                if limit is not None and now >= limit:
+                    raise self._unconfirmed(self._outstanding, now - started)
+                self._idle.wait(1.0 if limit is None else min(1.0, limit - now))
 
-    def close(self, timeout: float | None = 30.0) -> None:
+    def _unconfirmed(self, count: int, waited: float) -> RequestTimeout:
+        return RequestTimeout(
+            f"{count} message(s) not confirmed by {self.address} after {waited:.1f} s; {self._io.heard()}",
+            address=self.address,
+            unconfirmed=count,
+        )
+
+    def _result_timed_out(self, topic: str, timeout: float | None) -> RequestTimeout:
+        """What ``future.result(timeout)`` raises when the caller's wait ran out (the message may still go)."""
+        return RequestTimeout(
+            f"no confirm from {self.address} for a message to {topic!r} within {timeout or 0:g} s "
+            f"(the producer keeps trying for delivery_timeout_ms); {self._io.heard()}",
+            address=self.address,
+            topic=topic,
+        )
+
+    def close(self, timeout: float | None = None) -> None:
+        """Send what is queued, wait for its confirms, and stop the I/O thread.
+
+        With ``timeout``, waits at most that long in all. Without, waits while
+        the broker keeps confirming and gives up after ``close_timeout_ms``
+        without a confirm. What is unconfirmed then fails its futures, and
+        ``close`` raises, with a ``RequestTimeout`` naming the broker.
+        """
         if self._closed:
             return
+        silence = self.close_timeout if timeout is None else None
         try:
-            self.flush(timeout)
+            self._wait_settled(timeout, silence)
+        except RequestTimeout as exc:
+            self._abort = exc
+            raise
         finally:
             with self._lock:
                 self._closed = True
                 self._wake()
             self._thread.join(timeout=5)
-            self._wake_r.close()
-            self._wake_w.close()
+            if not self._thread.is_alive():
+                self._wake_r.close()
+                self._wake_w.close()
 
     def __enter__(self) -> Producer:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(self, exc_type: type[BaseException] | None, *_: object) -> None:
+        try:
+            self.close()
+        except RequestTimeout as error:
+            if exc_type is None:
+                raise
+            log.warning("%s", error)  # do not hide the exception that is already leaving the block
 
     def _settled(self, count: int, held: int) -> None:
         with self._lock:
+            self._last_settled = time.monotonic()
             self._outstanding -= count
             self._held -= held
             self._room.notify_all()
@@ -398,7 +460,14 @@ class _ProducerIO:
         self.rids = itertools.count(1)
         self.retry_at: dict[int, float] = {}
         self.reconnects = 0
+        self.last_heard: float | None = None  # when the broker last answered anything
         self.sock = new_dealer(producer._ctx, producer.address, auto_reconnect=False)
+
+    def heard(self) -> str:
+        """When the broker last answered, for error messages."""
+        if self.last_heard is None:
+            return "nothing was ever heard from that address: is a broker running there?"
+        return f"its last answer came {time.monotonic() - self.last_heard:.1f} s ago"
 
     def run(self) -> None:
         poller = zmq.Poller()
@@ -414,9 +483,27 @@ class _ProducerIO:
             self._collect_lingering()
             self._send_queued()
             self._check_timeouts(poller)
+            if self.p._abort is not None:
+                self._fail_everything(self.p._abort)
+                break
             if self.p._closed and not self.in_flight and not self.queued and not self.ready:
                 break
         self.sock.close(linger=0)
+
+    def _fail_everything(self, error: RequestTimeout) -> None:
+        """``close()`` gave up: every unconfirmed message fails now instead of at its delivery timeout."""
+        for flight in list(self.in_flight.values()):
+            self._finish(flight)
+            flight.futures.fail(error if flight.last_error is None else self._timed_out(flight))
+        with self.p._lock:
+            for topic in list(self.p._buffers):
+                self.p._hand_off(topic, wake=False)
+            self.queued.extend(self.ready)
+            self.ready.clear()
+        for _topic, buf in self.queued:
+            buf.batch.fail(error)
+            self.p._settled(buf.count, len(buf.body))
+        self.queued.clear()
 
     def _drain_wake(self) -> None:
         try:
@@ -491,6 +578,7 @@ class _ProducerIO:
             frames = recv_frames(self.sock)
             if frames is None:
                 return
+            self.last_heard = time.monotonic()
             try:
                 reply = decode(frames)
             except ConveyorError:
@@ -561,14 +649,14 @@ class Admin:
     """Topics, groups and offsets; also ``fetch`` to read a range without a group."""
 
     def __init__(
-        self, address: str = DEFAULT_BROKER, *, timeout_ms: int = 10_000, context: zmq.Context[Any] | None = None
+        self, address: str | None = None, *, timeout_ms: int = 10_000, context: zmq.Context[Any] | None = None
     ) -> None:
-        self.address = address
+        self.address = broker_address(address)  # CONVEYOR_BROKER when not given, as the command line
         self.timeout = timeout_ms / 1000
         self._ctx = context or zmq.Context.instance()
         self._lock = threading.Lock()
         self._rids = itertools.count(1)
-        self._sock = new_dealer(self._ctx, address)
+        self._sock = new_dealer(self._ctx, self.address)
 
     def request(self, command: Command, header: dict[str, Any], *, timeout: float | None = None) -> Any:
         """One request, one reply; raises the broker's error as its own class."""

@@ -19,6 +19,7 @@ from typing import Any
 from broker.errors import ConfigError
 
 DEFAULT_BROKER = "tcp://127.0.0.1:5555"
+BROKER_ENV = "CONVEYOR_BROKER"
 
 _ENDPOINT = re.compile(r"^(tcp://[^\s/]+:[0-9]+|ipc://\S+|inproc://\S+)$")
 
@@ -34,6 +35,24 @@ def check_address(address: str) -> str:
             address=str(address),
         )
     return address
+
+
+def broker_address(address: str | None = None) -> str:
+    """The address a client connects to: ``address`` when given, else ``CONVEYOR_BROKER``, else the default.
+
+    Every client (``Producer``, ``AsyncProducer``, ``Admin``, ``Subscription``,
+    ``Runner``) resolves its address here, as the command line does, so one
+    variable points a whole deployment at its broker.
+    """
+    if address is not None:
+        return check_address(address)
+    from_env = os.environ.get(BROKER_ENV)
+    if not from_env:
+        return DEFAULT_BROKER
+    try:
+        return check_address(from_env)
+    except ConfigError as exc:
+        raise ConfigError(f"{BROKER_ENV}: {exc.message}", address=from_env, variable=BROKER_ENV) from None
 
 
 @dataclass(frozen=True)

@@ -200,7 +200,13 @@ class BrokerUnavailable(ConveyorError):
     retriable = True
 
 
-class RequestTimeout(ConveyorError):
+class RequestTimeout(ConveyorError, TimeoutError):
+    """No answer from the broker in time; names the broker it waited for.
+
+    Also a ``TimeoutError``, so ``future.result(timeout=...)`` callers that
+    catch the standard class keep working.
+    """
+
     code = 401
     name = "REQUEST_TIMEOUT"
     retriable = True

@@ -16,6 +16,7 @@ from __future__ import annotations
 import itertools
 import threading
 from collections import deque
+from collections.abc import Callable
 from concurrent.futures import Future
 from concurrent.futures._base import FINISHED, PENDING
 from typing import Any
@@ -24,14 +25,17 @@ _CONDITION_LOCK = threading.Lock()  # creates a batch's Condition the first time
 
 
 class BatchState:
-    __slots__ = ("_condition", "base_offset", "exception", "observed", "state")
+    __slots__ = ("_condition", "base_offset", "exception", "explain_timeout", "observed", "state")
 
-    def __init__(self) -> None:
+    def __init__(self, explain_timeout: Callable[[float | None], BaseException] | None = None) -> None:
         self._condition: threading.Condition | None = None  # most batches never need one
         self.state = PENDING
         self.base_offset = 0
         self.exception: BaseException | None = None
         self.observed: list[OffsetFuture] = []  # futures with waiters or callbacks
+        # What ``result(timeout)`` raises when the wait runs out: an error naming the broker,
+        # not the bare ``TimeoutError()`` of ``concurrent.futures``.
+        self.explain_timeout = explain_timeout
 
     @property
     def condition(self) -> threading.Condition:
@@ -95,6 +99,31 @@ class OffsetFuture(Future[int]):
             own = {"state": batch.state, "result": self._batch_result(), "exception": batch.exception}
             self._own = own
         own[name] = value
+
+    def result(self, timeout: float | None = None) -> int:
+        try:
+            return super().result(timeout)
+        except TimeoutError as exc:
+            explained = self._explained(exc, timeout)
+            if explained is exc:
+                raise
+            raise explained from None
+
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        try:
+            return super().exception(timeout)
+        except TimeoutError as exc:
+            explained = self._explained(exc, timeout)
+            if explained is exc:
+                raise
+            raise explained from None
+
+    def _explained(self, exc: TimeoutError, timeout: float | None) -> BaseException:
+        """The waiter's own timeout (a bare ``TimeoutError``) as an error that names the broker."""
+        explain = self._batch.explain_timeout
+        if type(exc) is not TimeoutError or explain is None:
+            return exc  # the future's own failure (a RequestTimeout already says where)
+        return explain(timeout)
 
     def _batch_result(self) -> int | None:
         batch = self._batch

@@ -51,5 +51,12 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     print(f"conveyor runner: {len(consumers)} consumer(s), connecting to {opts['broker']}", flush=True)
     code = runner.run(ready=ready)
-    print("conveyor runner stopped cleanly", flush=True)
+    if runner.abandoned:
+        print(
+            f"conveyor runner stopped: {runner.abandoned} message(s) given back for redelivery, their handlers "
+            f"still running after --graceful-timeout {opts['graceful_timeout']:g} s (exit {code})",
+            flush=True,
+        )
+    else:
+        print("conveyor runner stopped cleanly", flush=True)
     return code

@@ -7,7 +7,10 @@ leases of everything it holds, and heartbeats. Handlers never touch a
 socket, so a slow handler never makes the broker think the runner died.
 
 SIGTERM/SIGINT: pause credit, give back what no lane started, let lanes
-finish within ``graceful_timeout``, give back the rest, say BYE, exit 0.
+finish within ``graceful_timeout``, give back the rest, say BYE. ``run()``
+returns 0, or 3 (``exitcodes.HANDLERS_ABANDONED``) when handlers were still
+running at the timeout: their messages were given back for redelivery, and
+``abandoned`` says how many.
 """
 
 from __future__ import annotations
@@ -27,7 +30,8 @@ from typing import Any
 import zmq
 from prometheus_client import CollectorRegistry
 
-from broker.config import DEFAULT_BROKER
+from broker import exitcodes
+from broker.config import broker_address
 from broker.wakeup import drain
 from consumers.lanes import AsyncLane, Report, ThreadLane, split
 from consumers.message import Message
@@ -61,7 +65,7 @@ class Runner:
         self,
         consumers: list[Consumer],
         *,
-        broker: str = DEFAULT_BROKER,
+        broker: str | None = None,
         concurrency: int | None = None,
         graceful_timeout: float = 15.0,
         metrics_port: int = 9101,
@@ -71,7 +75,7 @@ class Runner:
         if not consumers:
             raise ValueError("no @consumer to run")
         self.consumers = consumers
-        self.broker = broker
+        self.broker = broker_address(broker)  # CONVEYOR_BROKER when not given
         self.concurrency = concurrency
         self.graceful_timeout = graceful_timeout
         self.registry = registry or CollectorRegistry(auto_describe=True)
@@ -87,6 +91,7 @@ class Runner:
         self._wake_w.setblocking(False)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._running = False
+        self.abandoned = 0  # messages given back because their handlers outran the graceful timeout
 
     # --- setup ----------------------------------------------------------------------------
 
@@ -141,6 +146,8 @@ class Runner:
             self._wake_w.send(b"\0")
         except BlockingIOError:
             pass  # already awake with bytes pending
+        except OSError:
+            pass  # closed: a handler that outran the graceful timeout ended after the runner gave it up
 
     # --- the loop ---------------------------------------------------------------------------
 
@@ -165,7 +172,7 @@ class Runner:
             if install_signals:
                 signal.set_wakeup_fd(-1)
             self._close()
-        return 0
+        return exitcodes.HANDLERS_ABANDONED if self.abandoned else exitcodes.OK
 
     def stop(self) -> None:
         """Begin the graceful shutdown; safe from signal handlers and other threads."""
@@ -289,13 +296,26 @@ class Runner:
         for slot in self.slots:
             slot.subscription.set_credit(0, 1)
         deadline = time.monotonic() + self.graceful_timeout
-        while time.monotonic() < deadline and any(lane.busy for slot in self.slots for lane in slot.lanes):
+        while time.monotonic() < deadline and self._busy():
             self._pass(min(0.05, max(0.0, deadline - time.monotonic())))
         self._settle_reports()
+        outran = self._busy()
+        given_back = 0
         for slot in self.slots:
             if slot.held:
+                given_back += len(slot.held)
                 slot.subscription.nack(sorted(slot.held), release=True, error="runner shutting down")
                 slot.held.clear()
+        if outran:
+            self.abandoned = given_back
+            log.warning(
+                "graceful timeout (%.1f s) passed with handlers still running: gave back %d message(s) for redelivery",
+                self.graceful_timeout,
+                given_back,
+            )
+
+    def _busy(self) -> bool:
+        return any(lane.busy for slot in self.slots for lane in slot.lanes)
 
     def _close(self) -> None:
         for slot in self.slots:

@@ -23,7 +23,7 @@ from typing import Any
 
 import zmq
 
-from broker.config import DEFAULT_BROKER, check_address
+from broker.config import broker_address, check_address
 from broker.errors import ConveyorError
 from broker.protocol import Command, Frame, decode, encode, error_from_header
 from broker.ranges import to_ranges
@@ -62,7 +62,7 @@ class Subscription:
         topic: str,
         group: str,
         *,
-        address: str = DEFAULT_BROKER,
+        address: str | None = None,
         credit: int = 1000,
         batch_size: int | None = None,
         start: str | int | dict[str, int] = "earliest",
@@ -79,7 +79,7 @@ class Subscription:
         self.on_event = on_event
         self.events: list[tuple[str, int]] = []  # (RESET | READY, offset), as the broker announced them
         self.group = group
-        self.address = address
+        self.address = broker_address(address)  # CONVEYOR_BROKER when not given
         self.credit = credit
         self.batch_size = batch_size or credit
         self.options: dict[str, Any] = {"start": start, "key_affinity": key_affinity}

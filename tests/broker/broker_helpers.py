@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 import time
 from collections.abc import Callable, Sequence
 
@@ -43,3 +44,10 @@ def quiet(subs: Sequence[Subscription], seconds: float) -> list[Message]:
             if batch:
                 sub.ack(batch)
     return extra
+
+
+def free_address() -> str:
+    """A loopback address where nothing listens (a broker that is down)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"tcp://127.0.0.1:{s.getsockname()[1]}"

@@ -14,7 +14,7 @@ import sys
 import time
 from pathlib import Path
 
-from broker.client import Admin
+from broker.client import Admin, Producer
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -95,3 +95,49 @@ def test_the_runner_is_not_ready_before_the_broker_answers():
     assert "runner ready" not in output, output
     assert "broker silent; reconnecting" in output, output
     assert "stopped cleanly" in output, output
+
+
+def test_tail_from_past_the_end_says_so_unless_asked_to_wait(conveyor_broker):
+    address = conveyor_broker.address
+    assert conveyor("publish", "cli-past", "a", "--broker", address).returncode == 0
+    past = conveyor("tail", "cli-past", "--from", "99999", "--count", "1", "--broker", address)
+    assert past.returncode == 2, past
+    assert "[OFFSET_OUT_OF_RANGE]" in past.stderr and "--wait" in past.stderr, past.stderr
+    assert "Traceback" not in past.stderr and past.stdout == "", past
+    assert_config_error(conveyor("tail", "cli-past", "--from", "-3", "--broker", address), "--from")
+    at_end = conveyor("tail", "cli-past", "--from", "1", "--idle-timeout", "1", "--broker", address)
+    assert at_end.returncode == 0 and at_end.stdout == "", at_end  # the end itself is where new messages come
+
+    cmd = [sys.executable, "-m", "broker", "tail", "cli-past", "--from", "3", "--wait", "--count", "1"]
+    waiting = subprocess.Popen([*cmd, "--broker", address], stdout=subprocess.PIPE, text=True, cwd=REPO)
+    try:
+        assert conveyor("publish", "cli-past", "b", "c", "d", "--broker", address).returncode == 0
+        output, _ = waiting.communicate(timeout=60)
+    finally:
+        if waiting.poll() is None:
+            waiting.kill()
+    assert waiting.returncode == 0 and output.split("\t")[0] == "3" and output.strip().endswith("d"), output
+
+
+def test_piping_into_head_stops_quietly(conveyor_broker):
+    """`conveyor tail ... | head -1`: the reader goes away; exit 141 (as `cat` does), no traceback."""
+    address = conveyor_broker.address
+    with Producer(address, linger_ms=1) as producer:
+        producer.send_many("cli-head", [b"line %d" % i for i in range(20_000)])  # far more than a pipe holds
+        producer.flush(timeout=30)
+    cmd = [sys.executable, "-m", "broker", "tail", "cli-head", "--from", "earliest", "--count", "20000"]
+    proc = subprocess.Popen(
+        [*cmd, "--broker", address], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO
+    )
+    try:
+        assert proc.stdout is not None and proc.stderr is not None
+        first = proc.stdout.readline()
+        proc.stdout.close()  # what `head -1` does after its line
+        errors = proc.stderr.read()
+        proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert first.startswith("0\t"), first
+    assert proc.returncode == 141, (proc.returncode, errors)
+    assert errors == "", errors

@@ -9,7 +9,8 @@ See docs/spark.md for the options and for running on a cluster.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import importlib
+from typing import TYPE_CHECKING, Any
 
 from pipeline.options import ReadOptions, WriteOptions
 from pipeline.source import SCHEMA, ConveyorDataSource
@@ -18,6 +19,19 @@ if TYPE_CHECKING:
     from pyspark.sql import SparkSession
 
 __all__ = ["SCHEMA", "ConveyorDataSource", "ReadOptions", "WriteOptions", "register"]
+
+# Submodules that ``import pipeline`` makes reachable as attributes (``pipeline.session.local_session()``,
+# as docs/spark.md writes it), each imported on first use: a session module starts nothing by itself.
+SUBMODULES = frozenset(
+    {"bench", "columns", "jobs", "options", "progress", "session", "sink", "source", "sqlite_source", "wire"}
+)
+
+
+def __getattr__(name: str) -> Any:
+    if name in SUBMODULES:
+        return importlib.import_module(f"pipeline.{name}")
+    raise AttributeError(f"module 'pipeline' has no attribute {name!r}")
+
 
 PUSHDOWN_CONF = "spark.sql.python.filterPushdown.enabled"
 

@@ -12,8 +12,6 @@ from __future__ import annotations
 import contextlib
 import errno
 import logging
-import os
-import shutil
 import signal
 import socket
 import time
@@ -39,7 +37,8 @@ from broker.errors import (
     UnknownTopic,
 )
 from broker.groups import MAX_ENTRIES, DeadLetter, Delivery, Group, GroupSettings, Member, Pending
-from broker.mirror import STATUS_CODES, Mirror, MirrorSettings
+from broker.health import broker_health, broker_live, broker_ready
+from broker.mirror import Mirror, MirrorSettings
 from broker.protocol import Command, Frame, decode, encode, error_header
 from broker.protocol import field as hfield
 from broker.protocol import ranges as hranges
@@ -53,7 +52,7 @@ from broker.store import Store, check_name
 from broker.transport import NOBLOCK, recv_frames, send_frames
 from broker.wakeup import drain
 from monitoring.http import MetricsServer
-from monitoring.metrics import BrokerMetrics, NullMetrics, StateCollector
+from monitoring.metrics import BrokerMetrics, HealthCollector, NullMetrics, StateCollector
 
 log = logging.getLogger("conveyor.broker")
 
@@ -110,6 +109,7 @@ class Broker:
         self.containment = Containment(self.metrics.internal_errors, clock=self.clock)
         if settings.metrics:
             self.registry.register(StateCollector(self._state_snapshot))
+        self.registry.register(HealthCollector(self.health))
         self.store: Store = Store(
             settings.data_dir,
             fsync=FsyncPolicy.parse(settings.fsync),
@@ -197,7 +197,12 @@ class Broker:
         self._setup_mirror()
         if self.settings.metrics_port >= 0:
             self.metrics_server = MetricsServer(
-                self.registry, self.health, host=self.settings.metrics_bind, port=self.settings.metrics_port
+                self.registry,
+                self.health,
+                host=self.settings.metrics_bind,
+                port=self.settings.metrics_port,
+                live=lambda: broker_live(self),
+                ready=lambda: broker_ready(self),
             ).start()
         return self.endpoint
 
@@ -978,36 +983,7 @@ class Broker:
                 self.metrics_server.stop()
 
     def health(self) -> dict[str, Any]:
-        checks: dict[str, Any] = {}
-        status = "HEALTHY"
-        try:
-            usage = shutil.disk_usage(self.settings.data_dir)
-            checks["disk_free_bytes"] = usage.free
-            if usage.free < self.settings.disk_free_min_bytes:
-                status = "DEGRADED"
-        except OSError as exc:
-            checks["disk"] = str(exc)
-            status = "UNHEALTHY"
-        checks["disk_writable"] = os.access(self.settings.data_dir, os.W_OK)
-        if not checks["disk_writable"]:
-            status = "UNHEALTHY"
-        checks["last_fsync_seconds"] = round(self._last_fsync_seconds, 6)
-        if self._last_fsync_seconds > self.settings.fsync_warn_seconds and status == "HEALTHY":
-            status = "DEGRADED"
-        # The loop passes at least every housekeeping interval; a longer gap means it is stuck.
-        lag = max(0.0, self.clock() - self._last_pass - min(self.settings.heartbeat_ms / 1000, 0.25))
-        checks["event_loop_lag_seconds"] = round(lag, 6)
-        if lag > 5 * self.settings.heartbeat_ms / 1000:
-            status = "UNHEALTHY"
-        elif lag > self.settings.heartbeat_ms / 1000 and status == "HEALTHY":
-            status = "DEGRADED"
-        if self.mirror is not None:
-            upstream = self.mirror.health()
-            checks["upstream"] = upstream
-            status = max(status, upstream["status"], key=lambda s: STATUS_CODES[s])
-        checks["internal_errors"] = internal = self.containment.check()
-        status = max(status, internal["status"], key=lambda s: STATUS_CODES[s])
-        return {"status": status, "checks": checks}
+        return broker_health(self)
 
     def _state_snapshot(self) -> dict[str, list[tuple[tuple[str, ...], float]]]:
         return admin_ops.state_snapshot(self)

@@ -33,6 +33,7 @@ from broker.errors import (
 )
 from broker.filelog import QUARANTINE_DIR, FileLog
 from broker.fsutil import atomic_write, fsync_dir, make_dirs, storage_errors
+from broker.iohealth import IoHealth
 from broker.memlog import MemoryLog
 from broker.storage import FsyncPolicy, TopicConfig, TopicLog
 
@@ -60,6 +61,7 @@ class OffsetWriter:
         self,
         *,
         on_error: Callable[[Path, ConveyorError], None] | None = None,
+        on_written: Callable[[Path], None] | None = None,
         backoff: float = 0.25,
         max_backoff: float = 2.0,
     ) -> None:
@@ -69,6 +71,7 @@ class OffsetWriter:
         self._closed = False
         self._flush_asked = self._flush_done = 0  # flush generations: asked by flush(), done by the thread
         self._on_error = on_error
+        self._on_written = on_written
         self._backoff, self._max_backoff = backoff, max_backoff
         self._thread = threading.Thread(target=self._run, name="conveyor-offsets", daemon=True)
         self._thread.start()
@@ -123,6 +126,8 @@ class OffsetWriter:
         """Under the lock: after one write of ``path``, end its failure streak or extend it."""
         streak = self._failing.get(path)
         if error is None:
+            if self._on_written is not None:
+                self._on_written(path)
             if streak is not None:
                 del self._failing[path]
                 log.warning("offsets file %s written again after %d failed attempt(s)", path, streak.failures)
@@ -218,6 +223,7 @@ class Store:
         # Topics whose groups.json was quarantined at this start: any group created there may be an old one.
         self.groups_quarantined: set[str] = set()
         self._offsets_write_errors = offsets_write_errors
+        self.io_health = IoHealth()
         # Before anything is read or recovered: a second process on this directory would cut our tail.
         self.lock = DataDirLock(self.data_dir)
         try:
@@ -229,7 +235,7 @@ class Store:
                 topic_log.close()
             self.lock.release()
             raise
-        self._offsets = OffsetWriter(on_error=self._count_offsets_error)
+        self._offsets = OffsetWriter(on_error=self._offsets_failed, on_written=self._offsets_written)
 
     def _open_topics(self) -> None:
         for directory in sorted(self.topics_dir.iterdir()):
@@ -270,17 +276,24 @@ class Store:
             reason.message,
         )
 
-    def _count_offsets_error(self, path: Path, error: ConveyorError) -> None:
+    def _offsets_failed(self, path: Path, error: ConveyorError) -> None:
         if self._offsets_write_errors is not None:
             self._offsets_write_errors.labels(path.parent.name).inc()
+        self.io_health.failed("offsets", path.parent.name, error)
+
+    def _offsets_written(self, path: Path) -> None:
+        self.io_health.worked("offsets", path.parent.name)
 
     def _make_log(self, name: str, config: TopicConfig) -> TopicLog:
         factory = BACKENDS.get(config.storage)
         if factory is None:
             raise UnknownTopic(f"topic {name} uses unknown storage {config.storage!r}", topic=name)
         if config.storage == "file":
-            return FileLog(name, self.topics_dir / name, config, fsync=self.fsync, quarantine=self.quarantine)
-        return factory(name, self.topics_dir / name, config, self.fsync)
+            made: TopicLog = FileLog(name, self.topics_dir / name, config, fsync=self.fsync, quarantine=self.quarantine)
+        else:
+            made = factory(name, self.topics_dir / name, config, self.fsync)
+        made.io_health = self.io_health
+        return made
 
     # --- topics ----------------------------------------------------------------
 
@@ -292,9 +305,14 @@ class Store:
         topic_config = TopicConfig.from_dict(merged)
         directory = self.topics_dir / name
         if topic_config.storage != "memory":  # memory topics are ephemeral: nothing on disk
-            with storage_errors(str(directory)):
-                make_dirs(directory)  # its entry in topics/ is synced: a power cut keeps the new topic
-                atomic_write(directory / TOPIC_FILE, json.dumps(topic_config.to_dict(), sort_keys=True).encode())
+            try:
+                with storage_errors(str(directory)):
+                    make_dirs(directory)  # its entry in topics/ is synced: a power cut keeps the new topic
+                    atomic_write(directory / TOPIC_FILE, json.dumps(topic_config.to_dict(), sort_keys=True).encode())
+            except ConveyorError as exc:
+                self.io_health.failed("create_topic", name, exc)
+                raise
+            self.io_health.worked("create_topic", name)
         self.logs[name] = self._make_log(name, topic_config)
         self.groups[name] = {}
         return self.logs[name]
@@ -316,6 +334,7 @@ class Store:
         self.groups.pop(name, None)
         self._dirty_groups.discard(name)
         self._offsets.discard(self.topics_dir / name / GROUPS_FILE)
+        self.io_health.forget(name)
         with storage_errors(name):
             shutil.rmtree(self.topics_dir / name, ignore_errors=True)
             fsync_dir(self.topics_dir)

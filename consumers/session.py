@@ -94,6 +94,9 @@ class Subscription:
         self.liveness = liveness
         self.reconnects = 0
         self.subscribed = False
+        # Since when this subscription has been without its broker (None while subscribed): from the start
+        # until the first SUBSCRIBED, and from each reconnect until the next; reconnecting does not reset it.
+        self.down_since: float | None = time.monotonic()
         self._ctx = context or zmq.Context.instance()
         self._rids = itertools.count(1)
         self._sock: zmq.Socket[Any] | None = None
@@ -125,6 +128,8 @@ class Subscription:
         )
         self._last_heard = time.monotonic()
         self.subscribed = False
+        if self.down_since is None:
+            self.down_since = self._last_heard
 
     def _reconnect(self, why: str) -> None:
         log.warning("consumer %s/%s: %s; reconnecting to %s", self.topic, self.group, why, self.address)
@@ -161,6 +166,11 @@ class Subscription:
                 return []
 
     # --- for event loops that poll many subscriptions (the runner) ----------------
+
+    def down_seconds(self, now: float | None = None) -> float:
+        """How long this subscription has been without its broker (0 while subscribed)."""
+        since = self.down_since
+        return 0.0 if since is None else max(0.0, (time.monotonic() if now is None else now) - since)
 
     @property
     def socket(self) -> zmq.Socket[Any]:
@@ -206,6 +216,7 @@ class Subscription:
             return messages_from_entries(self.topic, frame.get("entries", []), [bytes(b) for b in frame.payload])
         if frame.command is Command.SUBSCRIBED:
             self.subscribed = True
+            self.down_since = None
         elif frame.command is Command.BYE:
             self._reconnect(str(frame.get("reason") or "broker said goodbye"))
         elif frame.command is Command.EVENT:

@@ -36,7 +36,7 @@ from broker.errors import (
     ShuttingDown,
     UnknownTopic,
 )
-from broker.groups import MAX_ENTRIES, DeadLetter, Delivery, Group, GroupSettings, Member, Pending
+from broker.groups import MAX_ENTRIES, DeadLetter, Delivery, Group, GroupSettings, Member, Pending, entries_for
 from broker.health import broker_health, broker_live, broker_ready
 from broker.mirror import Mirror, MirrorSettings
 from broker.protocol import Command, Frame, decode, encode, error_header
@@ -512,7 +512,13 @@ class Broker:
                 ),
             )
         self.confirms = waiting
-        self.dead_writes = [w for w in self.dead_writes if w.end > w.log.durable_offset]
+        if self.dead_writes:
+            stored = [w for w in self.dead_writes if w.end <= w.log.durable_offset]
+            self.dead_writes = [w for w in self.dead_writes if w.end > w.log.durable_offset]
+            for write in stored:
+                if write.letter.by_broker:
+                    with self.containment.guard("dead_letter", topic=write.group.topic, group=write.group.name):
+                        self._tell_dead_lettered(write)
 
     def _fail_confirms(self, exc: ConveyorError, cut_from: TopicLog | None = None) -> None:
         """Answer waiting confirms with ``exc``: all, or those of offsets ``cut_from`` no longer holds."""
@@ -789,10 +795,48 @@ class Broker:
         self.appended.add(target.name)
         self.metrics.dead_lettered_messages.labels(group.topic, group.name).inc(built[1])
 
+    def _tell_dead_lettered(self, write: DeadWrite) -> None:
+        """Tell a member of the group (the one that had them last, if still there) the broker dead-lettered
+        these messages past ``max_deliveries``, so the runner can call ``@error_handler`` for them.
+
+        An EVENT ``DEAD_LETTERED`` carrying the messages as DELIVER entries do; best effort: with no
+        member left, or a member not reading, nobody is told (the dead-letter topic holds them anyway).
+        """
+        group, letter = write.group, write.letter
+        members = group.members + group.joining
+        member = next((m for m in members if m.key == letter.member), members[0] if members else None)
+        source = self.store.logs.get(group.topic)
+        if member is None or source is None:
+            return
+        entries = [e for a, b in letter.ranges for e in entries_for(source, a, b, letter.deliveries)]
+        for start in range(0, len(entries), MAX_ENTRIES):
+            part = entries[start : start + MAX_ENTRIES]
+            for entry in part:
+                entry.first_ms = letter.first_ms
+            header = {
+                "sub": member.sub_id,
+                "topic": group.topic,
+                "event": "DEAD_LETTERED",
+                "offset": part[0].first,
+                "reason": letter.reason,
+                "deliveries": letter.deliveries,
+                "dead_letter_topic": write.log.name,
+                "entries": [e.header() for e in part],
+            }
+            self._send(member.peer, encode(Command.EVENT, header, *(e.batch.body for e in part)))
+
     def _undead(self, group: Group, letter: DeadLetter, *, delay: float = 1.0) -> None:
         """Dead letters that could not be stored are not settled: redeliver them (and dead-letter them again)."""
         if self.groups.get((group.topic, group.name)) is group:
-            group.pending.append(Pending(list(letter.ranges), letter.deliveries, self.clock() + delay, letter.reason))
+            group.pending.append(
+                Pending(
+                    list(letter.ranges),
+                    letter.deliveries,
+                    self.clock() + delay,
+                    letter.reason,
+                    first_ms=letter.first_ms,
+                )
+            )
             self.to_dispatch.add(group)
 
     # --- fetch ---------------------------------------------------------------------------
@@ -927,7 +971,7 @@ class Broker:
         expired = group.expire_leases()
         if expired:
             self.metrics.redelivered_messages.labels(group.topic, group.name, "lease_expired").inc(expired)
-        if expired or (group.pending and any(p.not_before <= now for p in group.pending)):
+        if expired or (group.pending and group.has_due(now)):
             self.to_dispatch.add(group)
 
     def _commit_offsets(self) -> None:

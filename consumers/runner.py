@@ -34,6 +34,7 @@ from broker import exitcodes
 from broker.config import broker_address
 from broker.errors import ConfigError
 from broker.wakeup import drain
+from consumers.exceptions import DeadLettered
 from consumers.lanes import AsyncLane, Report, ThreadLane, split
 from consumers.message import Message
 from consumers.session import Subscription
@@ -147,7 +148,9 @@ class Runner:
                 lanes.append(ThreadLane(consumer, self._report, self.stopping, f"{consumer.__name__}-{i}"))
         labels = (consumer.name, consumer.topic, consumer.group)
         self._declare_series(labels)
-        return Slot(consumer, subscription, lanes, labels=labels)
+        slot = Slot(consumer, subscription, lanes, labels=labels)
+        subscription.on_dead_letter = lambda messages, exc: self._dead_lettered(slot, messages, exc)
+        return slot
 
     def _declare_series(self, labels: tuple[str, str, str]) -> None:
         """Show every handler in /metrics (and dashboards) before its first message."""
@@ -239,6 +242,15 @@ class Runner:
             if chunk:
                 lane = slot.lanes[i] if slot.consumer.key_ordered else self._least_busy(slot)
                 lane.submit(slot, chunk)
+
+    def _dead_lettered(self, slot: Slot, messages: list[Message], exc: DeadLettered) -> None:
+        """The broker dead-lettered these itself: their lanes call the error handlers (never this thread)
+        and let their keys go on."""
+        self.metrics.handled.labels(*slot.labels, "dead_lettered").inc(len(messages))
+        for i, chunk in enumerate(split(slot.consumer, messages, len(slot.lanes))):
+            if chunk:
+                lane = slot.lanes[i] if slot.consumer.key_ordered else self._least_busy(slot)
+                lane.submit(slot, chunk, exc)
 
     def _least_busy(self, slot: Slot) -> Lane:
         slot.next_lane = (slot.next_lane + 1) % len(slot.lanes)

@@ -29,6 +29,7 @@ from broker.protocol import Command, Frame, decode, encode, error_from_header
 from broker.ranges import to_ranges
 from broker.security import secure_client
 from broker.transport import recv_frames, send_frames
+from consumers.exceptions import DeadLettered
 from consumers.message import Message, messages_from_entries
 
 log = logging.getLogger("conveyor.consumer")
@@ -74,9 +75,11 @@ class Subscription:
         liveness: int = 3,
         context: zmq.Context[Any] | None = None,
         on_event: Callable[[str, int], None] | None = None,
+        on_dead_letter: Callable[[list[Message], DeadLettered], None] | None = None,
     ) -> None:
         self.topic = topic
         self.on_event = on_event
+        self.on_dead_letter = on_dead_letter  # EVENT DEAD_LETTERED: messages the broker dead-lettered itself
         self.events: list[tuple[str, int]] = []  # (RESET | READY, offset), as the broker announced them
         self.group = group
         self.address = broker_address(address)  # CONVEYOR_BROKER when not given
@@ -222,6 +225,9 @@ class Subscription:
         elif frame.command is Command.EVENT:
             event = (str(frame.get("event")), int(frame.get("offset", 0)))
             self.events.append(event)
+            if event[0] == "DEAD_LETTERED":
+                self._dead_lettered(frame)
+                return []
             log.info("consumer %s/%s: %s at offset %d", self.topic, self.group, *event)
             if self.on_event is not None:
                 self.on_event(*event)
@@ -232,6 +238,22 @@ class Subscription:
             else:
                 raise exc
         return []
+
+    def _dead_lettered(self, frame: Frame) -> None:
+        messages = messages_from_entries(self.topic, frame.get("entries", []), [bytes(b) for b in frame.payload])
+        exc = DeadLettered(
+            str(frame.get("reason") or ""), int(frame.get("deliveries", 0)), str(frame.get("dead_letter_topic") or "")
+        )
+        log.warning(
+            "consumer %s/%s: the broker dead-lettered %d message(s) from offset %d: %s",
+            self.topic,
+            self.group,
+            len(messages),
+            int(frame.get("offset", 0)),
+            exc,
+        )
+        if self.on_dead_letter is not None and messages:
+            self.on_dead_letter(messages, exc)
 
     # --- settling --------------------------------------------------------------------------
 

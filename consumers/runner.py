@@ -357,6 +357,8 @@ class Runner:
             for slot in self.slots:
                 for lane in slot.lanes:
                     if isinstance(lane, AsyncLane):
+                        if self.abandoned:
+                            lane.task.cancel()  # its messages were given back: no point in waiting for its handler
                         lane.join(timeout=5)  # it has its None: it ends at once (the drain waited for work)
             self._loop.call_soon_threadsafe(self._loop.stop)
         if self.metrics_server:

@@ -12,10 +12,10 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from broker.errors import InvalidRequest, UnknownGroup
-from broker.storage import TopicConfig, TopicLog
+from broker.errors import ConfigError, InvalidRequest, UnknownGroup
+from broker.mirror import STATUS_CODES
+from broker.storage import TopicLog
 from broker.store import check_name
-from monitoring.health import STATUS_CODES
 
 if TYPE_CHECKING:
     from broker.groups import Group
@@ -51,7 +51,8 @@ def describe_topic(broker: Broker, name: str) -> dict[str, Any]:
         "durable_offset": log.durable_offset,
         "segments": log.segment_count(),
         "size_bytes": log.size_bytes(),
-        "config": {k: v for k, v in log.config.to_dict().items() if k != "extra"},
+        "config": log.config.settings(),
+        "config_errors": [error.to_dict() for error in broker.store.config_errors.get(name, [])],
         "groups": sorted(g for (t, g) in broker.groups if t == name),
     }
 
@@ -116,12 +117,18 @@ def delete_topic(broker: Broker, name: str) -> dict[str, Any]:
     return {"deleted": name}
 
 
-def create_topic(broker: Broker, name: str, config: dict[str, Any]) -> dict[str, Any]:
-    known = set(TopicConfig().to_dict()) - {"extra", "storage"} | {"storage"}
-    unknown = set(config) - known
-    if unknown:
-        raise InvalidRequest(f"unknown topic settings: {', '.join(sorted(unknown))}")
-    broker.store.create_topic(name, **config)
+def create_topic(broker: Broker, name: str, config: Any) -> dict[str, Any]:
+    """Every setting is checked by the topic settings table before the topic's directory is made."""
+    broker.store.create_topic(name, config)
+    return describe_topic(broker, name)
+
+
+def alter_topic(broker: Broker, name: str, config: Any) -> dict[str, Any]:
+    """Change settings live (retention at its next pass, segment size at the next roll)."""
+    broker.store.topic(name)
+    if not config:
+        raise ConfigError(f"alter_topic {name}: no settings given (config is a map of setting to value)", topic=name)
+    broker.store.alter_topic(name, config)
     return describe_topic(broker, name)
 
 
@@ -142,6 +149,7 @@ OPS: dict[str, Callable[[Broker, dict[str, Any]], Any]] = {
     "list_topics": lambda b, h: [describe_topic(b, name) for name in sorted(b.store.logs)],
     "describe_topic": lambda b, h: describe_topic(b, _arg(h, "topic", str)),
     "create_topic": lambda b, h: create_topic(b, _arg(h, "topic", str), h.get("config") or {}),
+    "alter_topic": lambda b, h: alter_topic(b, _arg(h, "topic", str), h.get("config")),
     "delete_topic": lambda b, h: delete_topic(b, _arg(h, "topic", str)),
     "list_groups": lambda b, h: [describe_group(b, t, g) for (t, g) in sorted(b.groups) if h.get("topic") in (None, t)],
     "describe_group": lambda b, h: describe_group(b, _arg(h, "topic", str), _arg(h, "group", str)),

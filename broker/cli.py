@@ -20,12 +20,13 @@ from datetime import datetime
 from typing import Any
 
 from broker import exitcodes
-from broker.config import DEFAULT_BROKER, Option, add_options, check_address, resolve
+from broker.config import DEFAULT_BROKER, Option, add_options, check_address, endpoint, resolve
 from broker.errors import ConfigError, ConveyorError, OffsetOutOfRange, UnknownGroup
 from broker.settings import BrokerSettings, broker_options
+from broker.topic_settings import TOPIC_SETTINGS, check_topic_settings
 
 CLIENT_OPTIONS = [
-    Option("broker", DEFAULT_BROKER, "broker address"),
+    Option("broker", DEFAULT_BROKER, "broker address", endpoint),
     Option("curve-server-key", "", "the broker's CURVE public key (40 characters, or its .key file)"),
     Option("curve-key", "", "this client's CURVE certificate (.key_secret file)"),
 ]
@@ -277,10 +278,10 @@ def _topics_setup(parser: argparse.ArgumentParser) -> None:
     add_options(parser, CLIENT_OPTIONS)
     parser.add_argument(
         "action",
-        choices=["list", "create", "describe", "delete", "refresh"],
+        choices=["list", "create", "alter", "describe", "delete", "refresh"],
         nargs="?",
         default="list",
-        help="refresh: on a child broker, drop and re-mirror a topic from the parent",
+        help="alter: change settings live; refresh: on a child broker, drop and re-mirror a topic from the parent",
     )
     parser.add_argument("name", nargs="?")
     parser.add_argument(
@@ -288,7 +289,9 @@ def _topics_setup(parser: argparse.ArgumentParser) -> None:
         action="append",
         default=[],
         metavar="K=V",
-        help="topic setting for create (segment_bytes, retention_bytes, retention_ms, ...)",
+        help="a topic setting for create or alter: "
+        + ", ".join(f"{name} ({setting.help})" for name, setting in TOPIC_SETTINGS.items())
+        + "; sizes take KB/MB/GB or KiB/MiB/GiB, durations ms/s/m/h/d/w",
     )
     parser.add_argument("--format", choices=["table", "json"], default="table")
 
@@ -304,9 +307,14 @@ def cmd_topics(args: argparse.Namespace) -> int:
         else:
             if not args.name:
                 raise ConfigError(f"topics {args.action} needs a topic name")
+            config = dict(_pair(s) for s in args.set)  # sent as typed: the broker's settings table parses them
+            check_topic_settings({k: v for k, v in config.items() if k != "storage"})  # the same table, no broker
             if args.action == "create":
-                config = {k: _number(v) for k, v in (_pair(s) for s in args.set)}
                 result = admin.create_topic(args.name, **config)
+            elif args.action == "alter":
+                if not config:
+                    raise ConfigError("topics alter needs at least one --set K=V")
+                result = admin.alter_topic(args.name, **config)
             elif args.action == "describe":
                 result = admin.describe_topic(args.name)
             elif args.action == "refresh":
@@ -367,13 +375,6 @@ def _reset_target(text: str) -> Any:
     return {"timestamp": _timestamp_ms(text, "--to")}
 
 
-def _number(text: str) -> Any:
-    try:
-        return int(text)
-    except ValueError:
-        return {"true": True, "false": False}.get(text.lower(), text)
-
-
 def _show(result: Any, fmt: str, columns: list[str]) -> None:
     if fmt == "json" or not isinstance(result, list):
         print(json.dumps(result, indent=None if isinstance(result, list) else 2, default=str))
@@ -395,6 +396,8 @@ def _registry_setup(parser: argparse.ArgumentParser) -> None:
 def cmd_registry(args: argparse.Namespace) -> int:
     from broker.registry import serve
 
+    if not 0 <= args.port <= 65535:  # the socket layer would raise OverflowError, or wrap it
+        raise ConfigError(f"--port {args.port}: must be a port, 0-65535 (0: any free port)")
     server = serve(args.topology, host=args.host, port=args.port)
     print(f"conveyor registry ready on http://{args.host}:{server.server_address[1]} ({args.topology})", flush=True)
     try:
@@ -470,7 +473,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return int(args.handler(args))
     except ConveyorError as exc:
-        print(f"conveyor {args.command}: {exc}", file=sys.stderr)
+        for line in exc.message.splitlines() or [""]:  # one line per problem, each with its code
+            print(f"conveyor {args.command}: [{exc.name}] {line}", file=sys.stderr)
         return exitcodes.ERROR
     except KeyboardInterrupt:
         return exitcodes.INTERRUPTED

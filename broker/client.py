@@ -689,6 +689,13 @@ class Admin:
     def create_topic(self, name: str, **config: Any) -> dict[str, Any]:
         return self._admin("create_topic", topic=name, config=config)
 
+    def alter_topic(self, name: str, **config: Any) -> dict[str, Any]:
+        """Change a topic's settings live (``retention_ms="7d"``, ``read_only=True``, ...); its description after.
+
+        Each setting is checked as in ``create_topic``: a bad one is a ``ConfigError`` and nothing changes.
+        """
+        return self._admin("alter_topic", topic=name, config=config)
+
     def delete_topic(self, name: str) -> dict[str, Any]:
         return self._admin("delete_topic", topic=name)
 

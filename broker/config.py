@@ -1,40 +1,134 @@
-"""Options for every command: a flag, ``CONVEYOR_<OPTION>`` and a TOML key.
+"""Options for every command: a flag, ``CONVEYOR_<OPTION>`` and a TOML key, checked as a whole.
 
-Precedence, as in most twelve-factor tools: flag, then environment, then the
-``--config`` file (top-level keys or a ``[<command>]`` table), then the
-default in the option's declaration.
+Precedence, as in most twelve-factor tools: the flag, then
+``CONVEYOR_<COMMAND>_<OPTION>`` (``CONVEYOR_BROKER_METRICS_PORT``), then the
+shared ``CONVEYOR_<OPTION>``, then the ``--config`` file (the command's own
+``[<command>]`` table, then ``[client]`` for the options every client command
+shares, then top-level keys), then the default in the option's declaration.
+
+The whole configuration is checked before a command starts: every source of
+every option (a shadowed variable too), and every key and table of the TOML
+file, against the option's type, range or choices. Each problem is one line
+naming where it came from; a misspelt key gets a did-you-mean. One
+``ConfigError`` carries them all, so the user fixes everything in one go.
 """
 
 from __future__ import annotations
 
 import argparse
+import difflib
+import json
+import math
 import os
 import re
+import shlex
 import tomllib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from broker import units
 from broker.errors import ConfigError
 
 DEFAULT_BROKER = "tcp://127.0.0.1:5555"
 BROKER_ENV = "CONVEYOR_BROKER"
+INT32_MAX = 2**31 - 1  # zmq timers, poll timeouts and int socket options take a signed 32-bit count
+INT64_MAX = 2**63 - 1  # the wire (msgpack) and the offsets carry signed 64-bit integers
+CLIENT_TABLE = "client"
 
-_ENDPOINT = re.compile(r"^(tcp://[^\s/]+:[0-9]+|ipc://\S+|inproc://\S+)$")
+_ENDPOINT = re.compile(r"^tcp://(?P<host>[^\s/]+):(?P<port>\*|[0-9]+)$|^(ipc|inproc)://\S+$")
+
+
+# --- value types: each takes what a flag, a variable or a TOML key holds ------------------------
+
+
+def text(value: Any) -> str:
+    """A string."""
+    if not isinstance(value, str):
+        raise ValueError(f"must be a string, not {_toml(value)}")
+    return value
+
+
+def nonempty(value: Any) -> str:
+    """A string that is not empty (a path, a host)."""
+    if not text(value).strip():
+        raise ValueError("must not be empty")
+    return str(value)
+
+
+def number(value: Any) -> float:
+    """A finite number."""
+    if isinstance(value, bool):
+        raise ValueError(f"must be a number, not a boolean ({_toml(value)})")
+    if isinstance(value, int | float):
+        result = float(value)
+    elif isinstance(value, str):
+        try:
+            result = float(value)
+        except ValueError:
+            raise ValueError(f"must be a number, not {value!r}") from None
+    else:
+        raise ValueError(f"must be a number, not {_toml(value)}")
+    if not math.isfinite(result):
+        raise ValueError(f"must be a finite number, not {value!r}")
+    return result
+
+
+def endpoint(value: Any, *, bind: bool = False) -> str:
+    """``tcp://HOST:PORT`` (port 1-65535; ``*`` or 0 for any free port when binding) or ``ipc://PATH``."""
+    address = text(value)
+    match = _ENDPOINT.match(address)
+    if not match:
+        raise ValueError(
+            f"{address!r} is not a broker address: use tcp://HOST:PORT (like {DEFAULT_BROKER}) or ipc://PATH"
+        )
+    port = match.group("port")
+    if port is not None and port != "*":
+        low = 0 if bind else 1
+        if not low <= int(port) <= 65535:
+            raise ValueError(f"port {port} in {address!r} is out of range ({low}-65535{', or *' if bind else ''})")
+    elif port == "*" and not bind:
+        raise ValueError(f"{address!r}: a client needs the broker's port, not *")
+    return address
+
+
+def bind_endpoint(value: Any) -> str:
+    """An endpoint to bind: ``tcp://HOST:PORT``, port ``*`` for any free one."""
+    return endpoint(value, bind=True)
+
+
+def optional_endpoint(value: Any) -> str:
+    """An endpoint to connect to, or empty for none."""
+    return "" if text(value) == "" else endpoint(value)
+
+
+def optional_url(value: Any) -> str:
+    """``http://HOST:PORT[/PATH]``, or empty for none."""
+    url = text(value)
+    if url and not re.fullmatch(r"https?://[^\s/:]+(:[0-9]{1,5})?(/\S*)?", url):
+        raise ValueError(f"{url!r} is not an http:// URL (like http://127.0.0.1:8500)")
+    return url
 
 
 def check_address(address: str) -> str:
     """``address`` if it is an endpoint a client can connect to; else a ``ConfigError`` that says what is.
 
-    ZeroMQ would raise a bare EINVAL ("Invalid argument") for ``127.0.0.1:5555``.
+    ZeroMQ would raise a bare EINVAL ("Invalid argument") for ``127.0.0.1:5555``,
+    and would wrap a port over 65535 to another one.
     """
-    if not isinstance(address, str) or not _ENDPOINT.match(address):
-        raise ConfigError(
-            f"{address!r} is not a broker address: use tcp://HOST:PORT (like {DEFAULT_BROKER}) or ipc://PATH",
-            address=str(address),
-        )
-    return address
+    try:
+        return endpoint(address)
+    except ValueError as exc:
+        raise ConfigError(str(exc), address=str(address)) from None
+
+
+_BUILTIN_TYPES: dict[Any, Callable[[Any], Any]] = {
+    int: units.integer,
+    float: number,
+    str: text,
+    bool: units.boolean,
+}
 
 
 def broker_address(address: str | None = None) -> str:
@@ -57,12 +151,17 @@ def broker_address(address: str | None = None) -> str:
 
 @dataclass(frozen=True)
 class Option:
+    """One option's declaration: its name, default, help, and the schema its values are checked against."""
+
     name: str  # dashes, as on the command line: "data-dir"
     default: Any
     help: str
-    type: Callable[[str], Any] = str
+    type: Callable[[Any], Any] = str  # str, int, float, bool, or a parser such as units.size_bytes
     flag: bool = False  # a boolean switch
     repeat: bool = False  # may be given several times; values are joined with commas
+    minimum: float | None = None
+    maximum: float | None = None  # integers get a ceiling anyway: INT32_MAX for *_ms, INT64_MAX for others
+    choices: tuple[str, ...] = ()  # case-insensitive; the value is the choice as declared
 
     @property
     def dest(self) -> str:
@@ -72,20 +171,43 @@ class Option:
     def env(self) -> str:
         return "CONVEYOR_" + self.dest.upper()
 
+    def command_env(self, command: str) -> str:
+        """The variable for this option of one command only: ``CONVEYOR_BROKER_METRICS_PORT``."""
+        return f"CONVEYOR_{command.upper()}_{self.dest.upper()}"
 
-def parse_bool(text: str) -> bool:
-    lowered = str(text).strip().lower()
-    if lowered in ("1", "true", "yes", "on"):
-        return True
-    if lowered in ("0", "false", "no", "off", ""):
-        return False
-    raise ConfigError(f"not a boolean: {text!r}")
+    def check(self, raw: Any) -> Any:
+        """The option's value from a raw one (a string, or any TOML value); ``ValueError`` says what is wrong."""
+        if self.repeat and isinstance(raw, list):
+            raw = ",".join(text(item) for item in raw)
+        parse = units.boolean if self.flag else _BUILTIN_TYPES.get(self.type, self.type)
+        value = parse(raw)
+        if self.choices:
+            chosen = {c.lower(): c for c in self.choices}.get(str(value).lower())
+            if chosen is None:
+                raise ValueError(f"must be one of {', '.join(self.choices)}, not {raw!r}")
+            return chosen
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            return value
+        if self.minimum is not None and value < self.minimum:
+            raise ValueError(f"must be at least {_n(self.minimum)}, not {_n(value)}")
+        ceiling = self.maximum
+        if ceiling is None and isinstance(value, int):
+            ceiling = INT32_MAX if self.dest.endswith("_ms") else INT64_MAX
+        if ceiling is not None and value > ceiling:
+            raise ValueError(f"must be at most {_n(ceiling)}, not {_n(value)}")
+        return value
 
 
-def add_options(parser: argparse.ArgumentParser, options: Sequence[Option]) -> None:
+# Every command's options, recorded as their parsers are built, so a config file is checked as a whole.
+COMMAND_OPTIONS: dict[str, Sequence[Option]] = {}
+
+
+def add_options(parser: argparse.ArgumentParser, options: Sequence[Option], command: str | None = None) -> None:
+    command = command or parser.prog.split()[-1]
+    COMMAND_OPTIONS[command] = options
     parser.add_argument("--config", default=os.environ.get("CONVEYOR_CONFIG"), help="TOML file with options")
     for opt in options:
-        help_text = f"{opt.help} (env {opt.env}; default {opt.default!r})"
+        help_text = f"{opt.help} (env {opt.command_env(command)} or {opt.env}; default {opt.default!r})"
         if opt.flag:
             parser.add_argument(f"--{opt.name}", dest=opt.dest, action="store_const", const=True, help=help_text)
             parser.add_argument(f"--no-{opt.name}", dest=opt.dest, action="store_const", const=False)
@@ -96,39 +218,179 @@ def add_options(parser: argparse.ArgumentParser, options: Sequence[Option]) -> N
 
 
 def resolve(args: argparse.Namespace, options: Sequence[Option], command: str) -> dict[str, Any]:
-    """Fill every option from flag, env, file or default, converted to its type."""
-    file_values = _load_toml(args.config, command) if getattr(args, "config", None) else {}
+    """Every option's value from the first source that has one; ``ConfigError`` listing every problem found."""
+    problems: list[str] = []
+    config = ConfigFile.load(args.config, command, problems) if getattr(args, "config", None) else None
+    problems += _unknown_command_variables(options, command)
     values: dict[str, Any] = {}
     for opt in options:
-        raw = getattr(args, opt.dest, None)
-        if raw is None:
-            raw = os.environ.get(opt.env)
-        if raw is None:
-            raw = file_values.get(opt.name, file_values.get(opt.dest))
-        values[opt.dest] = opt.default if raw is None else _convert(opt, raw)
+        found = False
+        for label, raw in _sources(args, opt, command):
+            try:
+                value = opt.check(raw)
+            except (ValueError, ConfigError) as exc:
+                problems.append(f"{label}: {getattr(exc, 'message', exc)}")
+                continue
+            if not found:
+                values[opt.dest], found = value, True
+        if not found and config is not None:
+            found, value = config.value(opt)
+            if found:
+                values[opt.dest] = value
+        if not found:
+            values[opt.dest] = opt.default
+    if problems:
+        raise ConfigError("\n".join(problems), problems=problems)
     return values
 
 
-def _convert(opt: Option, raw: Any) -> Any:
-    if opt.repeat and isinstance(raw, list):
-        raw = ",".join(str(item) for item in raw)
-    if opt.flag or opt.type is bool:
-        return raw if isinstance(raw, bool) else parse_bool(raw)
-    if not isinstance(raw, str):
-        return raw
-    try:
-        return opt.type(raw)
-    except (TypeError, ValueError) as exc:
-        raise ConfigError(f"--{opt.name}: {exc}", option=opt.name) from None
+def _sources(args: argparse.Namespace, opt: Option, command: str) -> Iterator[tuple[str, Any]]:
+    """Flag and variables that give ``opt`` a value, best first; all are checked, the first wins."""
+    raw = getattr(args, opt.dest, None)
+    if raw is not None:
+        if opt.flag:
+            yield f"--{opt.name if raw else 'no-' + opt.name}", raw
+        elif opt.repeat:
+            yield " ".join(f"--{opt.name} {shlex.quote(str(item))}" for item in raw), raw
+        else:
+            yield f"--{opt.name} {shlex.quote(str(raw))}", raw
+    for name in (opt.command_env(command), opt.env):
+        if name in os.environ:
+            yield f"{name}={os.environ[name]}", os.environ[name]
 
 
-def _load_toml(path: str, command: str) -> dict[str, Any]:
-    try:
-        data = tomllib.loads(Path(path).read_text())
-    except FileNotFoundError:
-        raise ConfigError(f"config file {path} not found", path=path) from None
-    except tomllib.TOMLDecodeError as exc:
-        raise ConfigError(f"config file {path}: {exc}", path=path) from None
-    section = data.get(command, {})
-    top = {k: v for k, v in data.items() if not isinstance(v, dict)}
-    return {**top, **(section if isinstance(section, dict) else {})}
+def _unknown_command_variables(options: Sequence[Option], command: str) -> list[str]:
+    """``CONVEYOR_<COMMAND>_<X>`` where X is none of the command's options: a misspelt variable."""
+    prefix = f"CONVEYOR_{command.upper()}_"
+    known = {opt.command_env(command) for opt in options}
+    problems = []
+    for name in sorted(os.environ):
+        if name.startswith(prefix) and name not in known:
+            close = difflib.get_close_matches(name, known, n=1)
+            hint = f" (did you mean {close[0]}?)" if close else ""
+            problems.append(f"{name}: conveyor {command} has no such option{hint}")
+    return problems
+
+
+@dataclass
+class ConfigFile:
+    """A ``--config`` TOML file, checked as a whole: unknown keys and tables, and every value's type and range."""
+
+    path: str
+    tables: dict[str, dict[str, Any]]  # "" is the top level; values already checked
+    command: str
+
+    @classmethod
+    def load(cls, path: str, command: str, problems: list[str]) -> ConfigFile:
+        try:
+            raw_text = Path(path).read_text()
+        except FileNotFoundError:
+            raise ConfigError(f"config file {path} not found", path=path) from None
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ConfigError(f"config file {path}: cannot be read ({exc})", path=path) from None
+        try:
+            data = tomllib.loads(raw_text)
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"config file {path}: {_toml_problem(raw_text, exc)}", path=path) from None
+        config = cls(path, {"": {}}, command)
+        config._check(data, problems)
+        return config
+
+    def _check(self, data: dict[str, Any], problems: list[str]) -> None:
+        tables = {**COMMAND_OPTIONS, CLIENT_TABLE: _client_options()}
+        every = {opt.dest: opt for options in tables.values() for opt in options}
+        mine = {opt.dest: opt for opt in COMMAND_OPTIONS.get(self.command, ())}
+        for key, value in data.items():
+            if isinstance(value, dict):
+                if key not in tables:
+                    problems.append(f"{self.path}: unknown table [{key}]{_did_you_mean(key, tables, '[{}]')}")
+                    continue
+                known = {opt.dest: opt for opt in tables[key]}
+                self.tables[key] = self._check_table(f"[{key}] ", value, known, problems)
+            else:
+                opt = mine.get(_dest(key)) or every.get(_dest(key))
+                if opt is None:
+                    problems.append(f"{self.path}: unknown key {key}{_did_you_mean(_dest(key), every)}")
+                    continue
+                self.tables[""].update(self._check_table("", {key: value}, {opt.dest: opt}, problems))
+
+    def _check_table(
+        self, where: str, values: dict[str, Any], known: dict[str, Option], problems: list[str]
+    ) -> dict[str, Any]:
+        checked: dict[str, Any] = {}
+        for key, raw in values.items():
+            opt = known.get(_dest(key))
+            if opt is None:
+                problems.append(f"{self.path}: unknown key {where}{key}{_did_you_mean(_dest(key), known)}")
+                continue
+            try:
+                checked[opt.dest] = opt.check(raw)
+            except (ValueError, ConfigError) as exc:
+                problems.append(f"{self.path}: {where}{key} = {_toml(raw)}: {getattr(exc, 'message', exc)}")
+        return checked
+
+    def value(self, opt: Option) -> tuple[bool, Any]:
+        """``opt``'s value from the command's table, ``[client]`` or the top level, in that order."""
+        for table in (self.command, CLIENT_TABLE, ""):
+            if table == CLIENT_TABLE and opt.dest not in {o.dest for o in _client_options()}:
+                continue
+            values = self.tables.get(table, {})
+            if opt.dest in values:
+                return True, values[opt.dest]
+        return False, None
+
+
+def _client_options() -> Sequence[Option]:
+    """The options every client command shares, the ones a ``[client]`` table holds."""
+    shared: set[str] | None = None
+    by_dest: dict[str, Option] = {}
+    for options in COMMAND_OPTIONS.values():
+        dests = {opt.dest for opt in options}
+        if "broker" in dests:  # a client command
+            shared = dests if shared is None else shared & dests
+            by_dest.update({opt.dest: opt for opt in options})
+    return [by_dest[d] for d in sorted(shared or ())]
+
+
+def _toml_problem(raw_text: str, exc: tomllib.TOMLDecodeError) -> str:
+    if _top_level_broker_key(raw_text) and re.search(r"(?m)^\s*\[\s*broker\s*\]", raw_text):
+        return (
+            "a top-level `broker = ...` (the address clients connect to) and a [broker] table (the broker's "
+            'options) cannot both be in one TOML file: put the address in a [client] table (broker = "tcp://...")'
+        )
+    return f"not valid TOML ({exc})"
+
+
+def _top_level_broker_key(raw_text: str) -> bool:
+    for line in raw_text.splitlines():
+        if re.match(r"\s*\[", line):
+            return False  # top-level keys come before the first table
+        if re.match(r"\s*broker\s*=", line):
+            return True
+    return False
+
+
+def _did_you_mean(name: str, known: Any, form: str = "{}") -> str:
+    close = difflib.get_close_matches(name, list(known), n=1)
+    return f" (did you mean {form.format(close[0])}?)" if close else ""
+
+
+def _dest(key: str) -> str:
+    return key.replace("-", "_")
+
+
+def _toml(value: Any) -> str:
+    """A value as TOML writes it: true, "text", [1, 2]."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, list):
+        return "[" + ", ".join(_toml(v) for v in value) + "]"
+    if isinstance(value, dict):
+        return "a table"
+    if isinstance(value, str):
+        return json.dumps(value)
+    return str(value)
+
+
+def _n(value: float) -> str:
+    return str(int(value)) if float(value).is_integer() else str(value)

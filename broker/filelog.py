@@ -127,6 +127,10 @@ class FileLog(TopicLog):
             fsync_dir(self.directory)
         return segment
 
+    def reconfigure(self, config: TopicConfig) -> None:
+        super().reconfigure(config)
+        self.segments[-1].index_interval = config.index_interval_bytes  # older segments are sealed
+
     # --- primitives ----------------------------------------------------------
 
     def _write(self, header: bytes, body: bytes, base_offset: int, count: int, timestamp_ms: int) -> None:

@@ -27,12 +27,14 @@ from broker.errors import ConveyorError
 from broker.protocol import Command, Frame, decode, encode, error_from_header
 from broker.record import Batch, pack_records, unpack_records
 from broker.security import secure_client
-from monitoring.health import DEGRADED, HEALTHY, UNHEALTHY
 
 if TYPE_CHECKING:
     from broker.server import Broker
 
 log = logging.getLogger("conveyor.mirror")
+
+HEALTHY, DEGRADED, UNHEALTHY = "HEALTHY", "DEGRADED", "UNHEALTHY"
+STATUS_CODES = {HEALTHY: 0, DEGRADED: 1, UNHEALTHY: 2}
 
 
 @dataclass(frozen=True)
@@ -192,7 +194,7 @@ class Mirror:
             store.create_topic(name, read_only=True, extra={"mirror_of": self.settings.upstream})
         log_ = store.topic(name)
         if not log_.config.read_only:
-            store.update_topic(name, read_only=True, extra={"mirror_of": self.settings.upstream})
+            store.alter_topic(name, read_only=True, extra={"mirror_of": self.settings.upstream})
         if log_.end_offset == 0 and parent_start > 0:
             log_.reset_to(parent_start)  # the parent's retention already moved its start
         mirror = TopicMirror(name, parent_end=parent_end, parent_start=parent_start)

@@ -1,11 +1,30 @@
-"""The broker's settings: every option with its safe default in one place."""
+"""The broker's settings: every option with its safe default, its help and its schema in one place.
+
+The schema (``RULES``) is what ``conveyor broker`` checks flags, variables and
+TOML keys against, and what ``BrokerSettings`` checks its own fields against
+when it is built in Python: one set of rules for both.
+"""
 
 from __future__ import annotations
 
+import os
+from collections.abc import Callable
 from dataclasses import dataclass, fields
 from typing import Any
 
-from broker.config import Option, check_address, parse_bool
+from broker import units
+from broker.config import (
+    INT32_MAX,
+    Option,
+    bind_endpoint,
+    nonempty,
+    optional_endpoint,
+    optional_url,
+    text,
+)
+from broker.errors import ConfigError
+from broker.storage import FsyncPolicy
+from broker.topic_settings import TOPIC_SETTINGS
 
 MiB = 1 << 20
 
@@ -50,8 +69,21 @@ class BrokerSettings:
     registry_poll_ms: int = 5000
 
     def __post_init__(self) -> None:
-        if self.upstream:
-            check_address(self.upstream)
+        """The same rules as the command line: a broker built in Python cannot hold a value the CLI refuses."""
+        problems = []
+        for opt in broker_options():
+            value = getattr(self, opt.dest)
+            try:
+                checked = opt.check(os.fspath(value) if isinstance(value, os.PathLike) else value)
+            except (ValueError, ConfigError) as exc:
+                problems.append(f"{opt.dest}={value!r}: {getattr(exc, 'message', exc)}")
+                continue
+            if checked != value or type(checked) is not type(value):
+                object.__setattr__(self, opt.dest, checked)
+        if not problems and self.default_credit > self.max_credit:
+            problems.append(f"default_credit {self.default_credit} is above max_credit {self.max_credit}")
+        if problems:
+            raise ConfigError("\n".join(problems), problems=problems)
 
 
 HELP = {
@@ -79,7 +111,7 @@ HELP = {
     "rcvhwm": "ZeroMQ receive high-water mark",
     "disk_free_min_bytes": "free space under which /healthz says DEGRADED",
     "fsync_warn_seconds": "a group commit slower than this makes /healthz say DEGRADED",
-    "log_level": "DEBUG, INFO, WARNING or ERROR",
+    "log_level": "DEBUG, INFO, WARNING, ERROR or CRITICAL",
     "curve_secret_key": "the broker's CURVE certificate (.key_secret from `conveyor keys`): encrypt and authenticate",
     "curve_authorized_keys": "directory of client public certificates (.key) allowed in with CURVE",
     "metrics": "update metrics (--no-metrics only to measure what they cost; /healthz stays)",
@@ -94,19 +126,71 @@ HELP = {
 }
 
 
+def fsync_policy(value: Any) -> str:
+    """batch, none or interval:MS."""
+    return str(FsyncPolicy.parse(text(value)))
+
+
+def topic_default(name: str) -> Callable[[Any], Any]:
+    """The broker's default for a topic setting: checked by the topic settings table, as ``--set`` is."""
+    setting = TOPIC_SETTINGS[name]
+
+    def check(value: Any) -> Any:
+        return setting.check(value)
+
+    return check
+
+
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+PORT = {"minimum": -1, "maximum": 65535}
+
+# Type, range and choices of each option (integers have a ceiling anyway: 2^31-1 for *_ms, 2^63-1 for others).
+RULES: dict[str, dict[str, Any]] = {
+    "bind": {"type": bind_endpoint},
+    "data_dir": {"type": nonempty},
+    "fsync": {"type": fsync_policy},
+    "metrics_port": PORT,
+    "metrics_bind": {"type": nonempty},
+    "heartbeat_ms": {"minimum": 1},
+    "liveness": {"minimum": 1},
+    "ack_timeout_ms": {"minimum": 1},
+    "max_deliveries": {"minimum": 1},
+    "max_message_bytes": {"type": units.size_bytes, "minimum": 1, "maximum": INT32_MAX},
+    "max_batch_bytes": {"type": units.size_bytes, "minimum": 1, "maximum": INT32_MAX},  # a 32-bit record length
+    "max_credit": {"minimum": 1},
+    "default_credit": {"minimum": 1},
+    "max_fetch_wait_ms": {"minimum": 0},
+    "segment_bytes": {"type": topic_default("segment_bytes"), "maximum": TOPIC_SETTINGS["segment_bytes"].maximum},
+    "retention_bytes": {"type": topic_default("retention_bytes"), "maximum": TOPIC_SETTINGS["retention_bytes"].maximum},
+    "retention_ms": {"type": topic_default("retention_ms"), "maximum": TOPIC_SETTINGS["retention_ms"].maximum},
+    "offsets_commit_ms": {"minimum": 1},
+    "sndhwm": {"minimum": 0, "maximum": INT32_MAX},
+    "rcvhwm": {"minimum": 0, "maximum": INT32_MAX},
+    "disk_free_min_bytes": {"type": units.size_bytes, "minimum": 0},
+    "fsync_warn_seconds": {"minimum": 0},
+    "log_level": {"choices": LOG_LEVELS},
+    "upstream": {"type": optional_endpoint},
+    "mirror_gap_policy": {"choices": ("resync", "stop")},
+    "mirror_lag_threshold": {"minimum": 0},
+    "mirror_unreachable_after_ms": {"minimum": 1},
+    "registry": {"type": optional_url},
+    "registry_poll_ms": {"minimum": 1},
+}
+
+
 def broker_options() -> list[Option]:
     out = []
     for f in fields(BrokerSettings):
         default: Any = f.default
-        kind: Any = parse_bool if isinstance(default, bool) else type(default)
+        rules = {"type": type(default), **RULES.get(f.name, {})}
         out.append(
             Option(
                 f.name.replace("_", "-"),
                 default,
                 HELP[f.name],
-                kind,
                 flag=isinstance(default, bool),
                 repeat=f.name == "mirror",
+                **rules,
             )
         )
     return out

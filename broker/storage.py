@@ -11,17 +11,15 @@ from __future__ import annotations
 import re
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable
-from dataclasses import asdict, dataclass, field, fields
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Mapping
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any
 
-from broker.errors import ConfigError, ConveyorError, OffsetOutOfRange
+from broker.errors import ConfigError, OffsetOutOfRange
 from broker.producers import ProducerState
 from broker.record import NO_PRODUCER, Batch, encode_header
 from broker.tailcache import TailCache
-
-if TYPE_CHECKING:
-    from broker.iohealth import IoHealth
+from broker.topic_settings import INT32_MAX, TOPIC_SETTINGS, check_topic_setting, check_topic_settings
 
 MiB = 1 << 20
 
@@ -39,6 +37,8 @@ class FsyncPolicy:
         if not match:
             raise ConfigError(f"fsync policy must be batch, none or interval:MS, not {text!r}")
         if match.group(2):
+            if int(match.group(2)) > INT32_MAX:  # it becomes a poll timeout: zmq takes a signed 32-bit count of ms
+                raise ConfigError(f"fsync interval:MS must be at most interval:{INT32_MAX}, not {text!r}")
             return cls("interval", int(match.group(2)))
         return cls("batch" if match.group(1) == "always" else match.group(1))
 
@@ -48,7 +48,13 @@ class FsyncPolicy:
 
 @dataclass(slots=True)
 class TopicConfig:
-    """Per-topic settings, stored beside the topic's segments."""
+    """Per-topic settings, stored beside the topic's segments (``topic.json``).
+
+    Each field is checked and normalised by the table in
+    ``broker.topic_settings`` when the config is made, so ``retention_ms`` is
+    an int here even when it was given as ``"7d"``. ``extra`` holds what the
+    broker itself records (a mirrored topic's upstream), not user settings.
+    """
 
     storage: str = "file"
     segment_bytes: int = 128 * MiB
@@ -59,25 +65,63 @@ class TopicConfig:
     read_only: bool = False
     extra: dict[str, Any] = field(default_factory=dict)
 
+    def __post_init__(self) -> None:
+        for name in TOPIC_SETTINGS:
+            setattr(self, name, check_topic_setting(name, getattr(self, name)))
+        if not isinstance(self.extra, dict):
+            raise ConfigError(f"topic extra must be a map, not {type(self.extra).__name__}")
+
+    def with_settings(self, settings: Mapping[str, Any], *, extra: Mapping[str, Any] | None = None) -> TopicConfig:
+        """This config with ``settings`` applied, all checked first (one ``ConfigError`` naming every bad one)."""
+        checked = check_topic_settings(settings)
+        return replace(self, **checked, extra={**self.extra, **(extra or {})})
+
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> TopicConfig:
-        known = {f.name for f in fields(cls)} - {"extra"}
-        unknown = {k: v for k, v in data.items() if k not in known and k != "extra"}
-        config = cls(**{k: v for k, v in data.items() if k in known})
-        config.extra.update(data.get("extra", {}), **unknown)
-        config.validate()
-        return config
+    def from_stored(
+        cls, data: Mapping[str, Any], defaults: TopicConfig
+    ) -> tuple[TopicConfig, list[StoredSettingError]]:
+        """The config in ``topic.json``; a bad setting falls back to ``defaults`` and is returned as an error.
+
+        A broker never stops because of a stored setting: it reports it
+        (the caller logs and counts each) and serves the topic with the default.
+        """
+        values: dict[str, Any] = {}
+        errors: list[StoredSettingError] = []
+        for name, value in data.items():
+            if name == "extra":
+                if isinstance(value, dict):
+                    values["extra"] = dict(value)
+                else:
+                    errors.append(StoredSettingError(name, value, {}, "must be a map"))
+                continue
+            try:
+                values[name] = check_topic_setting(name, value)
+            except ConfigError as exc:
+                used = getattr(defaults, name, None) if name in TOPIC_SETTINGS else None
+                reason = exc.message.removeprefix(f"topic setting {name}: ")
+                errors.append(StoredSettingError(name, value, used, reason))
+        values.setdefault("extra", {})
+        return replace(defaults, **values), errors
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
-    def validate(self) -> None:
-        if self.segment_bytes < 1024:
-            raise ConfigError("segment_bytes must be at least 1024", limit=1024)
-        if self.index_interval_bytes < 1:
-            raise ConfigError("index_interval_bytes must be positive")
-        if self.cache_bytes < 0:
-            raise ConfigError("cache_bytes must be >= 0")
+    def settings(self) -> dict[str, Any]:
+        """The user-visible settings (no ``extra``)."""
+        return {name: getattr(self, name) for name in TOPIC_SETTINGS}
+
+
+@dataclass(frozen=True, slots=True)
+class StoredSettingError:
+    """A setting in ``topic.json`` the table refused; the topic uses ``used`` instead."""
+
+    setting: str
+    stored: Any
+    used: Any
+    error: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"setting": self.setting, "stored": self.stored, "used": self.used, "error": self.error}
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,7 +153,6 @@ class TopicLog(ABC):
         self.producers = ProducerState()
         self.cache = TailCache(config.cache_bytes)
         self._last_sync = clock()
-        self.io_health: IoHealth | None = None  # the store's: writes and syncs report their outcome there
 
     # --- the primitives a backend provides ------------------------------------
 
@@ -176,12 +219,7 @@ class TopicLog(ABC):
         base = self.end_offset
         ts = int(self.clock() * 1000) if timestamp_ms is None else timestamp_ms
         header = encode_header(base, count, ts, body, producer_id=producer_id, sequence=sequence)
-        try:
-            self._write(header, body, base, count, ts)
-        except ConveyorError as exc:
-            self._io_outcome("append", exc)
-            raise
-        self._io_outcome("append")
+        self._write(header, body, base, count, ts)
         self.end_offset = base + count
         self.cache.add(Batch(base, count, ts, body, producer_id, sequence))
         if producer_id != NO_PRODUCER:
@@ -226,22 +264,9 @@ class TopicLog(ABC):
         (shutdown, roll). Under ``interval`` the broker calls ``maybe_sync``.
         """
         if (self.fsync.mode != "none" and self.dirty) or force:
-            try:
-                self._sync()
-            except ConveyorError as exc:
-                self._io_outcome("fsync", exc)
-                raise
-            self._io_outcome("fsync")
+            self._sync()
         self.durable_offset = self.end_offset
         self._last_sync = self.clock()
-
-    def _io_outcome(self, op: str, error: ConveyorError | None = None) -> None:
-        """Tell the store's ``IoHealth`` how a real write or sync went."""
-        if self.io_health is not None:
-            if error is None:
-                self.io_health.worked(op, self.name)
-            else:
-                self.io_health.failed(op, self.name, error)
 
     def maybe_sync(self) -> bool:
         """Sync if the interval policy says it is due; return whether it did."""
@@ -268,6 +293,11 @@ class TopicLog(ABC):
         self.durable_offset = min(self.durable_offset, offset)
         self.cache.truncate(offset)
         self.producers.truncate(offset)
+
+    def reconfigure(self, config: TopicConfig) -> None:
+        """Apply altered settings live: retention at its next pass, segment size at the next roll."""
+        self.config = config
+        self.cache.resize(config.cache_bytes)
 
     def reset_to(self, offset: int) -> None:
         """Drop everything and start empty at ``offset`` (a mirror resync or refresh)."""

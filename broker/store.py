@@ -8,6 +8,7 @@ then one atomic write per topic whose groups moved.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -15,8 +16,8 @@ import re
 import shutil
 import threading
 import time
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -33,9 +34,9 @@ from broker.errors import (
 )
 from broker.filelog import QUARANTINE_DIR, FileLog
 from broker.fsutil import atomic_write, fsync_dir, make_dirs, storage_errors
-from broker.iohealth import IoHealth
 from broker.memlog import MemoryLog
-from broker.storage import FsyncPolicy, TopicConfig, TopicLog
+from broker.storage import FsyncPolicy, StoredSettingError, TopicConfig, TopicLog
+from broker.topic_settings import FIXED_AT_CREATION, STORAGES
 
 NAME_RE = re.compile(r"[A-Za-z0-9._-]{1,200}")
 TOPIC_FILE = "topic.json"
@@ -61,7 +62,6 @@ class OffsetWriter:
         self,
         *,
         on_error: Callable[[Path, ConveyorError], None] | None = None,
-        on_written: Callable[[Path], None] | None = None,
         backoff: float = 0.25,
         max_backoff: float = 2.0,
     ) -> None:
@@ -71,7 +71,6 @@ class OffsetWriter:
         self._closed = False
         self._flush_asked = self._flush_done = 0  # flush generations: asked by flush(), done by the thread
         self._on_error = on_error
-        self._on_written = on_written
         self._backoff, self._max_backoff = backoff, max_backoff
         self._thread = threading.Thread(target=self._run, name="conveyor-offsets", daemon=True)
         self._thread.start()
@@ -126,8 +125,6 @@ class OffsetWriter:
         """Under the lock: after one write of ``path``, end its failure streak or extend it."""
         streak = self._failing.get(path)
         if error is None:
-            if self._on_written is not None:
-                self._on_written(path)
             if streak is not None:
                 del self._failing[path]
                 log.warning("offsets file %s written again after %d failed attempt(s)", path, streak.failures)
@@ -193,6 +190,7 @@ BACKENDS: dict[str, LogFactory] = {"file": _file_backend, "memory": _memory_back
 def register_backend(name: str, factory: LogFactory) -> None:
     """Add a storage backend, selected per topic with ``storage=<name>``."""
     BACKENDS[name] = factory
+    STORAGES.add(name)
 
 
 def check_name(name: str, what: str = "topic") -> str:
@@ -210,8 +208,13 @@ class Store:
         defaults: TopicConfig | None = None,
         quarantine: bool = False,
         offsets_write_errors: Any = None,
+        topic_config_errors: Any = None,
     ) -> None:
-        """``offsets_write_errors``: a counter labelled by topic, incremented at each failed ``groups.json`` write."""
+        """``offsets_write_errors``: a counter labelled by topic, incremented at each failed ``groups.json`` write.
+
+        ``topic_config_errors``: a counter labelled by topic and setting, incremented for each stored
+        setting ``topic.json`` holds that the table refuses (the topic uses the default instead).
+        """
         self.data_dir = Path(data_dir)
         self.topics_dir = self.data_dir / "topics"
         self.fsync = FsyncPolicy.parse(fsync) if isinstance(fsync, str) else fsync
@@ -223,7 +226,9 @@ class Store:
         # Topics whose groups.json was quarantined at this start: any group created there may be an old one.
         self.groups_quarantined: set[str] = set()
         self._offsets_write_errors = offsets_write_errors
-        self.io_health = IoHealth()
+        self._topic_config_errors = topic_config_errors
+        # Stored settings refused at this start, per topic, until an alter rewrites its topic.json.
+        self.config_errors: dict[str, list[StoredSettingError]] = {}
         # Before anything is read or recovered: a second process on this directory would cut our tail.
         self.lock = DataDirLock(self.data_dir)
         try:
@@ -235,14 +240,46 @@ class Store:
                 topic_log.close()
             self.lock.release()
             raise
-        self._offsets = OffsetWriter(on_error=self._offsets_failed, on_written=self._offsets_written)
+        self._offsets = OffsetWriter(on_error=self._count_offsets_error)
 
     def _open_topics(self) -> None:
         for directory in sorted(self.topics_dir.iterdir()):
             if directory.is_dir() and (directory / TOPIC_FILE).exists():
-                config = _read_config(directory / TOPIC_FILE)
+                config = self._read_config(directory.name, directory / TOPIC_FILE)
                 self.logs[directory.name] = self._make_log(directory.name, config)
                 self.groups[directory.name] = self._read_groups(directory.name, directory / GROUPS_FILE)
+
+    def _read_config(self, topic: str, path: Path) -> TopicConfig:
+        """A topic's stored settings; each one the table refuses is reported, counted, and replaced by the default."""
+        config, errors = TopicConfig.from_stored(_read_json(path), self.defaults)
+        if config.storage == "memory":  # a memory topic has no directory: this one's segments must stay served
+            errors.append(StoredSettingError("storage", "memory", "file", "a topic stored on disk is a file topic"))
+            config = replace(config, storage="file")
+        for error in errors:
+            if error.used is None:  # not a setting this version knows: dropped at the next rewrite
+                log.error("topic %s: stored setting %s in %s is ignored (%s)", topic, error.setting, path, error.error)
+            else:
+                self._log_refused(topic, path, error)
+            if self._topic_config_errors is not None:
+                self._topic_config_errors.labels(topic, error.setting).inc()
+        if errors:
+            self.config_errors[topic] = errors
+        return config
+
+    @staticmethod
+    def _log_refused(topic: str, path: Path, error: StoredSettingError) -> None:
+        log.error(
+            "topic %s: stored setting %s = %s in %s is refused (%s); using %r instead "
+            "(fix it with: conveyor topics alter %s --set %s=VALUE)",
+            topic,
+            error.setting,
+            _short(error.stored),
+            path,
+            error.error,
+            error.used,
+            topic,
+            error.setting,
+        )
 
     def _read_groups(self, topic: str, path: Path) -> dict[str, dict[str, Any]]:
         """A topic's groups; a corrupt file stops the start, or with ``quarantine`` is moved aside."""
@@ -276,43 +313,38 @@ class Store:
             reason.message,
         )
 
-    def _offsets_failed(self, path: Path, error: ConveyorError) -> None:
+    def _count_offsets_error(self, path: Path, error: ConveyorError) -> None:
         if self._offsets_write_errors is not None:
             self._offsets_write_errors.labels(path.parent.name).inc()
-        self.io_health.failed("offsets", path.parent.name, error)
-
-    def _offsets_written(self, path: Path) -> None:
-        self.io_health.worked("offsets", path.parent.name)
 
     def _make_log(self, name: str, config: TopicConfig) -> TopicLog:
         factory = BACKENDS.get(config.storage)
         if factory is None:
             raise UnknownTopic(f"topic {name} uses unknown storage {config.storage!r}", topic=name)
         if config.storage == "file":
-            made: TopicLog = FileLog(name, self.topics_dir / name, config, fsync=self.fsync, quarantine=self.quarantine)
-        else:
-            made = factory(name, self.topics_dir / name, config, self.fsync)
-        made.io_health = self.io_health
-        return made
+            return FileLog(name, self.topics_dir / name, config, fsync=self.fsync, quarantine=self.quarantine)
+        return factory(name, self.topics_dir / name, config, self.fsync)
 
     # --- topics ----------------------------------------------------------------
 
-    def create_topic(self, name: str, **config: Any) -> TopicLog:
+    def create_topic(
+        self,
+        name: str,
+        settings: Mapping[str, Any] | None = None,
+        *,
+        extra: Mapping[str, Any] | None = None,
+        **more: Any,
+    ) -> TopicLog:
+        """A new topic with the broker's defaults and ``settings``; every one is checked before anything is written."""
         check_name(name)
         if name in self.logs:
             raise TopicExists(f"topic {name} exists", topic=name)
-        merged = {**self.defaults.to_dict(), **config}
-        topic_config = TopicConfig.from_dict(merged)
+        topic_config = self.defaults.with_settings({**(settings or {}), **more}, extra=extra)
         directory = self.topics_dir / name
         if topic_config.storage != "memory":  # memory topics are ephemeral: nothing on disk
-            try:
-                with storage_errors(str(directory)):
-                    make_dirs(directory)  # its entry in topics/ is synced: a power cut keeps the new topic
-                    atomic_write(directory / TOPIC_FILE, json.dumps(topic_config.to_dict(), sort_keys=True).encode())
-            except ConveyorError as exc:
-                self.io_health.failed("create_topic", name, exc)
-                raise
-            self.io_health.worked("create_topic", name)
+            with storage_errors(str(directory)):
+                make_dirs(directory)  # its entry in topics/ is synced: a power cut keeps the new topic
+                atomic_write(directory / TOPIC_FILE, json.dumps(topic_config.to_dict(), sort_keys=True).encode())
         self.logs[name] = self._make_log(name, topic_config)
         self.groups[name] = {}
         return self.logs[name]
@@ -334,16 +366,53 @@ class Store:
         self.groups.pop(name, None)
         self._dirty_groups.discard(name)
         self._offsets.discard(self.topics_dir / name / GROUPS_FILE)
-        self.io_health.forget(name)
+        self._forget_config_errors(name)
         with storage_errors(name):
             shutil.rmtree(self.topics_dir / name, ignore_errors=True)
             fsync_dir(self.topics_dir)
 
-    def update_topic(self, name: str, **config: Any) -> TopicConfig:
-        log = self.topic(name)
-        log.config = TopicConfig.from_dict({**log.config.to_dict(), **config})
-        atomic_write(self.topics_dir / name / TOPIC_FILE, json.dumps(log.config.to_dict(), sort_keys=True).encode())
-        return log.config
+    def alter_topic(
+        self,
+        name: str,
+        settings: Mapping[str, Any] | None = None,
+        *,
+        extra: Mapping[str, Any] | None = None,
+        **more: Any,
+    ) -> TopicConfig:
+        """Change a topic's settings live; ``topic.json`` is replaced atomically before they apply.
+
+        Every setting is checked first; nothing changes if one is refused. The
+        rewritten file holds the values in use, so settings refused at the last
+        start are gone from it (and from ``config_errors``).
+        """
+        topic_log = self.topic(name)
+        changes = {**(settings or {}), **more}
+        config = topic_log.config.with_settings(changes, extra=extra)
+        for fixed in FIXED_AT_CREATION:
+            if getattr(config, fixed) != getattr(topic_log.config, fixed):
+                raise ConfigError(
+                    f"topic setting {fixed} cannot be changed after creation "
+                    f"({name} is {getattr(topic_log.config, fixed)!r})",
+                    setting=fixed,
+                    topic=name,
+                )
+        if config.storage == "file":
+            with storage_errors(str(self.topics_dir / name)):
+                atomic_write(self.topics_dir / name / TOPIC_FILE, json.dumps(config.to_dict(), sort_keys=True).encode())
+        topic_log.reconfigure(config)
+        if self._forget_config_errors(name):
+            log.warning(
+                "topic %s: topic.json rewritten; the settings refused at start are replaced by those in use", name
+            )
+        return config
+
+    def _forget_config_errors(self, topic: str) -> bool:
+        errors = self.config_errors.pop(topic, [])
+        if self._topic_config_errors is not None:
+            for error in errors:
+                with contextlib.suppress(KeyError):  # the series goes with the error it counted
+                    self._topic_config_errors.remove(topic, error.setting)
+        return bool(errors)
 
     def __iter__(self) -> Iterator[TopicLog]:
         return iter(list(self.logs.values()))
@@ -440,15 +509,6 @@ def _read_json(path: Path) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise MetadataCorrupt(f"{path}: expected a JSON object, found {_json_kind(data)}", path=str(path))
     return data
-
-
-def _read_config(path: Path) -> TopicConfig:
-    try:
-        return TopicConfig.from_dict(_read_json(path))
-    except (TypeError, ValueError, ConfigError) as exc:
-        if isinstance(exc, MetadataCorrupt):
-            raise
-        raise MetadataCorrupt(f"{path}: not a valid topic config ({_one_line(exc)})", path=str(path)) from None
 
 
 def _check_groups(path: Path, data: dict[str, Any]) -> dict[str, dict[str, Any]]:

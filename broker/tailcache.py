@@ -34,6 +34,17 @@ class TailCache:
         if self._head > 1024 and self._head * 2 > len(self._batches):
             self._compact()
 
+    def resize(self, max_bytes: int) -> None:
+        """A new bound (a topic's ``cache_bytes`` altered): the oldest batches go now if it shrank."""
+        self.max_bytes = max_bytes
+        if max_bytes <= 0:
+            self._batches, self._bases, self._head, self.bytes = [], [], 0, 0
+            return
+        while self.bytes > self.max_bytes and self._head < len(self._batches) - 1:
+            self.bytes -= len(self._batches[self._head].body)
+            self._batches[self._head] = _EVICTED
+            self._head += 1
+
     def _compact(self) -> None:
         del self._batches[: self._head]
         del self._bases[: self._head]

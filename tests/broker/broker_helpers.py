@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import os
 import socket
+import subprocess
+import sys
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 from consumers.message import Message
 from consumers.session import Subscription
@@ -51,3 +55,36 @@ def free_address() -> str:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return f"tcp://127.0.0.1:{s.getsockname()[1]}"
+
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def conveyor_cli(
+    *args: str, env: dict[str, str] | None = None, timeout: float = 30, cwd: Path = REPO
+) -> subprocess.CompletedProcess[str]:
+    """The real ``conveyor`` entry point (``python -m broker``), as a user runs it.
+
+    ``CONVEYOR_*`` variables of the test process are left out so a developer's
+    environment cannot change the outcome; pass them in ``env``.
+    """
+    base = {k: v for k, v in os.environ.items() if not k.startswith("CONVEYOR_")}
+    return subprocess.run(
+        [sys.executable, "-m", "broker", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=cwd,
+        env={**base, **(env or {})},
+    )
+
+
+def config_errors(result: subprocess.CompletedProcess[str], *needles: str) -> list[str]:
+    """The ``[CONFIG_ERROR]`` lines of a command that had to exit 2 with no traceback, each needle in them."""
+    assert result.returncode == 2, (result.returncode, result.stdout, result.stderr)
+    assert "Traceback" not in result.stderr, result.stderr
+    lines = [line for line in result.stderr.splitlines() if "[CONFIG_ERROR]" in line]
+    assert lines, result.stderr
+    for needle in needles:
+        assert needle in result.stderr, (needle, result.stderr)
+    return lines

@@ -10,7 +10,7 @@ import pytest
 from storage_helpers import crash_store, random_body
 
 from broker import fsutil
-from broker.errors import InvalidName, StorageIOError, TopicExists, UnknownTopic
+from broker.errors import ConfigError, InvalidName, StorageIOError, TopicExists, UnknownTopic
 from broker.filelog import FileLog
 from broker.memlog import MemoryLog
 from broker.store import GROUPS_FILE, TOPIC_FILE, Store, check_name
@@ -194,9 +194,10 @@ def test_memory_topics_are_not_persisted(data_dir):
     assert "mem" not in Store(data_dir).logs
 
 
-def test_unknown_storage_backend_is_refused(data_dir):
-    with pytest.raises(UnknownTopic):
+def test_unknown_storage_backend_is_refused_before_anything_is_written(data_dir):
+    with pytest.raises(ConfigError, match="storage"):
         Store(data_dir).create_topic("t", storage="tape")
+    assert not (data_dir / "topics" / "t").exists()
 
 
 def test_store_sync_makes_every_dirty_log_durable(data_dir):

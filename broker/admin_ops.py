@@ -13,9 +13,9 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from broker.errors import ConfigError, InvalidRequest, UnknownGroup
-from broker.mirror import STATUS_CODES
 from broker.storage import TopicLog
 from broker.store import check_name
+from monitoring.health import STATUS_CODES
 
 if TYPE_CHECKING:
     from broker.groups import Group

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -73,6 +74,7 @@ class Chunk:
     deliveries: int
     deadline: float
     appended_ms: int = 0  # append time of its first batch, for end-to-end latency
+    first_ms: int = 0  # when its messages were first delivered (wall clock, ms): stop_after_delay counts from it
 
     @property
     def size(self) -> int:
@@ -88,6 +90,12 @@ class Pending:
     not_before: float
     last_error: str = ""
     avoid: bytes = b""  # the member key that failed them, tried last
+    first_ms: int = 0  # first delivery (wall clock, ms); 0 when never delivered
+    # Key affinity: ``held`` offsets wait behind an earlier message of their key that waits for its
+    # redelivery (they are due, but set no deadline: the item they wait for does); ``keys`` is a
+    # superset of their keys, read once.
+    held: bool = False
+    keys: frozenset[Any] | None = None
 
 
 @dataclass(slots=True)
@@ -99,6 +107,7 @@ class Entry:
     end: int
     deliveries: int
     offsets: list[int] | None = None  # a non-contiguous subset (key affinity)
+    first_ms: int = 0  # first delivery of these messages, wall clock ms
 
     def header(self) -> dict[str, Any]:
         head: dict[str, Any] = {
@@ -111,6 +120,8 @@ class Entry:
         }
         if self.offsets is not None:
             head["o"] = self.offsets
+        if self.first_ms:
+            head["fd"] = self.first_ms
         return head
 
 
@@ -168,6 +179,9 @@ class DeadLetter:
     ranges: list[Range]
     deliveries: int
     reason: str
+    by_broker: bool = False  # past max_deliveries (not a TERM): the consumer is told with an EVENT
+    member: bytes = b""  # the member that had them last
+    first_ms: int = 0
 
 
 _chunk_ids = itertools.count(1)
@@ -217,7 +231,7 @@ class Group:
         now = self.clock()
         for chunk in list(member.chunks.values()):
             self._drop_chunk(chunk)
-            self._requeue(chunk.ranges, chunk.deliveries, now, reason, member.key)
+            self._requeue(chunk.ranges, chunk.deliveries, now, reason, member.key, chunk.first_ms)
 
     def _admit_joiners(self) -> None:
         if self.joining and not self.chunks:
@@ -248,16 +262,17 @@ class Group:
         """
         taken = self._take(member, ranges)
         now = self.clock()
-        for chunk_ranges, deliveries in taken:
-            counted = deliveries - 1 if release else deliveries
-            self._requeue(chunk_ranges, counted, now + delay_ms / 1000, error, member.key)
-        return sum(count(rs) for rs, _d in taken)
+        for chunk in taken:
+            counted = chunk.deliveries - 1 if release else chunk.deliveries
+            first_ms = chunk.first_ms if counted else 0
+            self._requeue(chunk.ranges, counted, now + delay_ms / 1000, error, member.key, first_ms)
+        return sum(chunk.size for chunk in taken)
 
     def terminate(self, member: Member, ranges: list[Range], reason: str) -> int:
         taken = self._take(member, ranges)
-        for chunk_ranges, deliveries in taken:
-            self.dead.append(DeadLetter(chunk_ranges, deliveries, reason))
-        return sum(count(rs) for rs, _d in taken)
+        for chunk in taken:
+            self.dead.append(DeadLetter(chunk.ranges, chunk.deliveries, reason, False, member.key, chunk.first_ms))
+        return sum(chunk.size for chunk in taken)
 
     def renew(self, member: Member, ranges: list[Range]) -> int:
         """IN_PROGRESS: push the lease of the chunks holding these offsets."""
@@ -270,7 +285,9 @@ class Group:
             rest, _ = subtract(chunk.ranges, picked)
             if rest:  # only part of the chunk is renewed: it becomes a chunk of its own
                 chunk.ranges = rest
+                first_ms = chunk.first_ms
                 chunk = self._add_chunk(member, picked, chunk.deliveries, deadline, count_in_flight=False)
+                chunk.first_ms = first_ms
             else:
                 chunk.deadline = deadline
                 heapq.heappush(self._leases, (deadline, chunk.id))
@@ -282,17 +299,19 @@ class Group:
         for chunk in plan.chunks:
             if chunk.id in self.chunks:
                 self._drop_chunk(chunk)
-                self.pending.append(Pending(chunk.ranges, chunk.deliveries - 1, self.clock(), "", plan.member.key))
+                deliveries = chunk.deliveries - 1
+                first_ms = chunk.first_ms if deliveries else 0
+                self.pending.append(Pending(chunk.ranges, deliveries, self.clock(), "", plan.member.key, first_ms))
 
-    def _take(self, member: Member, ranges: list[Range]) -> list[tuple[list[Range], int]]:
-        """Remove ``ranges`` from the member's chunks, keeping their delivery counts."""
-        taken: list[tuple[list[Range], int]] = []
+    def _take(self, member: Member, ranges: list[Range]) -> list[Chunk]:
+        """Remove ``ranges`` from the member's chunks: what was taken, as detached chunks (counts kept)."""
+        taken: list[Chunk] = []
         for chunk, asked in _overlaps(member, ranges):
             picked = intersect(chunk.ranges, asked)
             if picked:
                 chunk.ranges, removed = subtract(chunk.ranges, picked)
                 member.in_flight -= removed
-                taken.append((picked, chunk.deliveries))
+                taken.append(Chunk(0, member, picked, chunk.deliveries, 0.0, first_ms=chunk.first_ms))
                 if not chunk.ranges:
                     self._drop_chunk(chunk, keep_inflight=True)
         return taken
@@ -303,13 +322,15 @@ class Group:
         if not keep_inflight:
             chunk.member.in_flight -= chunk.size
 
-    def _requeue(self, ranges: list[Range], deliveries: int, not_before: float, error: str, avoid: bytes) -> None:
+    def _requeue(
+        self, ranges: list[Range], deliveries: int, not_before: float, error: str, avoid: bytes, first_ms: int = 0
+    ) -> None:
         if not ranges:
             return
         if deliveries >= self.settings.max_deliveries:
-            self.dead.append(DeadLetter(ranges, deliveries, error))
+            self.dead.append(DeadLetter(ranges, deliveries, error, True, avoid, first_ms))
             return
-        self.pending.append(Pending(list(ranges), deliveries, not_before, error, avoid))
+        self.pending.append(Pending(list(ranges), deliveries, not_before, error, avoid, first_ms))
 
     # --- time ------------------------------------------------------------------------
 
@@ -324,15 +345,26 @@ class Group:
                 continue  # settled or renewed since
             expired += chunk.size
             self._drop_chunk(chunk)
-            self._requeue(chunk.ranges, chunk.deliveries, now, "lease expired", chunk.member.key)
+            self._requeue(chunk.ranges, chunk.deliveries, now, "lease expired", chunk.member.key, chunk.first_ms)
         return expired
 
     def next_deadline(self) -> float | None:
+        """The next lease expiry or delayed redelivery still to come.
+
+        Pending work already due sets no deadline (a past one would spin the
+        loop): it goes when credit comes back, at housekeeping, or (held
+        behind its key) with the item it waits for.
+        """
         while self._leases and self._leases[0][1] not in self.chunks:
             heapq.heappop(self._leases)
         times = [self._leases[0][0]] if self._leases else []
-        times += [p.not_before for p in self.pending]
+        now = self.clock()
+        times += [p.not_before for p in self.pending if p.not_before > now]
         return min(times) if times else None
+
+    def has_due(self, now: float) -> bool:
+        """Pending work due now that is not just waiting behind its key."""
+        return any(p.not_before <= now and not p.held for p in self.pending)
 
     # --- offsets -------------------------------------------------------------------------
 
@@ -377,13 +409,12 @@ class Group:
         if not self.members:
             return []
         plans = Plans()
+        if self.settings.key_affinity:
+            self._dispatch_keyed_all(log, plans, max_bytes)
+            return plans.all
         if self.pending:
             self._dispatch_pending(log, plans)
-        if self.settings.key_affinity:
-            if not self.pending:
-                self._dispatch_keyed(log, plans, max_bytes)
-        else:
-            self._dispatch_new(log, plans, max_bytes)
+        self._dispatch_new(log, plans, max_bytes)
         return plans.all
 
     def _members_with_credit(self, avoid: bytes = b"") -> Iterator[Member]:
@@ -428,10 +459,21 @@ class Group:
             self._record(member, [(start, self.next_offset)], 1, entries, plans)
             self._advance_rr(member)
 
-    def _record(self, member: Member, ranges: list[Range], deliveries: int, entries: list[Entry], plans: Plans) -> None:
+    def _record(
+        self,
+        member: Member,
+        ranges: list[Range],
+        deliveries: int,
+        entries: list[Entry],
+        plans: Plans,
+        first_ms: int = 0,
+    ) -> None:
         deadline = self.clock() + self.settings.ack_timeout_ms / 1000
         chunk = self._add_chunk(member, ranges, deliveries, deadline)
         chunk.appended_ms = entries[0].batch.timestamp_ms if entries else 0
+        chunk.first_ms = first_ms or int(time.time() * 1000)  # once per chunk, not per message
+        for entry in entries:
+            entry.first_ms = chunk.first_ms
         plans.add(member, entries, chunk)
 
     def _add_chunk(
@@ -454,26 +496,26 @@ class Group:
                 continue
             remaining = self._redeliver(log, item, plans)
             if remaining:
-                still.append(Pending(remaining, item.deliveries, item.not_before, item.last_error, item.avoid))
+                still.append(
+                    Pending(remaining, item.deliveries, item.not_before, item.last_error, item.avoid, item.first_ms)
+                )
         self.pending = still
 
     def _redeliver(self, log: TopicLog, item: Pending, plans: Plans) -> list[Range]:
         ranges = [r for r in item.ranges if r[1] > log.start_offset]
         ranges = [(max(a, log.start_offset), b) for a, b in ranges]  # retention took the rest
-        if self.settings.key_affinity:
-            return self._redeliver_keyed(log, item, ranges, plans)
         while ranges:  # each turn takes at least one offset: it ends
             member = next(self._members_with_credit(item.avoid), None)
             if member is None:
                 break
             taken, ranges = _take_prefix(ranges, min(member.available, member.batch_size))
-            found = (e for a, b in taken for e in _entries_for(log, a, b, item.deliveries + 1))
+            found = (e for a, b in taken for e in entries_for(log, a, b, item.deliveries + 1))
             entries = list(itertools.islice(found, MAX_ENTRIES + 1))  # read no further than one DELIVER holds
             if len(entries) > MAX_ENTRIES:  # many small batches: the rest goes in the next DELIVER
                 taken, rest = _split_at(taken, entries[MAX_ENTRIES].first)
                 ranges = rest + ranges
                 entries = entries[:MAX_ENTRIES]
-            self._record(member, taken, item.deliveries + 1, entries, plans)
+            self._record(member, taken, item.deliveries + 1, entries, plans, item.first_ms)
             self._advance_rr(member)
         return ranges
 
@@ -485,38 +527,146 @@ class Group:
             key = b""
         return max(self.members, key=lambda m: hash((key, m.key)))
 
-    def _dispatch_keyed(self, log: TopicLog, plans: Plans, max_bytes: int) -> None:
+    def _dispatch_keyed_all(self, log: TopicLog, plans: Plans, max_bytes: int) -> None:
+        """Key affinity: redeliveries and new messages in offset order, each key behind its own.
+
+        A message whose key has an earlier message waiting for a delayed
+        redelivery waits too (held, never delivered, so never counted); other
+        keys flow. Waiting items are walked range by range in offset order
+        across items, so a chunk split by a partial nack or IN_PROGRESS never
+        sends a key's later message ahead of an earlier one.
+        """
+        now = self.clock()
+        blocked: set[Any] = set()
+        out: list[Pending] = []
+        due: list[Pending] = []
+        for item in self.pending:
+            if item.not_before > now:
+                blocked |= self._keys_of(log, item)
+                out.append(item)
+            else:
+                due.append(item)
+        segments: list[tuple[int, int, Pending]] = []
+        for item in due:
+            if item.keys is not None and item.keys <= blocked:  # all of it waits: no need to read it
+                item.held = True
+                out.append(item)
+            else:
+                segments += [(a, b, item) for a, b in item.ranges]
+        segments.sort(key=_segment_start)
+        kept: dict[int, tuple[Pending, list[Range], bool]] = {}  # id(item) -> item, kept ranges, by credit
+        stopped = False
+        for a, b, item in segments:
+            keep = kept.setdefault(id(item), (item, [], False))
+            if stopped:
+                keep[1].append((a, b))
+                kept[id(item)] = (item, keep[1], True)
+                continue
+            held: list[int] = []
+            stop = self._route_range(log, max(a, log.start_offset), b, item, plans, blocked, held)
+            keep[1].extend(to_ranges(held))
+            if stop is not None:
+                keep[1].append((stop, b))
+                kept[id(item)] = (item, keep[1], True)
+                stopped = True  # a member ran out of credit: order beats throughput, the rest waits
+        for item, ranges, by_credit in kept.values():
+            ranges = normalize(ranges)
+            if ranges:
+                out.append(
+                    Pending(
+                        ranges,
+                        item.deliveries,
+                        item.not_before,
+                        item.last_error,
+                        item.avoid,
+                        item.first_ms,
+                        held=not by_credit,
+                        keys=item.keys,
+                    )
+                )
+        self.pending = out
+        if not stopped:
+            self._dispatch_keyed(log, plans, max_bytes, blocked)
+
+    def _keys_of(self, log: TopicLog, item: Pending) -> frozenset[Any]:
+        """The keys of a pending item's messages, read from the log once."""
+        if item.keys is None:
+            keys: set[Any] = set()
+            for start, end in item.ranges:
+                start = max(start, log.start_offset)
+                for batch in _batches_between(log, start, end):
+                    records = unpack_records(batch.body)
+                    first, last = max(start, batch.base_offset), min(end, batch.next_offset)
+                    keys.update(r[0] for r in records[first - batch.base_offset : last - batch.base_offset])
+            item.keys = frozenset(keys)
+        return item.keys
+
+    def _route_range(
+        self, log: TopicLog, start: int, end: int, item: Pending, plans: Plans, blocked: set[Any], held: list[int]
+    ) -> int | None:
+        """Route ``[start, end)`` of a waiting item; the offset where credit ran out, or None."""
+        for batch in _batches_between(log, start, end):
+            first, last = max(start, batch.base_offset), min(batch.next_offset, end)
+            stopped = self._route_keyed(batch, first, last, item.deliveries + 1, plans, blocked, held, item.first_ms)
+            if stopped is not None:
+                return stopped
+        return None
+
+    def _dispatch_keyed(self, log: TopicLog, plans: Plans, max_bytes: int, blocked: set[Any]) -> None:
         limit = log.durable_offset
+        held: list[int] = []
         while self.next_offset < limit:
             batches = log.read(self.next_offset, max_bytes=max_bytes)
-            if not batches or not self._give_keyed(batches, limit, 1, plans):
-                return
+            if not batches or not self._give_keyed(batches, limit, plans, blocked, held):
+                break
+        if held:  # new messages behind a waiting message of their key: delivered with it, uncounted till then
+            keys = frozenset(blocked)  # a superset of their keys
+            self.pending.append(Pending(to_ranges(held), 0, self.clock(), "", b"", 0, held=True, keys=keys))
 
-    def _give_keyed(self, batches: list[Batch], limit: int, deliveries: int, plans: Plans) -> bool:
+    def _give_keyed(self, batches: list[Batch], limit: int, plans: Plans, blocked: set[Any], held: list[int]) -> bool:
         """Route each message to its key's owner, in offset order, until one lacks credit."""
         for batch in batches:
             end = min(batch.next_offset, limit)
-            stopped = self._route_keyed(batch, max(self.next_offset, batch.base_offset), end, deliveries, plans)
+            start = max(self.next_offset, batch.base_offset)
+            stopped = self._route_keyed(batch, start, end, 1, plans, blocked, held)
             self.next_offset = max(self.next_offset, end if stopped is None else stopped)
             if stopped is not None:
                 return False  # head-of-line: order beats throughput here
         return True
 
-    def _route_keyed(self, batch: Batch, start: int, end: int, deliveries: int, plans: Plans) -> int | None:
-        """Plan ``[start, end)`` of a batch to its keys' owners; the offset where one ran out of credit, or None."""
+    def _route_keyed(
+        self,
+        batch: Batch,
+        start: int,
+        end: int,
+        deliveries: int,
+        plans: Plans,
+        blocked: set[Any] | None = None,
+        held: list[int] | None = None,
+        first_ms: int = 0,
+    ) -> int | None:
+        """Plan ``[start, end)`` of a batch to its keys' owners; the offset where one ran out of credit, or None.
+
+        Offsets whose key is in ``blocked`` go to ``held`` instead.
+        """
         records = unpack_records(batch.body)
         keys = [record[0] for record in records]
         picked: dict[int, tuple[Member, list[int]]] = {}
         for offset in range(start, end):
-            member = self.owner(keys[offset - batch.base_offset])
+            key = keys[offset - batch.base_offset]
+            if blocked and key in blocked:
+                assert held is not None
+                held.append(offset)
+                continue
+            member = self.owner(key)
             _, offsets = picked.setdefault(id(member), (member, []))
             if member.available - len(offsets) <= 0:
-                self._flush_keyed(batch, records, picked, deliveries, plans)
+                self._flush_keyed(batch, records, picked, deliveries, plans, first_ms)
                 return offset
             offsets.append(offset)
             if len(offsets) >= MAX_LISTED_OFFSETS:
-                self._flush_keyed(batch, records, picked, deliveries, plans)
-        self._flush_keyed(batch, records, picked, deliveries, plans)
+                self._flush_keyed(batch, records, picked, deliveries, plans, first_ms)
+        self._flush_keyed(batch, records, picked, deliveries, plans, first_ms)
         return None
 
     def _flush_keyed(
@@ -526,29 +676,25 @@ class Group:
         picked: dict[int, tuple[Member, list[int]]],
         deliveries: int,
         plans: Plans,
+        first_ms: int = 0,
     ) -> None:
         for member, offsets in picked.values():
             if offsets:
                 # A slice of the body: a batch split over several entries is not sent whole with each.
                 entry = slice_entry(batch, offsets[0], offsets[-1] + 1, deliveries, records)
                 entry.offsets = list(offsets)
-                self._record(member, to_ranges(offsets), deliveries, [entry], plans)
+                self._record(member, to_ranges(offsets), deliveries, [entry], plans, first_ms)
                 offsets.clear()  # recorded: the member's next offsets in this batch start a new entry
-
-    def _redeliver_keyed(self, log: TopicLog, item: Pending, ranges: list[Range], plans: Plans) -> list[Range]:
-        for i, (start, end) in enumerate(ranges):
-            for batch in _batches_between(log, start, end):
-                first, last = max(start, batch.base_offset), min(batch.next_offset, end)
-                stopped = self._route_keyed(batch, first, last, item.deliveries + 1, plans)
-                if stopped is not None:
-                    return [(stopped, end), *ranges[i + 1 :]]
-        return []
 
     # --- dead letters ------------------------------------------------------------------
 
     def take_dead(self) -> list[DeadLetter]:
         dead, self.dead = self.dead, []
         return dead
+
+
+def _segment_start(segment: tuple[int, int, Pending]) -> int:
+    return segment[0]
 
 
 def _take_prefix(ranges: list[Range], n: int) -> tuple[list[Range], list[Range]]:
@@ -599,7 +745,7 @@ def _batches_between(log: TopicLog, start: int, end: int) -> Iterator[Batch]:
             offset = batch.next_offset
 
 
-def _entries_for(log: TopicLog, start: int, end: int, deliveries: int) -> Iterator[Entry]:
+def entries_for(log: TopicLog, start: int, end: int, deliveries: int) -> Iterator[Entry]:
     for batch in _batches_between(log, start, end):
         yield slice_entry(batch, max(start, batch.base_offset), min(end, batch.next_offset), deliveries)
 

@@ -27,14 +27,12 @@ from broker.errors import ConveyorError
 from broker.protocol import Command, Frame, decode, encode, error_from_header
 from broker.record import Batch, pack_records, unpack_records
 from broker.security import secure_client
+from monitoring.health import DEGRADED, HEALTHY, UNHEALTHY
 
 if TYPE_CHECKING:
     from broker.server import Broker
 
 log = logging.getLogger("conveyor.mirror")
-
-HEALTHY, DEGRADED, UNHEALTHY = "HEALTHY", "DEGRADED", "UNHEALTHY"
-STATUS_CODES = {HEALTHY: 0, DEGRADED: 1, UNHEALTHY: 2}
 
 
 @dataclass(frozen=True)

@@ -65,7 +65,7 @@ class Command(IntEnum):
 
 
 # Commands that carry batch bodies after the header, and how many at most.
-PAYLOAD_COMMANDS = {Command.PUBLISH: 1, Command.DELIVER: None, Command.FETCHED: None}
+PAYLOAD_COMMANDS = {Command.PUBLISH: 1, Command.DELIVER: None, Command.FETCHED: None, Command.EVENT: None}
 
 
 @dataclass(frozen=True, slots=True)

@@ -12,8 +12,6 @@ from __future__ import annotations
 import contextlib
 import errno
 import logging
-import os
-import shutil
 import signal
 import socket
 import time
@@ -38,8 +36,9 @@ from broker.errors import (
     ShuttingDown,
     UnknownTopic,
 )
-from broker.groups import MAX_ENTRIES, DeadLetter, Delivery, Group, GroupSettings, Member, Pending
-from broker.mirror import STATUS_CODES, Mirror, MirrorSettings
+from broker.groups import MAX_ENTRIES, DeadLetter, Delivery, Group, GroupSettings, Member, Pending, entries_for
+from broker.health import broker_health, broker_live, broker_ready
+from broker.mirror import Mirror, MirrorSettings
 from broker.protocol import Command, Frame, decode, encode, error_header
 from broker.protocol import field as hfield
 from broker.protocol import ranges as hranges
@@ -53,7 +52,7 @@ from broker.store import Store, check_name
 from broker.transport import NOBLOCK, recv_frames, send_frames
 from broker.wakeup import drain
 from monitoring.http import MetricsServer
-from monitoring.metrics import BrokerMetrics, NullMetrics, StateCollector
+from monitoring.metrics import BrokerMetrics, HealthCollector, NullMetrics, StateCollector
 
 log = logging.getLogger("conveyor.broker")
 
@@ -110,6 +109,7 @@ class Broker:
         self.containment = Containment(self.metrics.internal_errors, clock=self.clock)
         if settings.metrics:
             self.registry.register(StateCollector(self._state_snapshot))
+        self.registry.register(HealthCollector(self.health))
         self.store: Store = Store(
             settings.data_dir,
             fsync=FsyncPolicy.parse(settings.fsync),
@@ -198,7 +198,12 @@ class Broker:
         self._setup_mirror()
         if self.settings.metrics_port >= 0:
             self.metrics_server = MetricsServer(
-                self.registry, self.health, host=self.settings.metrics_bind, port=self.settings.metrics_port
+                self.registry,
+                self.health,
+                host=self.settings.metrics_bind,
+                port=self.settings.metrics_port,
+                live=lambda: broker_live(self),
+                ready=lambda: broker_ready(self),
             ).start()
         return self.endpoint
 
@@ -508,7 +513,13 @@ class Broker:
                 ),
             )
         self.confirms = waiting
-        self.dead_writes = [w for w in self.dead_writes if w.end > w.log.durable_offset]
+        if self.dead_writes:
+            stored = [w for w in self.dead_writes if w.end <= w.log.durable_offset]
+            self.dead_writes = [w for w in self.dead_writes if w.end > w.log.durable_offset]
+            for write in stored:
+                if write.letter.by_broker:
+                    with self.containment.guard("dead_letter", topic=write.group.topic, group=write.group.name):
+                        self._tell_dead_lettered(write)
 
     def _fail_confirms(self, exc: ConveyorError, cut_from: TopicLog | None = None) -> None:
         """Answer waiting confirms with ``exc``: all, or those of offsets ``cut_from`` no longer holds."""
@@ -785,10 +796,48 @@ class Broker:
         self.appended.add(target.name)
         self.metrics.dead_lettered_messages.labels(group.topic, group.name).inc(built[1])
 
+    def _tell_dead_lettered(self, write: DeadWrite) -> None:
+        """Tell a member of the group (the one that had them last, if still there) the broker dead-lettered
+        these messages past ``max_deliveries``, so the runner can call ``@error_handler`` for them.
+
+        An EVENT ``DEAD_LETTERED`` carrying the messages as DELIVER entries do; best effort: with no
+        member left, or a member not reading, nobody is told (the dead-letter topic holds them anyway).
+        """
+        group, letter = write.group, write.letter
+        members = group.members + group.joining
+        member = next((m for m in members if m.key == letter.member), members[0] if members else None)
+        source = self.store.logs.get(group.topic)
+        if member is None or source is None:
+            return
+        entries = [e for a, b in letter.ranges for e in entries_for(source, a, b, letter.deliveries)]
+        for start in range(0, len(entries), MAX_ENTRIES):
+            part = entries[start : start + MAX_ENTRIES]
+            for entry in part:
+                entry.first_ms = letter.first_ms
+            header = {
+                "sub": member.sub_id,
+                "topic": group.topic,
+                "event": "DEAD_LETTERED",
+                "offset": part[0].first,
+                "reason": letter.reason,
+                "deliveries": letter.deliveries,
+                "dead_letter_topic": write.log.name,
+                "entries": [e.header() for e in part],
+            }
+            self._send(member.peer, encode(Command.EVENT, header, *(e.batch.body for e in part)))
+
     def _undead(self, group: Group, letter: DeadLetter, *, delay: float = 1.0) -> None:
         """Dead letters that could not be stored are not settled: redeliver them (and dead-letter them again)."""
         if self.groups.get((group.topic, group.name)) is group:
-            group.pending.append(Pending(list(letter.ranges), letter.deliveries, self.clock() + delay, letter.reason))
+            group.pending.append(
+                Pending(
+                    list(letter.ranges),
+                    letter.deliveries,
+                    self.clock() + delay,
+                    letter.reason,
+                    first_ms=letter.first_ms,
+                )
+            )
             self.to_dispatch.add(group)
 
     # --- fetch ---------------------------------------------------------------------------
@@ -923,7 +972,7 @@ class Broker:
         expired = group.expire_leases()
         if expired:
             self.metrics.redelivered_messages.labels(group.topic, group.name, "lease_expired").inc(expired)
-        if expired or (group.pending and any(p.not_before <= now for p in group.pending)):
+        if expired or (group.pending and group.has_due(now)):
             self.to_dispatch.add(group)
 
     def _commit_offsets(self) -> None:
@@ -979,36 +1028,7 @@ class Broker:
                 self.metrics_server.stop()
 
     def health(self) -> dict[str, Any]:
-        checks: dict[str, Any] = {}
-        status = "HEALTHY"
-        try:
-            usage = shutil.disk_usage(self.settings.data_dir)
-            checks["disk_free_bytes"] = usage.free
-            if usage.free < self.settings.disk_free_min_bytes:
-                status = "DEGRADED"
-        except OSError as exc:
-            checks["disk"] = str(exc)
-            status = "UNHEALTHY"
-        checks["disk_writable"] = os.access(self.settings.data_dir, os.W_OK)
-        if not checks["disk_writable"]:
-            status = "UNHEALTHY"
-        checks["last_fsync_seconds"] = round(self._last_fsync_seconds, 6)
-        if self._last_fsync_seconds > self.settings.fsync_warn_seconds and status == "HEALTHY":
-            status = "DEGRADED"
-        # The loop passes at least every housekeeping interval; a longer gap means it is stuck.
-        lag = max(0.0, self.clock() - self._last_pass - min(self.settings.heartbeat_ms / 1000, 0.25))
-        checks["event_loop_lag_seconds"] = round(lag, 6)
-        if lag > 5 * self.settings.heartbeat_ms / 1000:
-            status = "UNHEALTHY"
-        elif lag > self.settings.heartbeat_ms / 1000 and status == "HEALTHY":
-            status = "DEGRADED"
-        if self.mirror is not None:
-            upstream = self.mirror.health()
-            checks["upstream"] = upstream
-            status = max(status, upstream["status"], key=lambda s: STATUS_CODES[s])
-        checks["internal_errors"] = internal = self.containment.check()
-        status = max(status, internal["status"], key=lambda s: STATUS_CODES[s])
-        return {"status": status, "checks": checks}
+        return broker_health(self)
 
     def _state_snapshot(self) -> dict[str, list[tuple[tuple[str, ...], float]]]:
         return admin_ops.state_snapshot(self)

@@ -13,13 +13,16 @@ import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from broker.errors import ConfigError, OffsetOutOfRange
+from broker.errors import ConfigError, ConveyorError, OffsetOutOfRange
 from broker.producers import ProducerState
 from broker.record import NO_PRODUCER, Batch, encode_header
 from broker.tailcache import TailCache
 from broker.topic_settings import INT32_MAX, TOPIC_SETTINGS, check_topic_setting, check_topic_settings
+
+if TYPE_CHECKING:
+    from broker.iohealth import IoHealth
 
 MiB = 1 << 20
 
@@ -153,6 +156,7 @@ class TopicLog(ABC):
         self.producers = ProducerState()
         self.cache = TailCache(config.cache_bytes)
         self._last_sync = clock()
+        self.io_health: IoHealth | None = None  # the store's: writes and syncs report their outcome there
 
     # --- the primitives a backend provides ------------------------------------
 
@@ -219,7 +223,12 @@ class TopicLog(ABC):
         base = self.end_offset
         ts = int(self.clock() * 1000) if timestamp_ms is None else timestamp_ms
         header = encode_header(base, count, ts, body, producer_id=producer_id, sequence=sequence)
-        self._write(header, body, base, count, ts)
+        try:
+            self._write(header, body, base, count, ts)
+        except ConveyorError as exc:
+            self._io_outcome("append", exc)
+            raise
+        self._io_outcome("append")
         self.end_offset = base + count
         self.cache.add(Batch(base, count, ts, body, producer_id, sequence))
         if producer_id != NO_PRODUCER:
@@ -264,9 +273,22 @@ class TopicLog(ABC):
         (shutdown, roll). Under ``interval`` the broker calls ``maybe_sync``.
         """
         if (self.fsync.mode != "none" and self.dirty) or force:
-            self._sync()
+            try:
+                self._sync()
+            except ConveyorError as exc:
+                self._io_outcome("fsync", exc)
+                raise
+            self._io_outcome("fsync")
         self.durable_offset = self.end_offset
         self._last_sync = self.clock()
+
+    def _io_outcome(self, op: str, error: ConveyorError | None = None) -> None:
+        """Tell the store's ``IoHealth`` how a real write or sync went."""
+        if self.io_health is not None:
+            if error is None:
+                self.io_health.worked(op, self.name)
+            else:
+                self.io_health.failed(op, self.name, error)
 
     def maybe_sync(self) -> bool:
         """Sync if the interval policy says it is due; return whether it did."""

@@ -34,6 +34,7 @@ from broker.errors import (
 )
 from broker.filelog import QUARANTINE_DIR, FileLog
 from broker.fsutil import atomic_write, fsync_dir, make_dirs, storage_errors
+from broker.iohealth import IoHealth
 from broker.memlog import MemoryLog
 from broker.storage import FsyncPolicy, StoredSettingError, TopicConfig, TopicLog
 from broker.topic_settings import FIXED_AT_CREATION, STORAGES
@@ -62,6 +63,7 @@ class OffsetWriter:
         self,
         *,
         on_error: Callable[[Path, ConveyorError], None] | None = None,
+        on_written: Callable[[Path], None] | None = None,
         backoff: float = 0.25,
         max_backoff: float = 2.0,
     ) -> None:
@@ -71,6 +73,7 @@ class OffsetWriter:
         self._closed = False
         self._flush_asked = self._flush_done = 0  # flush generations: asked by flush(), done by the thread
         self._on_error = on_error
+        self._on_written = on_written
         self._backoff, self._max_backoff = backoff, max_backoff
         self._thread = threading.Thread(target=self._run, name="conveyor-offsets", daemon=True)
         self._thread.start()
@@ -125,6 +128,8 @@ class OffsetWriter:
         """Under the lock: after one write of ``path``, end its failure streak or extend it."""
         streak = self._failing.get(path)
         if error is None:
+            if self._on_written is not None:
+                self._on_written(path)
             if streak is not None:
                 del self._failing[path]
                 log.warning("offsets file %s written again after %d failed attempt(s)", path, streak.failures)
@@ -226,6 +231,7 @@ class Store:
         # Topics whose groups.json was quarantined at this start: any group created there may be an old one.
         self.groups_quarantined: set[str] = set()
         self._offsets_write_errors = offsets_write_errors
+        self.io_health = IoHealth()
         self._topic_config_errors = topic_config_errors
         # Stored settings refused at this start, per topic, until an alter rewrites its topic.json.
         self.config_errors: dict[str, list[StoredSettingError]] = {}
@@ -240,7 +246,7 @@ class Store:
                 topic_log.close()
             self.lock.release()
             raise
-        self._offsets = OffsetWriter(on_error=self._count_offsets_error)
+        self._offsets = OffsetWriter(on_error=self._offsets_failed, on_written=self._offsets_written)
 
     def _open_topics(self) -> None:
         for directory in sorted(self.topics_dir.iterdir()):
@@ -313,17 +319,24 @@ class Store:
             reason.message,
         )
 
-    def _count_offsets_error(self, path: Path, error: ConveyorError) -> None:
+    def _offsets_failed(self, path: Path, error: ConveyorError) -> None:
         if self._offsets_write_errors is not None:
             self._offsets_write_errors.labels(path.parent.name).inc()
+        self.io_health.failed("offsets", path.parent.name, error)
+
+    def _offsets_written(self, path: Path) -> None:
+        self.io_health.worked("offsets", path.parent.name)
 
     def _make_log(self, name: str, config: TopicConfig) -> TopicLog:
         factory = BACKENDS.get(config.storage)
         if factory is None:
             raise UnknownTopic(f"topic {name} uses unknown storage {config.storage!r}", topic=name)
         if config.storage == "file":
-            return FileLog(name, self.topics_dir / name, config, fsync=self.fsync, quarantine=self.quarantine)
-        return factory(name, self.topics_dir / name, config, self.fsync)
+            made: TopicLog = FileLog(name, self.topics_dir / name, config, fsync=self.fsync, quarantine=self.quarantine)
+        else:
+            made = factory(name, self.topics_dir / name, config, self.fsync)
+        made.io_health = self.io_health
+        return made
 
     # --- topics ----------------------------------------------------------------
 
@@ -342,9 +355,14 @@ class Store:
         topic_config = self.defaults.with_settings({**(settings or {}), **more}, extra=extra)
         directory = self.topics_dir / name
         if topic_config.storage != "memory":  # memory topics are ephemeral: nothing on disk
-            with storage_errors(str(directory)):
-                make_dirs(directory)  # its entry in topics/ is synced: a power cut keeps the new topic
-                atomic_write(directory / TOPIC_FILE, json.dumps(topic_config.to_dict(), sort_keys=True).encode())
+            try:
+                with storage_errors(str(directory)):
+                    make_dirs(directory)  # its entry in topics/ is synced: a power cut keeps the new topic
+                    atomic_write(directory / TOPIC_FILE, json.dumps(topic_config.to_dict(), sort_keys=True).encode())
+            except ConveyorError as exc:
+                self.io_health.failed("create_topic", name, exc)
+                raise
+            self.io_health.worked("create_topic", name)
         self.logs[name] = self._make_log(name, topic_config)
         self.groups[name] = {}
         return self.logs[name]
@@ -366,6 +384,7 @@ class Store:
         self.groups.pop(name, None)
         self._dirty_groups.discard(name)
         self._offsets.discard(self.topics_dir / name / GROUPS_FILE)
+        self.io_health.forget(name)
         self._forget_config_errors(name)
         with storage_errors(name):
             shutil.rmtree(self.topics_dir / name, ignore_errors=True)

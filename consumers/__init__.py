@@ -1,9 +1,9 @@
 """Consuming: the ``Message`` handlers receive, the ``Runner``, and handler exceptions."""
 
-from consumers.exceptions import Nack, Reject
+from consumers.exceptions import DeadLettered, Nack, Reject
 from consumers.message import Message
 
-__all__ = ["Message", "Nack", "Reject", "Runner", "Subscription"]
+__all__ = ["DeadLettered", "Message", "Nack", "Reject", "Runner", "Subscription"]
 
 
 def __getattr__(name: str) -> object:

@@ -15,6 +15,9 @@ RUN_OPTIONS = [
     Option("metrics-bind", "127.0.0.1", "address for the metrics HTTP server", nonempty),
     Option("concurrency", 0, "lanes per consumer, overriding each @consumer (0: as declared)", int, minimum=0),
     Option("graceful-timeout", 15.0, "seconds to finish in-flight messages on SIGTERM", float, minimum=0),
+    Option(
+        "unhealthy-after", 30.0, "seconds without the broker before /healthz says UNHEALTHY (503)", float, minimum=0
+    ),
     Option("log-level", "INFO", "DEBUG, INFO, WARNING, ERROR or CRITICAL", choices=LOG_LEVELS),
 ]
 
@@ -39,18 +42,23 @@ def cmd_run(args: argparse.Namespace) -> int:
         graceful_timeout=opts["graceful_timeout"],
         metrics_port=opts["metrics_port"],
         metrics_bind=opts["metrics_bind"],
+        unhealthy_after=opts["unhealthy_after"],
     )
+
+    port = runner.metrics_server.port if runner.metrics_server else None
+    metrics = f"http://{opts['metrics_bind']}:{port}/metrics" if port else "off"
 
     def ready(r: Runner) -> None:
         names = ", ".join(f"{c.name} ({c.topic}/{c.group})" for c in consumers)
-        port = r.metrics_server.port if r.metrics_server else None
-        metrics = f"http://{opts['metrics_bind']}:{port}/metrics" if port else "off"
         print(
             f"conveyor runner ready: {len(consumers)} consumer(s) on {opts['broker']}: {names} (metrics {metrics})",
             flush=True,
         )
 
-    print(f"conveyor runner: {len(consumers)} consumer(s), connecting to {opts['broker']}", flush=True)
+    print(
+        f"conveyor runner: {len(consumers)} consumer(s), connecting to {opts['broker']} (metrics {metrics})",
+        flush=True,
+    )
     code = runner.run(ready=ready)
     if runner.abandoned:
         print(

@@ -12,6 +12,21 @@ class Nack(Exception):
         self.reason = reason
 
 
+class DeadLettered(Exception):
+    """Given to ``@error_handler`` hooks for a message the broker dead-lettered itself.
+
+    That is past the group's ``max_deliveries``: every attempt was nacked
+    (``Nack``), or runners died or hung holding it. ``reason`` is the last
+    error the broker kept, ``deliveries`` how often it was delivered.
+    """
+
+    def __init__(self, reason: str, deliveries: int, dead_letter_topic: str = "") -> None:
+        super().__init__(f"dead-lettered by the broker after {deliveries} deliveries: {reason}")
+        self.reason = reason
+        self.deliveries = deliveries
+        self.dead_letter_topic = dead_letter_topic
+
+
 class Reject(Exception):
     """Never retry: dead-letter the message now with ``reason``."""
 

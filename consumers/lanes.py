@@ -10,6 +10,7 @@ retries, dead letters), so the I/O thread settles in ranges, not messages.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import logging
 import queue
@@ -26,7 +27,7 @@ from decorators.retry import describe
 
 log = logging.getLogger("conveyor.runner")
 
-WAITING_FOR_KEY = "waiting for an earlier message with the same key"
+Job = tuple[Any, list[Message], BaseException | None]  # slot, messages, the broker's dead-letter error (or None)
 
 
 @dataclass
@@ -43,15 +44,69 @@ class Report:
     dropped: int = 0  # failed for good, not dead-lettered (dead_letter=False)
 
 
-class LaneState:
-    """Per-lane memory for key order: keys waiting for a retried message."""
+_NO_HEAD = -1
+
+
+class KeyGate:
+    """Key order inside a lane: a key whose message waits for a retry parks its later messages.
+
+    Waiting is not a delivery attempt: parked messages stay held by the runner
+    (their leases are renewed with everything else it holds), are never nacked,
+    and run in offset order once the key's head is back and settled (or was
+    dead-lettered). The broker holds the key's newer messages back meanwhile.
+    """
 
     def __init__(self) -> None:
-        self.blocked: dict[Any, tuple[int, int]] = {}  # key -> (offset retried, delay ms)
+        self.blocked: dict[Any, int] = {}  # key -> offset of the message it waits for
+        self.parked: dict[Any, list[Message]] = {}
+
+    def take(self, unit: list[Message]) -> list[Message]:
+        """The messages of ``unit`` that may run now; the others are parked behind their key's head."""
+        run: list[Message] = []
+        for message in unit:
+            head = self.blocked.get(message.key, _NO_HEAD)
+            if head == _NO_HEAD or message.offset < head:
+                run.append(message)
+            elif message.offset == head:
+                del self.blocked[message.key]  # the retried message itself is back
+                run.append(message)
+            else:
+                self.parked.setdefault(message.key, []).append(message)
+        return run
+
+    def block(self, messages: list[Message]) -> None:
+        """These messages will come again: their keys wait for them."""
+        for message in messages:
+            head = self.blocked.get(message.key, _NO_HEAD)
+            if head == _NO_HEAD or message.offset < head:
+                self.blocked[message.key] = message.offset
+
+    def forget(self, messages: list[Message]) -> None:
+        """These messages will not come again (the broker dead-lettered them): their keys go on."""
+        for message in messages:
+            if self.blocked.get(message.key, _NO_HEAD) == message.offset:
+                del self.blocked[message.key]
+
+    def release(self, messages: list[Message]) -> list[Message]:
+        """Parked messages whose key no longer waits, in offset order."""
+        out: list[Message] = []
+        for key in {m.key for m in messages}:
+            if key not in self.blocked and key in self.parked:
+                out += self.parked.pop(key)
+        out.sort(key=_offset)
+        return out
+
+    @property
+    def parked_count(self) -> int:
+        return sum(map(len, self.parked.values()))
+
+
+def _offset(message: Message) -> int:
+    return message.offset
 
 
 def handle_outcome(
-    consumer: Consumer, messages: list[Message], exc: BaseException | None, report: Report, state: LaneState
+    consumer: Consumer, messages: list[Message], exc: BaseException | None, report: Report, gate: KeyGate
 ) -> None:
     """Turn a handler's result into acks, retries or dead letters."""
     offsets = [m.offset for m in messages]
@@ -61,18 +116,20 @@ def handle_outcome(
         return
     if isinstance(exc, Nack):
         report.retried += [(o, int(exc.delay * 1000), exc.reason) for o in offsets]
+        if consumer.key_ordered:
+            gate.block(messages)
         return
     if isinstance(exc, Reject):
         _dead(consumer, messages, exc, f"rejected: {exc.reason}", report)
         return
     attempt = max(m.attempt for m in messages)
-    decision = consumer.policy.decide(exc, attempt)
+    first = min((m.first_delivered for m in messages if m.first_delivered), default=None)
+    decision = consumer.policy.decide(exc, attempt, first_delivered=first)
     if decision.retry:
         delay = int(decision.delay * 1000)
         report.retried += [(o, delay, decision.reason) for o in offsets]
         if consumer.key_ordered:
-            for m in messages:
-                state.blocked.setdefault(m.key, (m.offset, delay))
+            gate.block(messages)
         return
     _dead(consumer, messages, exc, decision.reason, report)
 
@@ -83,6 +140,10 @@ def _dead(consumer: Consumer, messages: list[Message], exc: BaseException, reaso
         report.dropped += len(messages)
     else:
         report.dead += [(m.offset, reason) for m in messages]
+    call_error_handlers(consumer, messages, exc)
+
+
+def call_error_handlers(consumer: Consumer, messages: list[Message], exc: BaseException) -> None:
     for hook in consumer.error_handlers:
         for message in messages:
             try:
@@ -91,16 +152,48 @@ def _dead(consumer: Consumer, messages: list[Message], exc: BaseException, reaso
                 log.exception("error handler %r failed", hook)
 
 
-def held_back(consumer: Consumer, message: Message, state: LaneState, report: Report) -> bool:
-    """Key order: while an earlier message of this key waits for its retry, follow it."""
-    if not consumer.key_ordered or message.key not in state.blocked:
-        return False
-    offset, delay = state.blocked[message.key]
-    if message.offset <= offset:
-        del state.blocked[message.key]  # the retried message itself is back
-        return False
-    report.retried.append((message.offset, delay, WAITING_FOR_KEY))
-    return True
+class Work:
+    """One queued job of a lane: the units to run, in order, with key order kept by the lane's gate."""
+
+    def __init__(self, consumer: Consumer, gate: KeyGate, report: Report, stopping: threading.Event) -> None:
+        self.consumer = consumer
+        self.gate = gate
+        self.report = report
+        self.stopping = stopping
+        self.todo: collections.deque[list[Message]] = collections.deque()
+
+    def add(self, messages: list[Message]) -> None:
+        self.todo.extend(units(self.consumer, messages))
+
+    def dead_lettered(self, messages: list[Message], exc: BaseException) -> None:
+        """The broker dead-lettered these itself: the error handlers run, and their keys go on."""
+        call_error_handlers(self.consumer, messages, exc)
+        self.gate.forget(messages)
+        self._release(messages)
+
+    def next(self) -> list[Message] | None:
+        """The next unit to call the handler with, or None when the job is done."""
+        while self.todo:
+            unit = self.todo.popleft()
+            if self.stopping.is_set():
+                self.report.released += [m.offset for m in unit]
+                continue
+            if self.consumer.key_ordered:
+                unit = self.gate.take(unit)
+            if unit:
+                return unit
+        return None
+
+    def done(self, unit: list[Message], exc: BaseException | None, seconds: float) -> None:
+        self.report.durations.append(seconds)
+        handle_outcome(self.consumer, unit, exc, self.report, self.gate)
+        if self.consumer.key_ordered and self.gate.parked:
+            self._release(unit)
+
+    def _release(self, messages: list[Message]) -> None:
+        freed = self.gate.release(messages)
+        if freed:  # they run next, before anything newer of their keys
+            self.todo.extendleft(reversed(units(self.consumer, freed)))
 
 
 def units(consumer: Consumer, chunk: list[Message]) -> list[list[Message]]:
@@ -119,46 +212,46 @@ class ThreadLane:
         self.consumer = consumer
         self.done = done
         self.stopping = stopping
-        self.queue: queue.SimpleQueue[tuple[Any, list[Message]] | None] = queue.SimpleQueue()
-        self.state = LaneState()
+        self.queue: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
+        self.gate = KeyGate()
         self.busy = 0
         self.thread = threading.Thread(target=self._run, name=name, daemon=True)
         self.thread.start()
 
-    def submit(self, slot: Any, chunk: list[Message]) -> None:
+    def submit(self, slot: Any, chunk: list[Message], dead: BaseException | None = None) -> None:
+        """Queue a delivered chunk, or (``dead``) messages the broker dead-lettered, for their error handlers."""
         self.busy += 1
-        self.queue.put((slot, chunk))
+        self.queue.put((slot, chunk, dead))
 
     def close(self) -> None:
         self.queue.put(None)
 
     def _run(self) -> None:
         while (item := self.queue.get()) is not None:
-            slot, chunk = item
+            slot, chunk, dead = item
             try:
-                self.done(self._process(slot, chunk))
+                self.done(self._process(slot, chunk, dead))
             finally:
                 self.busy -= 1
 
-    def _process(self, slot: Any, chunk: list[Message]) -> Report:
-        if not (self.consumer.batch or self.consumer.key_ordered):
+    def _process(self, slot: Any, chunk: list[Message], dead: BaseException | None = None) -> Report:
+        if not (self.consumer.batch or self.consumer.key_ordered or dead):
             return self._process_plain(slot, chunk)
         report = Report(slot)
-        fn = self.consumer.fn
-        for unit in units(self.consumer, chunk):
-            if self.stopping.is_set():
-                report.released += [m.offset for m in unit]
-                continue
-            if not self.consumer.batch and held_back(self.consumer, unit[0], self.state, report):
-                continue
+        work = Work(self.consumer, self.gate, report, self.stopping)
+        if dead is None:
+            work.add(chunk)
+        else:
+            work.dead_lettered(chunk, dead)
+        fn, batch = self.consumer.fn, self.consumer.batch
+        while (unit := work.next()) is not None:
             started = time.perf_counter()
             exc: BaseException | None = None
             try:
-                fn(unit if self.consumer.batch else unit[0])
+                fn(unit if batch else unit[0])
             except Exception as error:
                 exc = error
-            report.durations.append(time.perf_counter() - started)
-            handle_outcome(self.consumer, unit, exc, report, self.state)
+            work.done(unit, exc, time.perf_counter() - started)
         return report
 
     def _process_plain(self, slot: Any, chunk: list[Message]) -> Report:
@@ -175,7 +268,7 @@ class ThreadLane:
                 fn(message)
             except Exception as error:
                 durations.append(clock() - started)
-                handle_outcome(self.consumer, [message], error, report, self.state)
+                handle_outcome(self.consumer, [message], error, report, self.gate)
                 continue
             durations.append(clock() - started)
             acked.append(message.offset)
@@ -197,14 +290,14 @@ class AsyncLane:
         self.done = done
         self.stopping = stopping
         self.loop = loop
-        self.state = LaneState()
+        self.gate = KeyGate()
         self.busy = 0
-        self.queue: asyncio.Queue[tuple[Any, list[Message]] | None] = asyncio.Queue()
+        self.queue: asyncio.Queue[Job | None] = asyncio.Queue()
         self.task = asyncio.run_coroutine_threadsafe(self._run(), loop)
 
-    def submit(self, slot: Any, chunk: list[Message]) -> None:
+    def submit(self, slot: Any, chunk: list[Message], dead: BaseException | None = None) -> None:
         self.busy += 1
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, (slot, chunk))
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, (slot, chunk, dead))
 
     def close(self) -> None:
         self.loop.call_soon_threadsafe(self.queue.put_nowait, None)
@@ -216,29 +309,29 @@ class AsyncLane:
 
     async def _run(self) -> None:
         while (item := await self.queue.get()) is not None:
-            slot, chunk = item
+            slot, chunk, dead = item
             try:
-                self.done(await self._process(slot, chunk))
+                self.done(await self._process(slot, chunk, dead))
             finally:
                 self.busy -= 1
 
-    async def _process(self, slot: Any, chunk: list[Message]) -> Report:
+    async def _process(self, slot: Any, chunk: list[Message], dead: BaseException | None = None) -> Report:
         report = Report(slot)
+        work = Work(self.consumer, self.gate, report, self.stopping)
+        if dead is None:
+            work.add(chunk)
+        else:
+            work.dead_lettered(chunk, dead)
         fn: Callable[[Any], Awaitable[Any]] = self.consumer.fn
-        for unit in units(self.consumer, chunk):
-            if self.stopping.is_set():
-                report.released += [m.offset for m in unit]
-                continue
-            if not self.consumer.batch and held_back(self.consumer, unit[0], self.state, report):
-                continue
+        batch = self.consumer.batch
+        while (unit := work.next()) is not None:
             started = time.perf_counter()
             exc: BaseException | None = None
             try:
-                await fn(unit if self.consumer.batch else unit[0])
+                await fn(unit if batch else unit[0])
             except Exception as error:
                 exc = error
-            report.durations.append(time.perf_counter() - started)
-            handle_outcome(self.consumer, unit, exc, report, self.state)
+            work.done(unit, exc, time.perf_counter() - started)
         return report
 
 
@@ -257,4 +350,4 @@ def split(consumer: Consumer, messages: list[Message], lanes: int) -> list[list[
     return [messages[i : i + size] for i in range(0, len(messages), size)]
 
 
-__all__ = ["WAITING_FOR_KEY", "AsyncLane", "Report", "ThreadLane", "describe", "split"]
+__all__ = ["AsyncLane", "KeyGate", "Report", "ThreadLane", "describe", "split"]

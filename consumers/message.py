@@ -12,14 +12,15 @@ from broker.record import unpack_records
 
 
 class _Origin:
-    """What the messages of one delivered batch share: topic, broker time, delivery count."""
+    """What the messages of one delivered batch share: topic, broker time, delivery count, first delivery."""
 
-    __slots__ = ("attempt", "timestamp", "topic")
+    __slots__ = ("attempt", "first_delivered", "timestamp", "topic")
 
-    def __init__(self, topic: str, timestamp: float, attempt: int) -> None:
+    def __init__(self, topic: str, timestamp: float, attempt: int, first_delivered: float | None = None) -> None:
         self.topic = topic
         self.timestamp = timestamp
         self.attempt = attempt
+        self.first_delivered = first_delivered
 
 
 class Message:
@@ -27,7 +28,8 @@ class Message:
 
     ``value`` is decoded from ``body`` by the ``content-type`` header (bytes
     when there is none); ``attempt`` is the broker's delivery count, so it
-    survives a consumer that was killed mid-message.
+    survives a consumer that was killed mid-message; ``first_delivered`` is
+    when the broker first delivered it (``stop_after_delay`` measures from it).
 
     Messages compare by identity. A delivered batch becomes thousands of
     them, so a message holds only its offset, its body, the decoded record
@@ -64,17 +66,27 @@ class Message:
 
     def _set_origin(self, name: str, value: Any) -> None:
         origin = self._origin
-        fields = {"topic": origin.topic, "timestamp": origin.timestamp, "attempt": origin.attempt, name: value}
+        fields = {
+            "topic": origin.topic,
+            "timestamp": origin.timestamp,
+            "attempt": origin.attempt,
+            "first_delivered": origin.first_delivered,
+            name: value,
+        }
         self._origin = _Origin(**fields)
 
     if TYPE_CHECKING:
         topic: str
         timestamp: float  # broker append time, seconds since the epoch
         attempt: int
+        first_delivered: float | None  # when the broker first delivered it, seconds since the epoch
     else:  # C-level getters: these are read per message on hot paths
         topic = property(attrgetter("_origin.topic"), lambda self, v: self._set_origin("topic", v))
         timestamp = property(attrgetter("_origin.timestamp"), lambda self, v: self._set_origin("timestamp", v))
         attempt = property(attrgetter("_origin.attempt"), lambda self, v: self._set_origin("attempt", v))
+        first_delivered = property(
+            attrgetter("_origin.first_delivered"), lambda self, v: self._set_origin("first_delivered", v)
+        )
 
     # --- from the record ------------------------------------------------------------
 
@@ -163,7 +175,8 @@ def messages_from_entries(topic: str, entries: list[dict[str, Any]], bodies: lis
     for entry, body in zip(entries, bodies, strict=False):
         records = unpack_records(body)
         base = entry["b"]
-        origin = _Origin(topic, entry["t"] / 1000, entry.get("d", 0) or 1)
+        first = entry.get("fd")
+        origin = _Origin(topic, entry["t"] / 1000, entry.get("d", 0) or 1, first / 1000 if first else None)
         picked = entry.get("o")
         if picked:
             out += _build([records[offset - base] for offset in picked], picked, origin)

@@ -32,19 +32,24 @@ from prometheus_client import CollectorRegistry
 
 from broker import exitcodes
 from broker.config import broker_address
+from broker.errors import ConfigError
 from broker.wakeup import drain
+from consumers.exceptions import DeadLettered
 from consumers.lanes import AsyncLane, Report, ThreadLane, split
 from consumers.message import Message
 from consumers.session import Subscription
 from decorators.consumer import AckPolicy, Consumer
+from monitoring.health import DEGRADED, HEALTHY, UNHEALTHY, live, loop_check, ready, report
 from monitoring.http import MetricsServer
-from monitoring.metrics import RunnerMetrics, observe_many
+from monitoring.metrics import HealthCollector, RunnerMetrics, observe_many
 
 log = logging.getLogger("conveyor.runner")
 
 _OFFSET = operator.attrgetter("offset")
 
 Lane = ThreadLane | AsyncLane
+UNHEALTHY_AFTER = 30.0  # seconds without the broker before /healthz says UNHEALTHY (--unhealthy-after)
+LONGEST_WAIT = 1.0  # the I/O loop's longest poll: the heartbeat and the lease-renewal check
 
 
 @dataclass(eq=False)
@@ -71,7 +76,9 @@ class Runner:
         metrics_port: int = 9101,
         metrics_bind: str = "127.0.0.1",
         registry: CollectorRegistry | None = None,
+        unhealthy_after: float = UNHEALTHY_AFTER,
     ) -> None:
+        """``unhealthy_after``: seconds a consumer may be without its broker before /healthz says UNHEALTHY."""
         if not consumers:
             raise ValueError("no @consumer to run")
         self.consumers = consumers
@@ -80,9 +87,21 @@ class Runner:
         self.graceful_timeout = graceful_timeout
         self.registry = registry or CollectorRegistry(auto_describe=True)
         self.metrics = RunnerMetrics(self.registry)
+        self.registry.register(HealthCollector(self.health))
+        if not unhealthy_after > 0:
+            raise ConfigError(f"--unhealthy-after must be more than 0 seconds, not {unhealthy_after}")
+        self.unhealthy_after = unhealthy_after
+        self._last_pass = time.monotonic()
         self.metrics_server: MetricsServer | None = None
         if metrics_port >= 0:
-            self.metrics_server = MetricsServer(self.registry, self.health, host=metrics_bind, port=metrics_port)
+            self.metrics_server = MetricsServer(
+                self.registry,
+                self.health,
+                host=metrics_bind,
+                port=metrics_port,
+                live=lambda: live(self.health()),
+                ready=self.readiness,
+            )
         self.stopping = threading.Event()
         self.slots: list[Slot] = []
         self._reports: collections.deque[Report] = collections.deque()
@@ -129,7 +148,9 @@ class Runner:
                 lanes.append(ThreadLane(consumer, self._report, self.stopping, f"{consumer.__name__}-{i}"))
         labels = (consumer.name, consumer.topic, consumer.group)
         self._declare_series(labels)
-        return Slot(consumer, subscription, lanes, labels=labels)
+        slot = Slot(consumer, subscription, lanes, labels=labels)
+        subscription.on_dead_letter = lambda messages, exc: self._dead_lettered(slot, messages, exc)
+        return slot
 
     def _declare_series(self, labels: tuple[str, str, str]) -> None:
         """Show every handler in /metrics (and dashboards) before its first message."""
@@ -184,7 +205,7 @@ class Runner:
 
     def _poll_timeout(self) -> float:
         ticks = [slot.subscription.tick() for slot in self.slots]
-        return min([*ticks, self._renewal_due()])
+        return min([*ticks, self._renewal_due(), LONGEST_WAIT])
 
     def _pass(self, timeout: float) -> None:
         poller = zmq.Poller()
@@ -194,6 +215,7 @@ class Runner:
             by_socket[slot.subscription.socket] = slot
         poller.register(self._wake_r.fileno(), zmq.POLLIN)
         events = dict(poller.poll(int(timeout * 1000) + 1))
+        self._last_pass = time.monotonic()
         if self._wake_r.fileno() in events:
             drain(self._wake_r)
         for sock, slot in by_socket.items():
@@ -220,6 +242,15 @@ class Runner:
             if chunk:
                 lane = slot.lanes[i] if slot.consumer.key_ordered else self._least_busy(slot)
                 lane.submit(slot, chunk)
+
+    def _dead_lettered(self, slot: Slot, messages: list[Message], exc: DeadLettered) -> None:
+        """The broker dead-lettered these itself: their lanes call the error handlers (never this thread)
+        and let their keys go on."""
+        self.metrics.handled.labels(*slot.labels, "dead_lettered").inc(len(messages))
+        for i, chunk in enumerate(split(slot.consumer, messages, len(slot.lanes))):
+            if chunk:
+                lane = slot.lanes[i] if slot.consumer.key_ordered else self._least_busy(slot)
+                lane.submit(slot, chunk, exc)
 
     def _least_busy(self, slot: Slot) -> Lane:
         slot.next_lane = (slot.next_lane + 1) % len(slot.lanes)
@@ -326,6 +357,8 @@ class Runner:
             for slot in self.slots:
                 for lane in slot.lanes:
                     if isinstance(lane, AsyncLane):
+                        if self.abandoned:
+                            lane.task.cancel()  # its messages were given back: no point in waiting for its handler
                         lane.join(timeout=5)  # it has its None: it ends at once (the drain waited for work)
             self._loop.call_soon_threadsafe(self._loop.stop)
         if self.metrics_server:
@@ -334,14 +367,30 @@ class Runner:
         self._wake_w.close()
 
     def health(self) -> dict[str, Any]:
+        """Per consumer: HEALTHY while subscribed, DEGRADED without the broker, UNHEALTHY after ``unhealthy_after``.
+
+        Plus ``event_loop``: the I/O thread passes at least every second (heartbeats, lease renewals); five
+        seconds more means it is wedged, and only then does ``/livez`` fail.
+        """
         now = time.monotonic()
-        checks = {}
-        status = "HEALTHY"
-        for slot in self.slots:
-            silent = now - slot.subscription._last_heard
-            checks[slot.consumer.name] = {"subscribed": slot.subscription.subscribed, "broker_silent_seconds": silent}
-            if silent > slot.subscription.heartbeat * slot.subscription.liveness:
-                status = "UNHEALTHY"
-            elif not slot.subscription.subscribed and status == "HEALTHY":
-                status = "DEGRADED"
-        return {"status": status, "checks": checks}
+        lag = max(0.0, now - self._last_pass - LONGEST_WAIT)
+        checks = {"event_loop": loop_check(lag, degraded_after=LONGEST_WAIT, unhealthy_after=5 * LONGEST_WAIT)}
+        for slot in list(self.slots):
+            subscription = slot.subscription
+            down = subscription.down_seconds(now)
+            status = HEALTHY if down == 0 else UNHEALTHY if down >= self.unhealthy_after else DEGRADED
+            checks[slot.consumer.name] = {
+                "status": status,
+                "subscribed": subscription.subscribed,
+                "without_broker_seconds": round(down, 3),
+                "unhealthy_after_seconds": self.unhealthy_after,
+            }
+        return report(checks)
+
+    def readiness(self) -> dict[str, Any]:
+        """Ready once every consumer is subscribed, until the shutdown begins."""
+        found = self.health()
+        waiting = [name for name, check in found["checks"].items() if check.get("subscribed") is False]
+        if waiting:
+            return {"ready": False, "status": found["status"], "reason": "not subscribed: " + ", ".join(waiting)}
+        return ready(found, serving=self._running and not self.stopping.is_set() and bool(self.slots))

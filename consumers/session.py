@@ -29,6 +29,7 @@ from broker.protocol import Command, Frame, decode, encode, error_from_header
 from broker.ranges import to_ranges
 from broker.security import secure_client
 from broker.transport import recv_frames, send_frames
+from consumers.exceptions import DeadLettered
 from consumers.message import Message, messages_from_entries
 
 log = logging.getLogger("conveyor.consumer")
@@ -74,9 +75,11 @@ class Subscription:
         liveness: int = 3,
         context: zmq.Context[Any] | None = None,
         on_event: Callable[[str, int], None] | None = None,
+        on_dead_letter: Callable[[list[Message], DeadLettered], None] | None = None,
     ) -> None:
         self.topic = topic
         self.on_event = on_event
+        self.on_dead_letter = on_dead_letter  # EVENT DEAD_LETTERED: messages the broker dead-lettered itself
         self.events: list[tuple[str, int]] = []  # (RESET | READY, offset), as the broker announced them
         self.group = group
         self.address = broker_address(address)  # CONVEYOR_BROKER when not given
@@ -94,6 +97,9 @@ class Subscription:
         self.liveness = liveness
         self.reconnects = 0
         self.subscribed = False
+        # Since when this subscription has been without its broker (None while subscribed): from the start
+        # until the first SUBSCRIBED, and from each reconnect until the next; reconnecting does not reset it.
+        self.down_since: float | None = time.monotonic()
         self._ctx = context or zmq.Context.instance()
         self._rids = itertools.count(1)
         self._sock: zmq.Socket[Any] | None = None
@@ -125,6 +131,8 @@ class Subscription:
         )
         self._last_heard = time.monotonic()
         self.subscribed = False
+        if self.down_since is None:
+            self.down_since = self._last_heard
 
     def _reconnect(self, why: str) -> None:
         log.warning("consumer %s/%s: %s; reconnecting to %s", self.topic, self.group, why, self.address)
@@ -161,6 +169,11 @@ class Subscription:
                 return []
 
     # --- for event loops that poll many subscriptions (the runner) ----------------
+
+    def down_seconds(self, now: float | None = None) -> float:
+        """How long this subscription has been without its broker (0 while subscribed)."""
+        since = self.down_since
+        return 0.0 if since is None else max(0.0, (time.monotonic() if now is None else now) - since)
 
     @property
     def socket(self) -> zmq.Socket[Any]:
@@ -206,11 +219,15 @@ class Subscription:
             return messages_from_entries(self.topic, frame.get("entries", []), [bytes(b) for b in frame.payload])
         if frame.command is Command.SUBSCRIBED:
             self.subscribed = True
+            self.down_since = None
         elif frame.command is Command.BYE:
             self._reconnect(str(frame.get("reason") or "broker said goodbye"))
         elif frame.command is Command.EVENT:
             event = (str(frame.get("event")), int(frame.get("offset", 0)))
             self.events.append(event)
+            if event[0] == "DEAD_LETTERED":
+                self._dead_lettered(frame)
+                return []
             log.info("consumer %s/%s: %s at offset %d", self.topic, self.group, *event)
             if self.on_event is not None:
                 self.on_event(*event)
@@ -221,6 +238,22 @@ class Subscription:
             else:
                 raise exc
         return []
+
+    def _dead_lettered(self, frame: Frame) -> None:
+        messages = messages_from_entries(self.topic, frame.get("entries", []), [bytes(b) for b in frame.payload])
+        exc = DeadLettered(
+            str(frame.get("reason") or ""), int(frame.get("deliveries", 0)), str(frame.get("dead_letter_topic") or "")
+        )
+        log.warning(
+            "consumer %s/%s: the broker dead-lettered %d message(s) from offset %d: %s",
+            self.topic,
+            self.group,
+            len(messages),
+            int(frame.get("offset", 0)),
+            exc,
+        )
+        if self.on_dead_letter is not None and messages:
+            self.on_dead_letter(messages, exc)
 
     # --- settling --------------------------------------------------------------------------
 

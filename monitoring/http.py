@@ -1,7 +1,9 @@
-"""``/metrics`` and ``/healthz`` over HTTP, in a daemon thread.
+"""``/metrics``, ``/healthz``, ``/livez`` and ``/readyz`` over HTTP, in a daemon thread.
 
 Health is JSON ``{"status": "HEALTHY"|"DEGRADED"|"UNHEALTHY", "checks": {...}}``
-with 503 when unhealthy, so load balancers and Kubernetes probes can use it.
+with 503 when unhealthy; ``/livez`` and ``/readyz`` are the Kubernetes probes
+(``monitoring.health`` says what each means). Every path answers HEAD as
+well as GET: the same status and headers, no body.
 """
 
 from __future__ import annotations
@@ -15,30 +17,35 @@ from typing import Any
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from broker.errors import ConfigError
+from monitoring.health import UNHEALTHY, HealthCheck, ready, safely
 
-HealthCheck = Callable[[], dict[str, Any]]
 SHUTDOWN_POLL_SECONDS = 0.1
+NOT_FOUND = b"not found: try /metrics, /healthz, /livez or /readyz\n"
+
+Answer = tuple[int, str, bytes]
 
 
-def _handler(registry: CollectorRegistry, health: HealthCheck) -> type[BaseHTTPRequestHandler]:
+def _json(ok: bool, body: dict[str, Any]) -> Answer:
+    return (200 if ok else 503), "application/json", json.dumps(body).encode()
+
+
+def _handler(routes: dict[str, Callable[[], Answer]]) -> type[BaseHTTPRequestHandler]:
     class Handler(BaseHTTPRequestHandler):
         def do_GET(self) -> None:  # http.server names handlers this way
-            path = self.path.split("?", 1)[0]
-            if path == "/metrics":
-                self._send(200, CONTENT_TYPE_LATEST, generate_latest(registry))
-            elif path in ("/healthz", "/health"):
-                report = _report(health)
-                status = 503 if report.get("status") == "UNHEALTHY" else 200
-                self._send(status, "application/json", json.dumps(report).encode())
-            else:
-                self._send(404, "text/plain", b"not found: try /metrics or /healthz\n")
+            self._answer(with_body=True)
 
-        def _send(self, status: int, content_type: str, body: bytes) -> None:
+        def do_HEAD(self) -> None:
+            self._answer(with_body=False)
+
+        def _answer(self, *, with_body: bool) -> None:
+            route = routes.get(self.path.split("?", 1)[0])
+            status, content_type, body = route() if route else (404, "text/plain", NOT_FOUND)
             self.send_response(status)
             self.send_header("Content-Type", content_type)
             self.send_header("Content-Length", str(len(body)))
             self.end_headers()
-            self.wfile.write(body)
+            if with_body:
+                self.wfile.write(body)
 
         def log_message(self, format: str, *args: Any) -> None:
             return None
@@ -46,18 +53,42 @@ def _handler(registry: CollectorRegistry, health: HealthCheck) -> type[BaseHTTPR
     return Handler
 
 
-def _report(health: HealthCheck) -> dict[str, Any]:
-    """A health check that fails is itself a finding: UNHEALTHY, with the error, not a dropped connection."""
-    try:
-        return health()
-    except Exception as exc:
-        return {"status": "UNHEALTHY", "checks": {"health_check_error": f"{type(exc).__name__}: {exc}"}}
+def _routes(
+    registry: CollectorRegistry, health: HealthCheck, live: HealthCheck | None, readiness: HealthCheck | None
+) -> dict[str, Callable[[], Answer]]:
+    def healthz() -> Answer:
+        found = safely(health)
+        return _json(found.get("status") != UNHEALTHY, found)
+
+    def livez() -> Answer:
+        found = safely(live) if live else {"live": True}
+        return _json(bool(found.get("live")), found)
+
+    def readyz() -> Answer:
+        found = safely(readiness) if readiness else ready(safely(health), serving=True)
+        return _json(bool(found.get("ready")), found)
+
+    def metrics() -> Answer:
+        return 200, CONTENT_TYPE_LATEST, generate_latest(registry)
+
+    return {"/metrics": metrics, "/healthz": healthz, "/health": healthz, "/livez": livez, "/readyz": readyz}
 
 
 class MetricsServer:
-    def __init__(self, registry: CollectorRegistry, health: HealthCheck, *, host: str, port: int) -> None:
+    """The HTTP endpoints of one process; ``live`` and ``ready`` default to "the server answers" and "not UNHEALTHY"."""
+
+    def __init__(
+        self,
+        registry: CollectorRegistry,
+        health: HealthCheck,
+        *,
+        host: str,
+        port: int,
+        live: HealthCheck | None = None,
+        ready: HealthCheck | None = None,
+    ) -> None:
         try:
-            self.httpd = ThreadingHTTPServer((host, port), _handler(registry, health))
+            self.httpd = ThreadingHTTPServer((host, port), _handler(_routes(registry, health, live, ready)))
         except OSError as exc:  # the port is taken, most often: say so, not with a traceback
             raise ConfigError(
                 f"cannot serve metrics on {host}:{port}: {exc.strerror} "

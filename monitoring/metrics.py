@@ -32,6 +32,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
+from monitoring.health import STATUS_CODES, check_statuses, safely
+
 LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 HANDLER_BUCKETS = (0.0005, 0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
@@ -404,6 +406,29 @@ STATE_GAUGES: dict[str, tuple[str, tuple[str, ...]]] = {
     ),
     "conveyor_mirror_status": ("Upstream link: 0 HEALTHY, 1 DEGRADED, 2 UNHEALTHY", ("upstream",)),
 }
+
+
+class HealthCollector(Collector):
+    """``conveyor_health_status{check}``: each health check's status at scrape time, and ``overall``.
+
+    0 HEALTHY, 1 DEGRADED, 2 UNHEALTHY, from the same report ``/healthz``
+    serves (``health``), so an alert and a probe never disagree.
+    """
+
+    NAME = "conveyor_health_status"
+    HELP = 'Health by check (and check="overall"): 0 HEALTHY, 1 DEGRADED, 2 UNHEALTHY'
+
+    def __init__(self, health: Callable[[], dict[str, Any]]) -> None:
+        self.health = health
+
+    def describe(self) -> Iterable[Metric]:
+        return [GaugeMetricFamily(self.NAME, self.HELP, labels=["check"])]
+
+    def collect(self) -> Iterable[Metric]:
+        family = GaugeMetricFamily(self.NAME, self.HELP, labels=["check"])
+        for check, status in sorted(check_statuses(safely(self.health)).items()):
+            family.add_metric([check], STATUS_CODES[status])
+        yield family
 
 
 def fresh_registry() -> CollectorRegistry:

@@ -21,7 +21,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from runner_helpers import RunnerProcess
 
 from broker.client import Producer
-from monitoring.metrics import BrokerMetrics, RunnerMetrics, StateCollector
+from monitoring.metrics import BrokerMetrics, HealthCollector, RunnerMetrics, StateCollector
 
 __all__ = ["RunnerProcess", "start_runner"]
 
@@ -138,6 +138,8 @@ def registered_families() -> dict[str, str]:
     BrokerMetrics(broker)
     broker.register(StateCollector(lambda: {}))
     RunnerMetrics(runner)
+    for registry in (broker, runner):
+        registry.register(HealthCollector(lambda: {"status": "HEALTHY", "checks": {}}))
     return {family.name: family.type for registry in (broker, runner) for family in registry.collect()}
 
 

@@ -50,10 +50,59 @@ def per_key(rows: list[list[str]]) -> dict[str, list[int]]:
 # --- #10 key order: waiting is not a delivery attempt -------------------------------------------
 
 
+def test_key_ordered_waiting_is_not_a_delivery_attempt(conveyor_broker, tmp_path):
+    n, every = 120, 10
+    proc = runner(conveyor_broker.address, tmp_path, "keyed_flaky")
+    try:
+        publish(conveyor_broker.address, "kf", list(range(n)), [f"k{i % 4}" for i in range(n)])
+        done = wait_records(tmp_path, "kf-done", n, timeout=60)
+        assert sorted(int(r[2]) for r in done) == list(range(n)), "everything handled once"
+        calls = collections.Counter(int(r[2]) for r in records(tmp_path, "kf-call"))
+        failed = [i for i in range(n) if i % every == 0]
+        assert sorted(o for o, c in calls.items() if c > 1) == failed, "only the failed messages ran twice"
+        assert max(calls.values()) == 2
+        attempts = {int(r[2]): int(r[3]) for r in done}
+        assert {o: a for o, a in attempts.items() if a != 1} == dict.fromkeys(failed, 2), "waiting is not an attempt"
+        for key, seen in per_key(done).items():
+            assert seen == sorted(seen), f"{key} handled out of order: {seen}"
+        assert dead_letters(conveyor_broker.address, "kf") == []
+        assert wait_for(lambda: runner_metric(proc, "conveyor_runner_retries_total") == len(failed), 10)
+        assert runner_metric(proc, "conveyor_runner_retries_total") == len(failed), "the retry counter counts failures"
+    finally:
+        proc.kill()
 
 
+def test_a_delayed_nack_on_the_head_of_a_key_keeps_the_keys_order(conveyor_broker, tmp_path):
+    proc = runner(conveyor_broker.address, tmp_path, "keyed_nack")
+    try:
+        publish(conveyor_broker.address, "kn", list(range(30)), ["a" if i % 3 else "b" for i in range(30)])
+        done = wait_records(tmp_path, "kn-done", 30, timeout=60)
+        assert sorted(int(r[2]) for r in done) == list(range(30))
+        for key, seen in per_key(done).items():
+            assert seen == sorted(seen), f"{key} handled out of order: {seen}"
+        assert [int(r[3]) for r in done if int(r[2]) != 0] == [1] * 29, "only the nacked head came twice"
+    finally:
+        proc.kill()
 
 
+def test_key_order_holds_when_the_runner_dies_while_a_key_waits(conveyor_broker, tmp_path):
+    env = {"CONVEYOR_TEST_RETRY_DELAY": "3"}
+    first = runner(conveyor_broker.address, tmp_path / "first", "keyed_killed", env)
+    keys = ["k0" if i % 2 == 0 else "k1" for i in range(40)]
+    publish(conveyor_broker.address, "kk", list(range(40)), keys)
+    # The head of k0 failed and waits 3 s; k1 flows meanwhile.
+    assert wait_for(lambda: len(records(tmp_path / "first", "kk-done")) >= 20, 30)
+    first.kill()
+    handled_first = [int(r[2]) for r in records(tmp_path / "first", "kk-done")]
+    assert all(o % 2 == 1 for o in handled_first), f"no k0 message ran before its head: {handled_first}"
+    second = runner(conveyor_broker.address, tmp_path / "second", "keyed_killed", env)
+    try:
+        k0 = list(range(0, 40, 2))
+        assert wait_for(lambda: {int(r[2]) for r in records(tmp_path / "second", "kk-done")} >= set(k0), 30)
+        seen = [int(r[2]) for r in records(tmp_path / "second", "kk-done") if r[4] == "k0"]
+        assert seen == k0, f"k0 out of order after the kill: {seen}"
+    finally:
+        second.kill()
 
 
 # --- #11 the retry policy and the broker's limit -------------------------------------------------
@@ -72,8 +121,30 @@ def test_stop_after_attempt_15_gets_15_attempts(conveyor_broker, tmp_path):
         proc.kill()
 
 
+def test_stop_after_delay_fires(conveyor_broker, tmp_path):
+    proc = runner(conveyor_broker.address, tmp_path, "delayed")
+    try:
+        publish(conveyor_broker.address, "delayed", ["x"])
+        dead = wait_records(tmp_path, "delayed-dead", 1, timeout=30)
+        assert len(dead) == 1 and dead[0][6].strip() == "RuntimeError", records(tmp_path, "delayed-call")
+        calls = records(tmp_path, "delayed-call")
+        assert 2 <= len(calls) < 10, f"stopped by the 1.5 s delay, not by a count: {len(calls)} calls"
+        letters = dead_letters(conveyor_broker.address, "delayed")
+        assert len(letters) == 1 and "gave up" in letters[0].headers["x-last-error"]
+    finally:
+        proc.kill()
 
 
+def test_error_handler_runs_for_a_message_the_broker_dead_letters(conveyor_broker, tmp_path):
+    proc = runner(conveyor_broker.address, tmp_path, "nacked")
+    try:
+        publish(conveyor_broker.address, "nacked", ["x", "y"])
+        dead = wait_records(tmp_path, "nacked-dead", 2, timeout=30)
+        assert sorted((int(r[2]), r[6].strip()) for r in dead) == [(0, "DeadLettered:3"), (1, "DeadLettered:3")]
+        assert sorted(int(r[3]) for r in records(tmp_path, "nacked-call")) == [1, 1, 2, 2, 3, 3]
+        assert wait_for(lambda: len(dead_letters(conveyor_broker.address, "nacked")) == 2, 10)
+    finally:
+        proc.kill()
 
 
 # --- #12 the newest subscription sets the group's settings ----------------------------------------

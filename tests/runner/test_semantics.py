@@ -105,6 +105,41 @@ def test_key_order_holds_when_the_runner_dies_while_a_key_waits(conveyor_broker,
         second.kill()
 
 
+def test_sigterm_gives_back_parked_messages_without_counting_them(conveyor_broker, tmp_path):
+    env = {"CONVEYOR_TEST_RETRY_DELAY": "3"}
+    first = runner(conveyor_broker.address, tmp_path / "first", "keyed_killed", env)
+    publish(conveyor_broker.address, "kk", list(range(10)), ["k0"] * 10)
+    assert wait_for(lambda: len(records(tmp_path / "first", "kk-call")) >= 1, 30)
+    first.terminate()  # k0's head waits for its retry, 1..9 are parked
+    assert first.wait(20) == 0
+    assert records(tmp_path / "first", "kk-done") == []
+    second = runner(conveyor_broker.address, tmp_path / "second", "keyed_killed", env)
+    try:
+        done = wait_records(tmp_path / "second", "kk-done", 10, timeout=30)
+        assert [(int(r[2]), int(r[3])) for r in done] == [(0, 2)] + [(i, 1) for i in range(1, 10)]
+    finally:
+        second.kill()
+
+
+def test_batch_and_async_handlers_keep_key_order_through_retries(conveyor_broker, tmp_path):
+    proc = runner(conveyor_broker.address, tmp_path, "keyed_batch")
+    other = runner(conveyor_broker.address, tmp_path, "keyed_async")
+    try:
+        keys = [f"k{i % 3}" for i in range(60)]
+        publish(conveyor_broker.address, "kb", list(range(60)), keys)
+        publish(conveyor_broker.address, "ka", list(range(60)), keys)
+        for name in ("kb-done", "ka-done"):
+            done = wait_records(tmp_path, name, 60, timeout=60)
+            assert sorted(int(r[2]) for r in done) == list(range(60)), name
+            for key, seen in per_key(done).items():
+                assert seen == sorted(seen), f"{name}: {key} out of order: {seen}"
+        calls = collections.Counter(int(r[2]) for r in records(tmp_path, "ka-call"))
+        assert sorted(o for o, c in calls.items() if c > 1) == list(range(0, 60, 10))
+    finally:
+        proc.kill()
+        other.kill()
+
+
 # --- #11 the retry policy and the broker's limit -------------------------------------------------
 
 

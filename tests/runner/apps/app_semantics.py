@@ -99,3 +99,24 @@ def redeploy_v1(message: Message) -> None:
 @retry_policy(max_attempts=6)
 def redeploy_v2(message: Message) -> None:
     record("rd-v2", message)
+
+
+@consumer("kb", group="kb", key_ordered=True, batch=True, batch_size=5, concurrency=2, prefetch=100)
+@retry_policy(max_attempts=3, initial_delay=RETRY_DELAY, backoff="fixed")
+def keyed_batch(messages: list[Message]) -> None:
+    """A batch holding value 0 fails on its first attempt: its keys' later messages wait for it."""
+    for message in messages:
+        record("kb-call", message)
+    if any(m.value == 0 and m.attempt == 1 for m in messages):
+        raise ConnectionError("a batch with 0 fails once")
+    for message in messages:
+        record("kb-done", message)
+
+
+@consumer("ka", group="ka", key_ordered=True, concurrency=2, prefetch=100)
+@retry_policy(max_attempts=3, initial_delay=RETRY_DELAY, backoff="fixed")
+async def keyed_async(message: Message) -> None:
+    record("ka-call", message)
+    if message.value % FAIL_EVERY == 0 and message.attempt == 1:
+        raise ConnectionError(f"first attempt of {message.value} fails")
+    record("ka-done", message)

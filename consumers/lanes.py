@@ -22,7 +22,7 @@ from typing import Any
 
 from consumers.exceptions import Nack, Reject
 from consumers.message import Message
-from decorators.consumer import Consumer
+from decorators.consumer import AckPolicy, Consumer
 from decorators.retry import describe
 
 log = logging.getLogger("conveyor.runner")
@@ -116,7 +116,7 @@ def handle_outcome(
         return
     if isinstance(exc, Nack):
         report.retried += [(o, int(exc.delay * 1000), exc.reason) for o in offsets]
-        if consumer.key_ordered:
+        if _comes_again(consumer):
             gate.block(messages)
         return
     if isinstance(exc, Reject):
@@ -128,10 +128,15 @@ def handle_outcome(
     if decision.retry:
         delay = int(decision.delay * 1000)
         report.retried += [(o, delay, decision.reason) for o in offsets]
-        if consumer.key_ordered:
+        if _comes_again(consumer):
             gate.block(messages)
         return
     _dead(consumer, messages, exc, decision.reason, report)
+
+
+def _comes_again(consumer: Consumer) -> bool:
+    """A retried message of a key-ordered consumer comes back (acked early, it never does: nothing waits)."""
+    return consumer.key_ordered and consumer.ack_policy is AckPolicy.AUTO
 
 
 def _dead(consumer: Consumer, messages: list[Message], exc: BaseException, reason: str, report: Report) -> None:

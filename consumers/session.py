@@ -224,10 +224,10 @@ class Subscription:
             self._reconnect(str(frame.get("reason") or "broker said goodbye"))
         elif frame.command is Command.EVENT:
             event = (str(frame.get("event")), int(frame.get("offset", 0)))
-            self.events.append(event)
-            if event[0] == "DEAD_LETTERED":
+            if event[0] == "DEAD_LETTERED":  # may be frequent: handed on, not kept in ``events``
                 self._dead_lettered(frame)
                 return []
+            self.events.append(event)
             log.info("consumer %s/%s: %s at offset %d", self.topic, self.group, *event)
             if self.on_event is not None:
                 self.on_event(*event)

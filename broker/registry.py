@@ -16,6 +16,7 @@ is how an operator moves a node.
 
 from __future__ import annotations
 
+import difflib
 import json
 import logging
 import threading
@@ -105,5 +106,47 @@ def _handler(path: Path) -> type[BaseHTTPRequestHandler]:
 
 def serve(topology: str, *, host: str, port: int) -> ThreadingHTTPServer:
     path = Path(topology)
-    json.loads(path.read_text())  # fail early on a broken file
+    check_topology(path)  # fail early, naming every problem; edits later are read on each request
     return ThreadingHTTPServer((host, port), _handler(path))
+
+
+NODE_KEYS = ("role", "parent")
+
+
+def check_topology(path: Path) -> dict[str, Any]:
+    """The topology file, if it is ``{"nodes": {NAME: {"role": ..., "parent": ADDR}}}``; else a ``ConfigError``.
+
+    Every problem is one line (an unknown key gets a did-you-mean): a
+    misspelt ``parent`` would otherwise leave a node without its parent, silently.
+    """
+    try:
+        topology = json.loads(path.read_text())
+    except OSError as exc:
+        raise ConfigError(f"--topology {path}: cannot be read ({exc.strerror})", path=str(path)) from None
+    except ValueError as exc:
+        raise ConfigError(f"--topology {path}: not valid JSON ({exc})", path=str(path)) from None
+    if not isinstance(topology, dict) or not isinstance(topology.get("nodes"), dict):
+        raise ConfigError(f'--topology {path}: expected {{"nodes": {{NAME: {{"parent": ADDR}}}}}}', path=str(path))
+    problems = [f"unknown key {k!r}{_did_you_mean(k, ['nodes'])}" for k in topology if k != "nodes"]
+    for name, node in topology["nodes"].items():
+        if not isinstance(node, dict):
+            problems.append(f"node {name!r} must be an object, not {json.dumps(node)}")
+            continue
+        problems += [
+            f"node {name!r}: unknown key {k!r}{_did_you_mean(k, NODE_KEYS)}" for k in node if k not in NODE_KEYS
+        ]
+        if "parent" in node:
+            try:
+                check_address(node["parent"])
+            except ConfigError as exc:
+                problems.append(f"node {name!r}: parent {exc.message}")
+        if not isinstance(node.get("role", ""), str):
+            problems.append(f"node {name!r}: role must be a string")
+    if problems:
+        raise ConfigError("\n".join(f"--topology {path}: {p}" for p in problems), path=str(path))
+    return topology
+
+
+def _did_you_mean(name: str, known: Any) -> str:
+    close = difflib.get_close_matches(name, list(known), n=1)
+    return f" (did you mean {close[0]!r}?)" if close else ""

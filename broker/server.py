@@ -24,11 +24,13 @@ import zmq
 from prometheus_client import CollectorRegistry
 
 from broker import admin_ops
+from broker.config import INT32_MAX, INT64_MAX
 from broker.containment import Containment
 from broker.deadletter import dead_letter_body, dead_letter_topic
 from broker.errors import (
     ConfigError,
     ConveyorError,
+    InvalidName,
     InvalidRequest,
     MessageTooLarge,
     NotSubscribed,
@@ -155,12 +157,7 @@ class Broker:
 
     def _make_group(self, topic: str, name: str, state: dict[str, Any]) -> Group:
         log_ = self.store.topic(topic)
-        settings = GroupSettings(
-            max_deliveries=int(state.get("max_deliveries", self.settings.max_deliveries)),
-            ack_timeout_ms=int(state.get("ack_timeout_ms", self.settings.ack_timeout_ms)),
-            dead_letter_topic=str(state.get("dead_letter_topic", "")),
-            key_affinity=bool(state.get("key_affinity", False)),
-        )
+        settings = self._stored_group_settings(topic, name, state)
         offset = int(state.get("committed_offset", log_.start_offset))
         if offset > log_.end_offset:  # the log lost a tail the offsets file had seen (power cut, fsync=none)
             log.warning("group %s/%s: committed offset %d is past the log end %d", topic, name, offset, log_.end_offset)
@@ -168,6 +165,38 @@ class Broker:
         group = Group(topic, name, settings, next_offset=max(offset, log_.start_offset), clock=self.clock)
         self.groups[(topic, name)] = group
         return group
+
+    def _stored_group_settings(self, topic: str, name: str, state: dict[str, Any]) -> GroupSettings:
+        """A group's stored settings; one out of range (a hand-edited groups.json) is logged and the default used.
+
+        The same bounds as a SUBSCRIBE's: a stored setting must never make a group
+        dead-letter everything, expire every lease at once, or retry an impossible dead letter.
+        """
+        defaults = GroupSettings(
+            max_deliveries=self.settings.max_deliveries, ack_timeout_ms=self.settings.ack_timeout_ms
+        )
+        values = {**defaults.to_dict(), **{k: state[k] for k in defaults.to_dict() if k in state}}
+        bounds = {"max_deliveries": (1, INT64_MAX), "ack_timeout_ms": (1, INT32_MAX)}
+        for key, (low, high) in bounds.items():
+            if not low <= values[key] <= high:
+                log.error(
+                    "group %s/%s: stored %s %r is out of range [%d, %d]; using %r",
+                    topic,
+                    name,
+                    key,
+                    values[key],
+                    low,
+                    high,
+                    getattr(defaults, key),
+                )
+                values[key] = getattr(defaults, key)
+        if values["dead_letter_topic"]:
+            try:
+                check_name(values["dead_letter_topic"])
+            except InvalidName as exc:
+                log.error("group %s/%s: stored dead_letter_topic refused (%s); using %s.dlq", topic, name, exc, topic)
+                values["dead_letter_topic"] = ""
+        return GroupSettings(**values)
 
     def bind(self) -> str:
         self.ctx = zmq.Context()

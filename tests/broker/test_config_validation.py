@@ -195,3 +195,13 @@ def test_a_good_configuration_from_every_source_starts_the_broker(tmp_path):
     cmd = [sys.executable, "-m", "broker", "broker", "--config", path, "--bind", "tcp://127.0.0.1:*"]
     line = _ready_line([*cmd, "--data-dir", str(data), "--metrics-port", "0"], env)
     assert re.search(r"ready on tcp://127\.0\.0\.1:\d+ ", line), line
+
+
+def test_a_registry_topology_is_checked_at_start(tmp_path):
+    missing = conveyor_cli("registry", "--topology", str(tmp_path / "nosuch.json"), "--port", "0")
+    config_errors(missing, "cannot be read")
+    path = toml(tmp_path, '{"nodez": 1, "nodes": {"a": {"parnt": "x"}, "b": {"parent": "tcp://h:70000"}}}', "t.json")
+    lines = config_errors(conveyor_cli("registry", "--topology", path, "--port", "0"))
+    text = "\n".join(lines)
+    assert len(lines) == 3, lines
+    assert "did you mean 'nodes'?" in text and "did you mean 'parent'?" in text and "70000" in text, text

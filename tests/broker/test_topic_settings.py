@@ -14,10 +14,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from broker_helpers import config_errors, conveyor_cli
+from broker_helpers import config_errors, conveyor_cli, drain
 
 from broker.client import Admin, Producer
 from broker.errors import ConfigError, ReadOnlyTopic, UnknownTopic
+from consumers.session import Subscription
 from consumers.testing import BrokerProcess, wait_for
 
 
@@ -258,3 +259,28 @@ def test_alter_on_a_memory_topic_and_its_segments_rolls_at_the_new_size(conveyor
         publish(address, "rolls", 60)
         assert admin.describe_topic("rolls")["segments"] > 3
     assert not (Path(conveyor_broker.data_dir) / "topics" / "ephemeral").exists()
+
+
+def test_a_stored_group_setting_out_of_range_is_replaced_by_the_default(conveyor_broker):
+    """The same class as topic.json: a hand-edited groups.json must not make a group dead-letter everything."""
+    address = conveyor_broker.address
+    publish(address, "grouped", 5)
+    with Admin(address) as admin:
+        admin.reset_offsets("grouped", "g", "earliest")
+    conveyor_broker.stop()
+    path = conveyor_broker.data_dir / "topics" / "grouped" / "groups.json"
+    groups = json.loads(path.read_text())
+    groups["g"].update(max_deliveries=0, ack_timeout_ms=-5, dead_letter_topic="no such/name")
+    path.write_text(json.dumps(groups))
+
+    conveyor_broker.start()
+    with Admin(address) as admin:
+        settings = admin.describe_group("grouped", "g")["settings"]
+    assert (settings["max_deliveries"], settings["ack_timeout_ms"], settings["dead_letter_topic"]) == (10, 30_000, "")
+    output = "".join(conveyor_broker.output)
+    assert "stored max_deliveries 0 is out of range" in output and "stored dead_letter_topic refused" in output
+    with Subscription("grouped", "g", address=address) as sub:
+        got = drain([sub], 5, timeout=30)[0]
+    assert sorted(m.offset for m in got) == [0, 1, 2, 3, 4] and {m.attempt for m in got} == {1}
+    with Admin(address) as admin:
+        assert "grouped.dlq" not in {t["name"] for t in admin.list_topics()}

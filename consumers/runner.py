@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import logging
 import operator
 import signal
@@ -63,6 +64,15 @@ class Slot:
     next_lane: int = 0
     last_renewal: float = 0.0
     labels: tuple[str, str, str] = ("", "", "")
+
+
+async def _cancel_other_tasks() -> None:
+    """Cancel every other task of the running loop (async handlers given up at the graceful timeout) and wait:
+    stopping the loop under a task still cancelling would leave it pending ("Task was destroyed")."""
+    tasks = [task for task in asyncio.all_tasks() if task is not asyncio.current_task()]
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
 
 
 class Runner:
@@ -354,11 +364,12 @@ class Runner:
                 lane.close()
             slot.subscription.close()
         if self._loop is not None:
+            if self.abandoned:  # their messages were given back: no point in waiting for the handlers
+                with contextlib.suppress(Exception):
+                    asyncio.run_coroutine_threadsafe(_cancel_other_tasks(), self._loop).result(timeout=5)
             for slot in self.slots:
                 for lane in slot.lanes:
                     if isinstance(lane, AsyncLane):
-                        if self.abandoned:
-                            lane.task.cancel()  # its messages were given back: no point in waiting for its handler
                         lane.join(timeout=5)  # it has its None: it ends at once (the drain waited for work)
             self._loop.call_soon_threadsafe(self._loop.stop)
         if self.metrics_server:

@@ -53,7 +53,7 @@ def describe_topic(broker: Broker, name: str) -> dict[str, Any]:
         "size_bytes": log.size_bytes(),
         "config": log.config.settings(),
         "config_errors": [error.to_dict() for error in broker.store.config_errors.get(name, [])],
-        "groups": sorted(g for (t, g) in broker.groups if t == name),
+        "groups": broker.groups.names_of_topic(name),
     }
 
 
@@ -107,13 +107,15 @@ def delete_group(broker: Broker, topic: str, name: str) -> dict[str, Any]:
     del broker.groups[(topic, name)]
     broker.store.delete_group(topic, name)
     broker.store.write_groups()
+    broker.group_deleted(topic, name)
     return {"deleted": name, "topic": topic}
 
 
 def delete_topic(broker: Broker, name: str) -> dict[str, Any]:
-    for topic, group in [k for k in broker.groups if k[0] == name]:
-        delete_group(broker, topic, group)
+    for group in broker.groups.of_topic(name):
+        delete_group(broker, name, group.name)
     broker.store.delete_topic(name)
+    broker.topic_deleted(name)
     return {"deleted": name}
 
 

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import heapq
+import itertools
 import logging
 import signal
 import socket
@@ -38,6 +40,7 @@ from broker.errors import (
     ShuttingDown,
     UnknownTopic,
 )
+from broker.group_index import GroupIndex
 from broker.groups import MAX_ENTRIES, DeadLetter, Delivery, Group, GroupSettings, Member, Pending, entries_for
 from broker.health import broker_health, broker_live, broker_ready
 from broker.mirror import Mirror, MirrorSettings
@@ -72,6 +75,7 @@ class Peer:
     last_seen: float
     last_sent: float = 0.0
     members: dict[int, tuple[Group, Member]] = field(default_factory=dict)
+    busy: list[tuple[Group, Member]] = field(default_factory=list)  # members whose last DELIVER bounced
 
 
 @dataclass(slots=True)
@@ -100,6 +104,7 @@ class FetchWait:
     peer: bytes
     frame: Frame
     deadline: float
+    done: bool = False  # answered before its deadline (its heap entry is skipped)
 
 
 class Broker:
@@ -124,11 +129,18 @@ class Broker:
             offsets_write_errors=self.metrics.offsets_write_errors,
             topic_config_errors=self.metrics.topic_config_errors,
         )
-        self.groups: dict[tuple[str, str], Group] = {}
+        self.groups: GroupIndex = GroupIndex()
         self.peers: dict[bytes, Peer] = {}
         self.confirms: list[Confirm] = []
         self.dead_writes: list[DeadWrite] = []
         self.fetch_waits: dict[str, list[FetchWait]] = defaultdict(list)
+        # Per-pass work follows what changed, never the number of topics or groups: timers in
+        # heaps (stale entries are skipped when they come up), groups whose offsets may have moved.
+        self._timers: list[tuple[float, int, Group]] = []  # group lease expiries and delayed redeliveries
+        self._timer_at: dict[Group, float] = {}  # each group's earliest entry in _timers
+        self._fetch_deadlines: list[tuple[float, int, FetchWait]] = []
+        self._seq = itertools.count()
+        self._moved: set[Group] = set()  # groups whose committed offset may have changed since the last commit
         self.appended: set[str] = set()
         self.to_dispatch: set[Group] = set()
         self.dispatch_retries: dict[Group, tuple[float, float]] = {}  # group -> (due, backoff)
@@ -351,12 +363,12 @@ class Broker:
         deadlines = [self._next_housekeeping]
         if self.mirror is not None:
             deadlines.append(self._next_mirror_tick)
-        for group in self.groups.values():
-            due = group.next_deadline()
-            if due is not None:
-                deadlines.append(due)
-        for waits in self.fetch_waits.values():
-            deadlines.extend(w.deadline for w in waits)
+        if self._timers:
+            deadlines.append(self._timers[0][0])
+        while self._fetch_deadlines and self._fetch_deadlines[0][2].done:
+            heapq.heappop(self._fetch_deadlines)
+        if self._fetch_deadlines:
+            deadlines.append(self._fetch_deadlines[0][0])
         sync_due = self.store.next_sync_due()
         if sync_due is not None:
             deadlines.append(sync_due - time.time() + now)
@@ -418,10 +430,12 @@ class Broker:
         if peer is None:
             peer = self.peers[identity] = Peer(identity, now)
         peer.last_seen = now
-        for group, member in peer.members.values():
-            if member.busy:
-                member.busy = False  # it talks, so it reads: try again
-                self.to_dispatch.add(group)
+        if peer.busy:
+            for group, member in peer.busy:
+                if member.busy:
+                    member.busy = False  # it talks, so it reads: try again
+                    self.to_dispatch.add(group)
+            peer.busy.clear()
         return peer
 
     def _on_hello(self, peer: bytes, frame: Frame) -> None:
@@ -515,7 +529,7 @@ class Broker:
         self.metrics.fsync_seconds.observe(self._last_fsync_seconds)
         for topic in self.appended:
             self._wake_fetches(topic)
-            self.to_dispatch.update(g for (t, _n), g in self.groups.items() if t == topic)
+            self.to_dispatch.update(self.groups.of_topic(topic))
         self.appended.clear()
         self._dispatch()  # deliveries before confirms: what consumers wait for leaves first
         self._send_confirms()
@@ -544,6 +558,7 @@ class Broker:
         self.confirms = waiting
         if self.dead_writes:
             stored = [w for w in self.dead_writes if w.end <= w.log.durable_offset]
+            self._moved.update(w.group for w in stored)  # settled now: their offsets may commit
             self.dead_writes = [w for w in self.dead_writes if w.end > w.log.durable_offset]
             for write in stored:
                 if write.letter.by_broker:
@@ -738,12 +753,33 @@ class Broker:
             else:
                 if self.dispatch_retries:
                     self.dispatch_retries.pop(group, None)
+            self._moved.add(group)
+            self._schedule(group)
 
     def _retry_dispatch_later(self, group: Group) -> None:
         """A group whose dispatch raised is dispatched again after 1 s, doubling to 30 s while it fails."""
         _due, backoff = self.dispatch_retries.get(group, (0.0, DISPATCH_RETRY_SECONDS[0] / 2))
         backoff = min(backoff * 2, DISPATCH_RETRY_SECONDS[1])
         self.dispatch_retries[group] = (self.clock() + backoff, backoff)
+
+    def _schedule(self, group: Group) -> None:
+        """Make sure the loop wakes for the group's next lease expiry or delayed redelivery."""
+        when = group.next_deadline()
+        if when is None or self._timer_at.get(group, float("inf")) <= when:
+            return  # nothing timed, or an earlier wake-up is already set (it schedules again)
+        self._timer_at[group] = when
+        heapq.heappush(self._timers, (when, next(self._seq), group))
+
+    def _due_groups(self, now: float) -> list[Group]:
+        """Pop the timers that are due: the groups (still live) that must look at their leases and delays."""
+        due: dict[Group, None] = {}
+        while self._timers and self._timers[0][0] <= now:
+            when, _seq, group = heapq.heappop(self._timers)
+            if self._timer_at.get(group) == when:
+                del self._timer_at[group]
+            if self.groups.get((group.topic, group.name)) is group:
+                due[group] = None
+        return list(due)
 
     def _deliver(self, group: Group, plan: Delivery) -> None:
         if plan.member.peer not in self.peers:
@@ -755,8 +791,10 @@ class Broker:
         header = {"sub": plan.member.sub_id, "topic": group.topic, "entries": [e.header() for e in entries]}
         frames = encode(Command.DELIVER, header, *(e.batch.body for e in entries))
         if not self._send(plan.member.peer, frames):
-            if plan.member.peer in self.peers:
+            peer = self.peers.get(plan.member.peer)
+            if peer is not None:
                 plan.member.busy = True
+                peer.busy.append((group, plan.member))
                 group.undeliver(plan)
             return
         messages = sum(e.end - e.first if e.offsets is None else len(e.offsets) for e in entries)
@@ -765,8 +803,9 @@ class Broker:
         counters.delivered_bytes.inc(sum(len(e.batch.body) for e in entries))
 
     def _handle_dead_letters(self) -> None:
-        for group in list(self.groups.values()):
-            if not group.dead:
+        # Every path that makes dead letters (nack, term, leave, lease expiry) also queues the group for dispatch.
+        for group in [g for g in self.to_dispatch if g.dead]:
+            if self.groups.get((group.topic, group.name)) is not group:
                 continue
             source = self.store.logs.get(group.topic)
             for dead in group.take_dead():
@@ -877,7 +916,9 @@ class Broker:
         offset = hfield(frame, "offset", int, log_.start_offset)
         wait_ms = max(0, min(hfield(frame, "wait_ms", int, 0), self.settings.max_fetch_wait_ms))
         if offset >= log_.durable_offset and wait_ms > 0:
-            self.fetch_waits[topic].append(FetchWait(peer, frame, self.clock() + wait_ms / 1000))
+            wait = FetchWait(peer, frame, self.clock() + wait_ms / 1000)
+            self.fetch_waits[topic].append(wait)
+            heapq.heappush(self._fetch_deadlines, (wait.deadline, next(self._seq), wait))
             return
         self._answer_fetch(peer, frame, log_)
 
@@ -916,22 +957,52 @@ class Broker:
         )
 
     def _wake_fetches(self, topic: str) -> None:
-        waits = self.fetch_waits.pop(topic, [])
-        log_ = self.store.logs.get(topic)
-        for wait in waits:
-            if log_ is not None:
-                self._answer_fetch(wait.peer, wait.frame, log_)
+        for wait in self.fetch_waits.pop(topic, []):
+            self._finish_fetch(topic, wait)
 
     def _expire_fetches(self, now: float) -> None:
-        for topic, waits in list(self.fetch_waits.items()):
-            due = [w for w in waits if w.deadline <= now]
-            if not due:
+        while self._fetch_deadlines and self._fetch_deadlines[0][0] <= now:
+            _when, _seq, wait = heapq.heappop(self._fetch_deadlines)
+            if wait.done:
                 continue
-            self.fetch_waits[topic] = [w for w in waits if w.deadline > now]
-            log_ = self.store.logs.get(topic)
-            for wait in due:
-                if log_ is not None:
-                    self._answer_fetch(wait.peer, wait.frame, log_)
+            topic = wait.frame.get("topic")
+            waits = self.fetch_waits.get(topic)
+            if waits is not None:
+                waits.remove(wait)
+                if not waits:
+                    del self.fetch_waits[topic]
+            self._finish_fetch(topic, wait)
+
+    def _finish_fetch(self, topic: str, wait: FetchWait) -> None:
+        """Answer a parked fetch: what its topic holds now, or UNKNOWN_TOPIC if the topic was deleted."""
+        wait.done = True
+        log_ = self.store.logs.get(topic)
+        if log_ is None:
+            gone = UnknownTopic(f"no topic {topic} (deleted)", topic=topic)
+            self._reply_error(wait.peer, gone, wait.frame.get("rid"))
+        else:
+            self._answer_fetch(wait.peer, wait.frame, log_)
+
+    # --- deletions -----------------------------------------------------------------------
+
+    def topic_deleted(self, topic: str) -> None:
+        """After an ADMIN delete: whatever waited on the topic is answered, and its metric series go."""
+        self._wake_fetches(topic)  # parked fetches: UNKNOWN_TOPIC
+        gone = UnknownTopic(f"no topic {topic} (deleted)", topic=topic)
+        waiting: list[Confirm] = []
+        for confirm in self.confirms:
+            if self.store.logs.get(confirm.log.name) is confirm.log:
+                waiting.append(confirm)
+            else:
+                self._reply_error(confirm.peer, gone, confirm.rid)
+        self.confirms = waiting
+        for write in [w for w in self.dead_writes if self.store.logs.get(w.log.name) is not w.log]:
+            self.dead_writes.remove(write)  # its dead-letter topic went: not settled, redelivered
+            self._undead(write.group, write.letter)
+        self.metrics.forget_topic(topic)
+
+    def group_deleted(self, topic: str, name: str) -> None:
+        self.metrics.forget_group(topic, name)
 
     # --- mirrored topics: resync and refresh ---------------------------------------------
 
@@ -939,22 +1010,20 @@ class Broker:
         """Empty a topic's log at ``offset``; its groups start there again."""
         log_ = self.store.topic(topic)
         log_.reset_to(offset)
-        for (t, name), group in list(self.groups.items()):
-            if t == topic:
-                group.reset(offset)
-                self.store.save_group(t, name, {**group.settings.to_dict(), "committed_offset": offset})
-                self.to_dispatch.add(group)
+        for group in self.groups.of_topic(topic):
+            group.reset(offset)
+            self.store.save_group(topic, group.name, {**group.settings.to_dict(), "committed_offset": offset})
+            self.to_dispatch.add(group)
         self.store.write_groups()
         if event:
             self.announce(topic, event, offset)
 
     def announce(self, topic: str, event: str, offset: int) -> None:
         """Tell every subscriber of ``topic`` (an EVENT: RESET or READY)."""
-        for identity, peer in list(self.peers.items()):
-            for sub_id, (group, _member) in list(peer.members.items()):
-                if group.topic == topic:
-                    header = {"sub": sub_id, "topic": topic, "event": event, "offset": offset}
-                    self._send(identity, encode(Command.EVENT, header))
+        for group in self.groups.of_topic(topic):
+            for member in group.members + group.joining:
+                header = {"sub": member.sub_id, "topic": topic, "event": event, "offset": offset}
+                self._send(member.peer, encode(Command.EVENT, header))
         log.info("topic %s: %s at offset %d", topic, event, offset)
 
     # --- admin ----------------------------------------------------------------------------
@@ -972,7 +1041,7 @@ class Broker:
         self._next_housekeeping = now + min(interval, 0.25, max(0.01, self.settings.offsets_commit_ms / 1000))
         with self.containment.guard("heartbeats"):
             self._heartbeats(now, interval)
-        for group in list(self.groups.values()):
+        for group in self._due_groups(now):
             with self.containment.guard("leases", topic=group.topic, group=group.name):
                 self._expire_leases(group, now)
         with self.containment.guard("fetch_expiry"):
@@ -1001,14 +1070,17 @@ class Broker:
         expired = group.expire_leases()
         if expired:
             self.metrics.redelivered_messages.labels(group.topic, group.name, "lease_expired").inc(expired)
-        if expired or (group.pending and group.has_due(now)):
-            self.to_dispatch.add(group)
+        self.to_dispatch.add(group)  # due redeliveries go out; dispatch sets the group's next timer
 
-    def _commit_offsets(self) -> None:
-        offsets = {(g.topic, g.name): g.committed_offset for g in self.groups.values()}
+    def _commit_offsets(self, *, every: bool = False) -> None:
+        """Stage the offsets of the groups that may have moved (``every``: all of them) and hand them to the writer."""
+        moved = list(self.groups.values()) if every else [*self._moved, *(w.group for w in self.dead_writes)]
+        self._moved = set()
+        offsets = {(g.topic, g.name): g.committed_offset for g in moved if self.groups.get((g.topic, g.name)) is g}
         for write in self.dead_writes:  # settled only once the dead-letter topic holds them durably
             key = (write.group.topic, write.group.name)
-            offsets[key] = min(offsets.get(key, 0), *(start for start, _end in write.letter.ranges))
+            if key in offsets:
+                offsets[key] = min(offsets[key], *(start for start, _end in write.letter.ranges))
         self.store.commit_offsets(offsets)
         try:
             self.store.write_groups(wait=False)  # two fsyncs and a rename: not on the event loop
@@ -1042,7 +1114,7 @@ class Broker:
         try:
             self.store.sync(force=True)
             self._send_confirms()
-            self._commit_offsets()
+            self._commit_offsets(every=True)
         finally:
             self.store.close()
             if self.mirror is not None and self.mirror.socket is not None:

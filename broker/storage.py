@@ -157,6 +157,9 @@ class TopicLog(ABC):
         self.cache = TailCache(config.cache_bytes)
         self._last_sync = clock()
         self.io_health: IoHealth | None = None  # the store's: writes and syncs report their outcome there
+        # Called after each append: the store keeps the logs a pass touched, so that the group
+        # commit and retention look at those and not at every topic the broker holds.
+        self.on_write: Callable[[TopicLog], None] | None = None
 
     # --- the primitives a backend provides ------------------------------------
 
@@ -237,6 +240,8 @@ class TopicLog(ABC):
             self.durable_offset = self.end_offset
         elif self.fsync.mode == "interval":
             self.maybe_sync()
+        if self.on_write is not None:
+            self.on_write(self)
         return AppendResult(base, count)
 
     def read(self, offset: int, *, max_bytes: int = 1 * MiB, max_messages: int | None = None) -> list[Batch]:

@@ -228,6 +228,11 @@ class Store:
         self.logs: dict[str, TopicLog] = {}
         self.groups: dict[str, dict[str, dict[str, Any]]] = {}
         self._dirty_groups: set[str] = set()
+        # Per-pass work follows what changed: logs appended to and not yet synced, logs appended
+        # to since the last retention pass, and logs that time-based retention may shorten.
+        self._unsynced: dict[str, TopicLog] = {}
+        self._touched: dict[str, TopicLog] = {}
+        self._aging: dict[str, TopicLog] = {}
         # Topics whose groups.json was quarantined at this start: any group created there may be an old one.
         self.groups_quarantined: set[str] = set()
         self._offsets_write_errors = offsets_write_errors
@@ -331,12 +336,31 @@ class Store:
         factory = BACKENDS.get(config.storage)
         if factory is None:
             raise UnknownTopic(f"topic {name} uses unknown storage {config.storage!r}", topic=name)
+        log: TopicLog
         if config.storage == "file":
-            made: TopicLog = FileLog(name, self.topics_dir / name, config, fsync=self.fsync, quarantine=self.quarantine)
+            log = FileLog(name, self.topics_dir / name, config, fsync=self.fsync, quarantine=self.quarantine)
         else:
-            made = factory(name, self.topics_dir / name, config, self.fsync)
-        made.io_health = self.io_health
-        return made
+            log = factory(name, self.topics_dir / name, config, self.fsync)
+        log.io_health = self.io_health
+        log.on_write = self._written
+        self._check_aging(log)
+        return log
+
+    def _written(self, log: TopicLog) -> None:
+        """A log took an append: the next group commit syncs it, the next retention pass looks at it."""
+        if log.dirty:
+            self._unsynced[log.name] = log
+        self._touched[log.name] = log
+
+    def _check_aging(self, log: TopicLog) -> None:
+        if log.config.retention_ms >= 0 and log.end_offset > log.start_offset:
+            self._aging[log.name] = log
+        else:
+            self._aging.pop(log.name, None)
+
+    def _forget(self, name: str) -> None:
+        for tracked in (self._unsynced, self._touched, self._aging):
+            tracked.pop(name, None)
 
     # --- topics ----------------------------------------------------------------
 
@@ -381,6 +405,7 @@ class Store:
         log = self.topic(name)
         log.close()
         del self.logs[name]
+        self._forget(name)
         self.groups.pop(name, None)
         self._dirty_groups.discard(name)
         self._offsets.discard(self.topics_dir / name / GROUPS_FILE)
@@ -419,6 +444,7 @@ class Store:
             with storage_errors(str(self.topics_dir / name)):
                 atomic_write(self.topics_dir / name / TOPIC_FILE, json.dumps(config.to_dict(), sort_keys=True).encode())
         topic_log.reconfigure(config)
+        self._touched[name] = topic_log  # new retention settings apply at the next retention pass
         if self._forget_config_errors(name):
             log.warning(
                 "topic %s: topic.json rewritten; the settings refused at start are replaced by those in use", name
@@ -465,10 +491,12 @@ class Store:
         """The group commit: every dirty log, then the groups that moved.
 
         ``wait=False`` (the broker's loop) leaves the groups' files to the writer thread.
+        Only logs appended to since their last sync are looked at, unless ``force``.
         """
-        for log in self.logs.values():
+        for log in list(self.logs.values() if force else self._unsynced.values()):
             if log.dirty or force:
                 log.sync(force=force)
+            self._unsynced.pop(log.name, None)
         self.write_groups(wait=wait or force)
 
     def write_groups(self, *, wait: bool = True) -> None:
@@ -482,15 +510,30 @@ class Store:
             self._offsets.flush()
 
     def next_sync_due(self) -> float | None:
-        dues = [d for d in (log.next_sync_due() for log in self.logs.values()) if d is not None]
+        dues = [d for d in (log.next_sync_due() for log in self._unsynced.values()) if d is not None]
         return min(dues) if dues else None
 
     def maybe_sync(self) -> list[TopicLog]:
         """Interval policy: sync the logs whose interval elapsed."""
-        return [log for log in self.logs.values() if log.maybe_sync()]
+        synced = [log for log in list(self._unsynced.values()) if log.maybe_sync()]
+        for log in list(self._unsynced.values()):
+            if not log.dirty:
+                del self._unsynced[log.name]
+        return synced
 
     def apply_retention(self) -> int:
-        return sum(log.apply_retention() for log in self.logs.values())
+        """Retention for the logs appended to since the last call, and those that age with time."""
+        candidates = list({**self._aging, **self._touched}.values())
+        self._touched = {}
+        dropped = 0
+        for i, log in enumerate(candidates):
+            try:
+                dropped += log.apply_retention()
+            except BaseException:
+                self._touched.update((later.name, later) for later in candidates[i:])  # looked at again next time
+                raise
+            self._check_aging(log)
+        return dropped
 
     def close(self) -> None:
         try:

@@ -29,6 +29,7 @@ from prometheus_client import (
     ProcessCollector,
 )
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.metrics import MetricWrapperBase
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
@@ -328,6 +329,41 @@ class BrokerMetrics:
         if found is None:
             found = self._groups[(topic, group)] = GroupMetrics(self, topic, group)
         return found
+
+    def forget_topic(self, topic: str) -> None:
+        """Drop every series labelled with a deleted topic (its groups' too): none is left stale on /metrics."""
+        self._topics.pop(topic, None)
+        for key in [k for k in self._groups if k[0] == topic]:
+            del self._groups[key]
+        for family in self._families():
+            _drop_children(family, ("topic",), (topic,))
+
+    def forget_group(self, topic: str, group: str) -> None:
+        """Drop every series of a deleted group."""
+        self._groups.pop((topic, group), None)
+        for family in self._families():
+            _drop_children(family, ("topic", "group"), (topic, group))
+
+    def _families(self) -> list[Any]:
+        return [v for v in vars(self).values() if isinstance(v, _LoopFamily | MetricWrapperBase)]
+
+
+def _label_names(family: Any) -> tuple[str, ...]:
+    return tuple(family.labelnames if isinstance(family, _LoopFamily) else family._labelnames)
+
+
+def _drop_children(family: Any, names: tuple[str, ...], values: tuple[str, ...]) -> None:
+    """Remove the children of ``family`` whose leading labels ``names`` equal ``values``."""
+    if _label_names(family)[: len(names)] != names:
+        return
+    n = len(values)
+    if isinstance(family, _LoopFamily):
+        for key in [k for k in list(family._children) if k[:n] == values]:
+            family._children.pop(key, None)
+        return
+    with family._lock:  # prometheus_client's own children: removed under its lock, as remove() does
+        for key in [k for k in family._metrics if k[:n] == values]:
+            del family._metrics[key]
 
 
 class TopicMetrics:

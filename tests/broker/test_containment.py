@@ -9,6 +9,7 @@ outside are in test_poison_batches.py and test_fuzz.py.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -53,6 +54,11 @@ class Live:
                 future.result(timeout=30)
         with Subscription(topic, "g", address=self.address) as sub:
             sub.receive(timeout=0.2)
+        # Leases are looked at when one comes due: hold one past a short ack timeout.
+        with Subscription(topic, "short-lease", address=self.address, ack_timeout_ms=100) as sub:
+            deadline = time.monotonic() + 1.0
+            while time.monotonic() < deadline:
+                sub.receive(timeout=0.1)
 
 
 def _receive_into(sub: Subscription, got: list[int]) -> int:

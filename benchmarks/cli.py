@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from broker.cli import command
+from broker.errors import ConfigError
 
 DEFAULT_CONFIG = Path(__file__).with_name("default.json")
 
@@ -55,7 +56,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.repeat < 1:
         print("conveyor bench: --repeat must be at least 1", file=sys.stderr)
         return 2
-    config = load_config(args.config, quick=args.quick)
+    try:
+        config = load_config(args.config, quick=args.quick)
+    except (OSError, ValueError, TypeError) as exc:  # a wrong scenario file is a CONFIG_ERROR, not a traceback
+        raise ConfigError(f"--config {args.config}: {exc}", path=args.config) from None
     if args.scenarios:
         keep = {s.strip() for s in args.scenarios.split(",") if s.strip()}
         missing = keep - {s.name for s in config.scenarios}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import difflib
 import json
 import re
 from dataclasses import asdict, dataclass, field, fields, replace
@@ -115,12 +116,52 @@ class Config:
 _FIELDS = {f.name for f in fields(Scenario)}
 
 
+_NUMBER = (int, float)
+_KINDS: dict[str, Any] = {
+    "name": str,
+    "producers": int,
+    "consumers": int,
+    "groups": int,
+    "messages": int,
+    "message_size": int,
+    "batch_size": int,
+    "rate": (str, *_NUMBER),
+    "fsync": str,
+    "duration": _NUMBER,
+    "credit": int,
+    "linger_ms": (*_NUMBER, type(None)),
+    "eager": (bool, type(None)),
+    "systems": list,
+    "description": str,
+    "quick": dict,
+}
+
+
+def _check_keys(where: str, values: dict[str, Any], extra: tuple[str, ...] = ()) -> None:
+    """Unknown keys (with a did-you-mean) and values of the wrong JSON type: a ``ValueError`` naming each."""
+    problems = []
+    for key, value in values.items():
+        if key in extra:
+            continue
+        kind = _KINDS.get(key)
+        if kind is None:
+            close = difflib.get_close_matches(key, list(_KINDS), n=1)
+            problems.append(f"unknown key {key!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+        elif not isinstance(value, kind) or (isinstance(value, bool) and bool not in _tuple(kind)):
+            problems.append(f"{key} = {json.dumps(value)} has the wrong type")
+    if problems:
+        raise ValueError(f"{where}: " + "; ".join(problems))
+
+
+def _tuple(kind: Any) -> tuple[Any, ...]:
+    return kind if isinstance(kind, tuple) else (kind,)
+
+
 def scenario_from_dict(item: dict[str, Any], defaults: dict[str, Any], quick: bool) -> Scenario | None:
     """The scenario, with its ``quick`` overrides under --quick; None when ``quick`` says ``"skip": true``."""
     merged = {**defaults, **item}
-    unknown = set(merged) - _FIELDS
-    if unknown:
-        raise ValueError(f"scenario {merged.get('name', '?')}: unknown keys {sorted(unknown)}")
+    _check_keys(f"scenario {merged.get('name', '?')}", merged)
+    _check_keys(f"scenario {merged.get('name', '?')}, quick", dict(merged.get("quick", {})), extra=("skip",))
     if "systems" in merged:
         merged["systems"] = tuple(merged["systems"])
     scenario = Scenario(**merged)

@@ -205,3 +205,10 @@ def test_a_registry_topology_is_checked_at_start(tmp_path):
     text = "\n".join(lines)
     assert len(lines) == 3, lines
     assert "did you mean 'nodes'?" in text and "did you mean 'parent'?" in text and "70000" in text, text
+
+
+def test_a_bench_scenario_file_is_checked_before_anything_runs(tmp_path):
+    path = toml(tmp_path, '{"scenarios": [{"name": "x", "mesages": 5, "producers": true}]}', "bench.json")
+    (line,) = config_errors(conveyor_cli("bench", "--config", path))
+    assert "did you mean 'messages'?" in line and "producers = true" in line, line
+    config_errors(conveyor_cli("bench", "--config", str(tmp_path / "nosuch.json")), "nosuch.json")

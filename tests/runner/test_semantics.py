@@ -182,6 +182,22 @@ def test_error_handler_runs_for_a_message_the_broker_dead_letters(conveyor_broke
         proc.kill()
 
 
+def test_error_handler_runs_for_a_poison_message_that_kills_its_runners(conveyor_broker, tmp_path):
+    first = runner(conveyor_broker.address, tmp_path, "poison")
+    publish(conveyor_broker.address, "poison", ["x"])
+    assert first.wait(30) == 17, "the first runner died on it"
+    second = runner(conveyor_broker.address, tmp_path, "poison")
+    assert second.wait(30) == 17, "so did the second, once the broker saw the first was gone"
+    third = runner(conveyor_broker.address, tmp_path, "poison")
+    try:
+        dead = wait_records(tmp_path, "poison-dead", 1, timeout=30)
+        assert [(r[2], r[6].strip()) for r in dead] == [("0", "DeadLettered:2")]
+        assert [int(r[3]) for r in records(tmp_path, "poison-call")] == [1, 2]
+        assert wait_for(lambda: len(dead_letters(conveyor_broker.address, "poison")) == 1, 10)
+    finally:
+        third.kill()
+
+
 # --- #12 the newest subscription sets the group's settings ----------------------------------------
 
 

@@ -120,3 +120,16 @@ async def keyed_async(message: Message) -> None:
     if message.value % FAIL_EVERY == 0 and message.attempt == 1:
         raise ConnectionError(f"first attempt of {message.value} fails")
     record("ka-done", message)
+
+
+@consumer("poison", group="poison")
+@retry_policy(max_attempts=2)
+def poison(message: Message) -> None:
+    """Kills its runner: the broker counts each death and dead-letters it at the policy's limit."""
+    record("poison-call", message)
+    os._exit(17)
+
+
+@error_handler(poison)
+def poison_dead(message: Message, exc: BaseException) -> None:
+    record("poison-dead", message, f"{type(exc).__name__}:{getattr(exc, 'deliveries', '')}")

@@ -64,14 +64,15 @@ class KeyGate:
         """The messages of ``unit`` that may run now; the others are parked behind their key's head."""
         run: list[Message] = []
         for message in unit:
-            head = self.blocked.get(message.key, _NO_HEAD)
-            if head == _NO_HEAD or message.offset < head:
+            key = message.key
+            head = self.blocked.get(key, _NO_HEAD)
+            if message.offset == head:
+                del self.blocked[key]  # the retried message itself is back
                 run.append(message)
-            elif message.offset == head:
-                del self.blocked[message.key]  # the retried message itself is back
-                run.append(message)
+            elif head != _NO_HEAD or key in self.parked:  # behind its head, or behind what waits for it
+                self.parked.setdefault(key, []).append(message)
             else:
-                self.parked.setdefault(message.key, []).append(message)
+                run.append(message)
         return run
 
     def block(self, messages: list[Message]) -> None:

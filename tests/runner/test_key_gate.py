@@ -63,3 +63,12 @@ def test_acked_early_nothing_waits_for_a_retry_that_never_comes():
     c = consumer("t", key_ordered=True, ack_policy="early")(handler)
     gate = KeyGate()
     assert run(c, gate, [msg(0, "k"), msg(1, "k")], fail={0}) == [0, 1]
+
+
+def test_a_batch_with_a_returning_head_runs_it_alone_and_then_the_keys_parked_messages_in_order():
+    c = consumer("t", key_ordered=True, batch=True, batch_size=2)(handler)
+    gate = KeyGate()
+    assert run(c, gate, [msg(0, "k"), msg(1, "j")], fail={0}) == [0]  # the whole batch is retried
+    assert run(c, gate, [msg(2, "k"), msg(3, "k")], fail=set()) == []
+    assert run(c, gate, [msg(0, "k", 2), msg(5, "k")], fail=set()) == [0, 2, 5]
+    assert [m.offset for m in gate.parked.get("j", [])] == [] and gate.blocked == {"j": 1}

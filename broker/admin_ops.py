@@ -90,6 +90,7 @@ def reset_offsets(broker: Broker, topic: str, name: str, to: Any) -> dict[str, A
     log = broker.store.topic(topic)
     group = broker.groups.get((topic, name))
     if group is None:
+        broker.check_group_room(topic, name)
         group = broker._make_group(topic, check_name(name, "group"), {"committed_offset": log.start_offset})
     group.reset(resolve_position(log, to))
     broker.store.save_group(topic, name, {**group.settings.to_dict(), "committed_offset": group.next_offset})
@@ -121,6 +122,8 @@ def delete_topic(broker: Broker, name: str) -> dict[str, Any]:
 
 def create_topic(broker: Broker, name: str, config: Any) -> dict[str, Any]:
     """Every setting is checked by the topic settings table before the topic's directory is made."""
+    if name not in broker.store.logs:
+        broker.check_topic_room(name)  # TOPIC_EXISTS stays the answer for a topic that is there
     broker.store.create_topic(name, config)
     return describe_topic(broker, name)
 
@@ -203,6 +206,7 @@ def state_snapshot(broker: Broker) -> dict[str, Rows]:
     _mirror_rows(broker, add)
     with contextlib.suppress(OSError):
         add("conveyor_disk_free_bytes", (), shutil.disk_usage(broker.settings.data_dir).free)
+    add("conveyor_topic_limit", (), broker.topic_limits.limit)
     return rows
 
 

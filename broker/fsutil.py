@@ -7,7 +7,7 @@ import os
 from pathlib import Path
 
 from broker import fsio
-from broker.errors import StorageFull, StorageIOError
+from broker.errors import StorageFull, StorageIOError, TooManyOpenFiles
 
 
 def fsync_dir(path: str | os.PathLike[str]) -> None:
@@ -83,4 +83,9 @@ class storage_errors:  # lower case: used as a context manager, reads like a sta
         if isinstance(exc, OSError) and not isinstance(exc, FileNotFoundError):
             if exc.errno in (errno.ENOSPC, errno.EDQUOT):
                 raise StorageFull(f"no space left writing {self.what}", path=self.what) from exc
+            if exc.errno in (errno.EMFILE, errno.ENFILE):
+                raise TooManyOpenFiles(
+                    f"out of file descriptors opening {self.what}; retry once topics or connections close",
+                    path=self.what,
+                ) from exc
             raise StorageIOError(f"{exc.strerror} writing {self.what}", path=self.what, errno=exc.errno) from exc

@@ -32,17 +32,20 @@ from broker.deadletter import dead_letter_body, dead_letter_topic
 from broker.errors import (
     ConfigError,
     ConveyorError,
+    GroupLimit,
     InvalidName,
     InvalidRequest,
     MessageTooLarge,
     NotSubscribed,
     ReadOnlyTopic,
     ShuttingDown,
+    TooManyOpenFiles,
     UnknownTopic,
 )
 from broker.group_index import GroupIndex
 from broker.groups import MAX_ENTRIES, DeadLetter, Delivery, Group, GroupSettings, Member, Pending, entries_for
 from broker.health import broker_health, broker_live, broker_ready
+from broker.limits import TokenBucket, TopicLimits
 from broker.mirror import Mirror, MirrorSettings
 from broker.protocol import Command, Frame, decode, encode, error_header
 from broker.protocol import field as hfield
@@ -76,6 +79,7 @@ class Peer:
     last_sent: float = 0.0
     members: dict[int, tuple[Group, Member]] = field(default_factory=dict)
     busy: list[tuple[Group, Member]] = field(default_factory=list)  # members whose last DELIVER bounced
+    creations: TokenBucket | None = None  # its auto-create rate, made at its first auto-creation
 
 
 @dataclass(slots=True)
@@ -155,6 +159,8 @@ class Broker:
         self.mirror: Mirror | None = None
         self.registry_watch: RegistryWatch | None = None
         self._next_mirror_tick = 0.0
+        self.topic_limits = TopicLimits(settings.max_topics, settings.auto_create_rate, clock=self.clock)
+        self.topic_limits.refresh(len(self.store.logs))
         self._load_groups()
         for topic in self.store:
             if topic.truncated_bytes:
@@ -396,6 +402,8 @@ class Broker:
 
     def _reply_error(self, peer: bytes, exc: ConveyorError, rid: Any = None) -> None:
         self.metrics.protocol_errors.labels(str(exc.code), exc.name).inc()
+        if isinstance(exc, TooManyOpenFiles):
+            self.metrics.descriptors_exhausted.inc()
         self._send(peer, encode(Command.ERROR, error_header(exc, rid)))
 
     # --- dispatching commands -------------------------------------------------------------
@@ -472,7 +480,7 @@ class Broker:
             raise InvalidRequest("an idempotent PUBLISH needs seq >= 0", field="seq")
         body = bytes(frame.payload[0])
         count = self._validate(body)
-        log_ = self._topic_for_write(topic)
+        log_ = self._topic_for_write(topic, peer)
         started = time.perf_counter()
         try:
             result = log_.append(body, count, producer_id=producer_id, sequence=sequence)
@@ -503,15 +511,40 @@ class Broker:
                 ) from None
             raise
 
-    def _topic_for_write(self, topic: str) -> TopicLog:
+    def _topic_for_write(self, topic: str, peer: bytes | None = None) -> TopicLog:
         if topic not in self.store.logs:
             if not self.settings.auto_create_topics:
                 raise UnknownTopic(f"no topic {topic} (auto-create is off)", topic=topic)
+            self._admit_auto_create(topic, peer)
             self.store.create_topic(topic)
         log_ = self.store.topic(topic)
         if log_.config.read_only:
             raise ReadOnlyTopic(f"topic {topic} is read-only", topic=topic)
         return log_
+
+    def _admit_auto_create(self, topic: str, identity: bytes | None) -> None:
+        """TOPIC_LIMIT past the topic limit; RATE_LIMITED past the broker's or this connection's auto-create rate."""
+        check_name(topic)
+        self.topic_limits.check_room(len(self.store.logs), topic)
+        peer = self.peers.get(identity) if identity is not None else None
+        if peer is not None and peer.creations is None:
+            peer.creations = TokenBucket(self.settings.auto_create_client_rate, self.clock)
+        client = peer.creations if peer is not None and peer.creations is not None else TokenBucket(1e9)
+        self.topic_limits.check_rate(topic, client)
+
+    def check_topic_room(self, topic: str) -> None:
+        """For ADMIN create_topic: the topic limit holds there too (its rate does not: an operator asks)."""
+        self.topic_limits.check_room(len(self.store.logs), topic)
+
+    def check_group_room(self, topic: str, name: str) -> None:
+        if len(self.groups) >= self.settings.max_groups:
+            raise GroupLimit(
+                f"cannot create group {name} on {topic}: the broker holds {len(self.groups)} groups "
+                f"(--max-groups {self.settings.max_groups})",
+                topic=topic,
+                group=name,
+                limit=self.settings.max_groups,
+            )
 
     def _group_commit(self) -> None:
         """One fsync for everything appended this pass, then the confirms."""
@@ -587,8 +620,10 @@ class Broker:
         sub_id = hfield(frame, "sub", int)
         credit = self._credit(hfield(frame, "credit", int, self.settings.default_credit))
         batch_size = max(1, min(hfield(frame, "batch_size", int, credit), credit))
+        if (topic, name) not in self.groups:
+            self.check_group_room(topic, name)  # before the topic is made for it
         if topic not in self.store.logs:
-            self._topic_for_write(topic)  # subscribing first is normal: create it
+            self._topic_for_write(topic, peer)  # subscribing first is normal: create it
         group = self.groups.get((topic, name))
         if group is None:
             group = self._create_group(topic, name, frame)

@@ -50,6 +50,10 @@ class BrokerSettings:
     retention_ms: int = -1
     offsets_commit_ms: int = 100
     auto_create_topics: bool = True
+    max_topics: int = 10_000
+    max_groups: int = 100_000
+    auto_create_rate: int = 100
+    auto_create_client_rate: int = 20
     quarantine: bool = False
     sndhwm: int = 100_000
     rcvhwm: int = 100_000
@@ -106,6 +110,10 @@ HELP = {
     "retention_ms": "default per-topic age limit (-1: unlimited)",
     "offsets_commit_ms": "how often group offsets are written to disk",
     "auto_create_topics": "create a topic on first publish or subscribe",
+    "max_topics": "most topics the broker holds (lower if file descriptors allow fewer): TOPIC_LIMIT beyond",
+    "max_groups": "most consumer groups the broker holds: GROUP_LIMIT beyond",
+    "auto_create_rate": "topics auto-created per second by the whole broker: RATE_LIMITED beyond",
+    "auto_create_client_rate": "topics auto-created per second by one connection: RATE_LIMITED beyond",
     "quarantine": "move a corrupt sealed segment aside instead of refusing to start",
     "sndhwm": "ZeroMQ send high-water mark (a backstop; credit is the flow control)",
     "rcvhwm": "ZeroMQ receive high-water mark",
@@ -160,6 +168,10 @@ RULES: dict[str, dict[str, Any]] = {
     "max_credit": {"minimum": 1},
     "default_credit": {"minimum": 1},
     "max_fetch_wait_ms": {"minimum": 0},
+    "max_topics": {"minimum": 1},
+    "max_groups": {"minimum": 1},
+    "auto_create_rate": {"minimum": 1},
+    "auto_create_client_rate": {"minimum": 1},
     "segment_bytes": {"type": topic_default("segment_bytes"), "maximum": TOPIC_SETTINGS["segment_bytes"].maximum},
     "retention_bytes": {"type": topic_default("retention_bytes"), "maximum": TOPIC_SETTINGS["retention_bytes"].maximum},
     "retention_ms": {"type": topic_default("retention_ms"), "maximum": TOPIC_SETTINGS["retention_ms"].maximum},

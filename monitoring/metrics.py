@@ -304,6 +304,11 @@ class BrokerMetrics:
             topic,
             registry=registry,
         )
+        self.descriptors_exhausted = Counter(
+            "conveyor_descriptors_exhausted",
+            "Operations refused because the process ran out of file descriptors (EMFILE): TOO_MANY_OPEN_FILES",
+            registry=registry,
+        )
         self.offsets_write_errors = Counter(
             "conveyor_offsets_write_errors",
             "Failed writes of a topic's group offsets file (groups.json); each is retried with backoff",
@@ -432,6 +437,10 @@ STATE_GAUGES: dict[str, tuple[str, tuple[str, ...]]] = {
     "conveyor_group_members": ("Consumers subscribed in the group", GROUP),
     "conveyor_connected_clients": ("Peers the broker heard from within the liveness window", ()),
     "conveyor_disk_free_bytes": ("Free bytes on the data directory's file system", ()),
+    "conveyor_topic_limit": (
+        "Most topics this broker holds: the smaller of --max-topics and what its file descriptors allow",
+        (),
+    ),
     "conveyor_mirror_lag_messages": (
         "Messages the upstream has that this mirror has not copied yet",
         ("topic", "upstream"),

@@ -59,6 +59,7 @@ BROKER: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "mirror_reconnects": ("conveyor_mirror_reconnects", "counter", ("upstream",)),
     "mirror_gaps": ("conveyor_mirror_gaps", "counter", TOPIC),
     "offsets_write_errors": ("conveyor_offsets_write_errors", "counter", TOPIC),
+    "descriptors_exhausted": ("conveyor_descriptors_exhausted", "counter", ()),
     "topic_config_errors": ("conveyor_topic_config_errors", "counter", ("topic", "setting")),
 }
 RUNNER: dict[str, tuple[str, str, tuple[str, ...]]] = {
@@ -82,6 +83,7 @@ STATE: dict[str, tuple[str, ...]] = {
     "conveyor_group_members": GROUP,
     "conveyor_connected_clients": (),
     "conveyor_disk_free_bytes": (),
+    "conveyor_topic_limit": (),
     "conveyor_mirror_lag_messages": ("topic", "upstream"),
     "conveyor_mirror_lag_seconds": ("topic", "upstream"),
     "conveyor_mirror_status": ("upstream",),

@@ -22,12 +22,12 @@ import logging
 import threading
 import urllib.request
 from collections.abc import Callable
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
 from broker.config import check_address
 from broker.errors import ConfigError
+from monitoring.bounded_http import BoundedHandler, BoundedHTTPServer
 
 log = logging.getLogger("conveyor.registry")
 
@@ -74,8 +74,8 @@ class RegistryWatch:
                 self.wake()
 
 
-def _handler(path: Path) -> type[BaseHTTPRequestHandler]:
-    class Handler(BaseHTTPRequestHandler):
+def _handler(path: Path) -> type[BoundedHandler]:
+    class Handler(BoundedHandler):
         def do_GET(self) -> None:  # http.server names handlers this way
             try:
                 topology = json.loads(path.read_text())
@@ -104,10 +104,10 @@ def _handler(path: Path) -> type[BaseHTTPRequestHandler]:
     return Handler
 
 
-def serve(topology: str, *, host: str, port: int) -> ThreadingHTTPServer:
+def serve(topology: str, *, host: str, port: int) -> BoundedHTTPServer:
     path = Path(topology)
     check_topology(path)  # fail early, naming every problem; edits later are read on each request
-    return ThreadingHTTPServer((host, port), _handler(path))
+    return BoundedHTTPServer((host, port), _handler(path))  # idle or slow clients cannot hold threads for ever
 
 
 NODE_KEYS = ("role", "parent")

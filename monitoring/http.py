@@ -11,12 +11,12 @@ from __future__ import annotations
 import json
 import threading
 from collections.abc import Callable
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from broker.errors import ConfigError
+from monitoring.bounded_http import BoundedHandler, BoundedHTTPServer
 from monitoring.health import UNHEALTHY, HealthCheck, ready, safely
 
 SHUTDOWN_POLL_SECONDS = 0.1
@@ -29,8 +29,8 @@ def _json(ok: bool, body: dict[str, Any]) -> Answer:
     return (200 if ok else 503), "application/json", json.dumps(body).encode()
 
 
-def _handler(routes: dict[str, Callable[[], Answer]]) -> type[BaseHTTPRequestHandler]:
-    class Handler(BaseHTTPRequestHandler):
+def _handler(routes: dict[str, Callable[[], Answer]]) -> type[BoundedHandler]:
+    class Handler(BoundedHandler):
         def do_GET(self) -> None:  # http.server names handlers this way
             self._answer(with_body=True)
 
@@ -88,7 +88,7 @@ class MetricsServer:
         ready: HealthCheck | None = None,
     ) -> None:
         try:
-            self.httpd = ThreadingHTTPServer((host, port), _handler(_routes(registry, health, live, ready)))
+            self.httpd = BoundedHTTPServer((host, port), _handler(_routes(registry, health, live, ready)))
         except OSError as exc:  # the port is taken, most often: say so, not with a traceback
             raise ConfigError(
                 f"cannot serve metrics on {host}:{port}: {exc.strerror} "

@@ -87,6 +87,8 @@ def _check_options(c: Consumer) -> None:
         value = getattr(c, name)
         if not isinstance(value, int) or isinstance(value, bool) or value < low:
             raise TypeError(f"{name} must be an int of at least {low}, not {value!r}")
+    if c.batch and c.prefetch and c.prefetch < c.batch_size:
+        raise TypeError(f"prefetch ({c.prefetch}) below batch_size ({c.batch_size}): no batch could ever fill")
     if c.ack_timeout_ms > 2**31 - 1:
         raise TypeError(f"ack_timeout_ms must be at most {2**31 - 1}, not {c.ack_timeout_ms}")
     if c.retry is not None and not isinstance(c.retry, RetryPolicy):

@@ -26,6 +26,7 @@ def handler(message):
         {"ack_timeout_ms": 0},
         {"ack_timeout_ms": 2**31},
         {"concurrency": 2.5},
+        {"batch": True, "batch_size": 50, "prefetch": 10},
     ],
 )
 def test_impossible_consumer_options_are_refused_when_declared(options):

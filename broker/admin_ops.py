@@ -75,6 +75,7 @@ def describe_group(broker: Broker, topic: str, name: str) -> dict[str, Any]:
             for m in group.members + group.joining
         ],
         "settings": group.settings.to_dict(),
+        "settings_changed": group.settings_changed,
     }
 
 

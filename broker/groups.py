@@ -209,6 +209,7 @@ class Group:
         self._leases: list[tuple[float, int]] = []
         self._rr = 0
         self.dead: list[DeadLetter] = []
+        self.settings_changed: dict[str, Any] | None = None  # the last change a newer subscription made
 
     def apply_settings(self, settings: GroupSettings) -> None:
         """New settings from a newer subscription: leases and deliveries from now on follow them."""

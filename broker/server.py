@@ -620,6 +620,9 @@ class Broker:
         sub_id = hfield(frame, "sub", int)
         credit = self._credit(hfield(frame, "credit", int, self.settings.default_credit))
         batch_size = max(1, min(hfield(frame, "batch_size", int, credit), credit))
+        known = self.peers[peer]
+        if sub_id in known.members:  # before anything changes: a refused SUBSCRIBE sets nothing
+            raise InvalidRequest(f"subscription {sub_id} already exists on this connection", field="sub")
         if (topic, name) not in self.groups:
             self.check_group_room(topic, name)  # before the topic is made for it
         if topic not in self.store.logs:
@@ -628,10 +631,7 @@ class Broker:
         if group is None:
             group = self._create_group(topic, name, frame)
         else:
-            self._apply_settings(group, self._subscription_settings(frame, group.settings))
-        known = self.peers[peer]
-        if sub_id in known.members:
-            raise InvalidRequest(f"subscription {sub_id} already exists on this connection", field="sub")
+            self._apply_settings(group, self._subscription_settings(frame, group.settings), peer)
         member = Member(peer, sub_id, credit, batch_size)
         group.join(member)
         known.members[sub_id] = (group, member)
@@ -699,18 +699,24 @@ class Broker:
             check_name(settings.dead_letter_topic)
         return settings
 
-    def _apply_settings(self, group: Group, settings: GroupSettings) -> None:
+    def _apply_settings(self, group: Group, settings: GroupSettings, peer: bytes) -> None:
         """The newest subscription's settings are the group's (what a redeploy expects): apply, log, store."""
         changes = group.settings.changes(settings)
         if not changes:
             return
         log.warning(
-            "group %s/%s: settings changed by a new subscription: %s",
+            "group %s/%s: settings changed by a new subscription from %s: %s",
             group.topic,
             group.name,
+            peer.hex(),
             ", ".join(f"{k} {old!r} -> {new!r}" for k, (old, new) in changes.items()),
         )
         group.apply_settings(settings)
+        group.settings_changed = {
+            "at_ms": int(time.time() * 1000),
+            "by": peer.hex(),
+            "changes": {k: {"from": old, "to": new} for k, (old, new) in changes.items()},
+        }
         state = self.store.group(group.topic, group.name) or {}
         committed = state.get("committed_offset", group.committed_offset)
         self.store.save_group(group.topic, group.name, {**state, **settings.to_dict(), "committed_offset": committed})

@@ -210,12 +210,15 @@ def test_a_redeploy_changes_the_groups_settings_and_says_so(conveyor_broker, tmp
         assert v1.wait(20) == 0
         v2 = runner(conveyor_broker.address, tmp_path, "redeploy_v2")
         try:
-            settings = admin.describe_group("rd", "rd")["settings"]
+            described = admin.describe_group("rd", "rd")
+            settings, last = described["settings"], described["settings_changed"]["changes"]
             assert (settings["max_deliveries"], settings["key_affinity"], settings["ack_timeout_ms"]) == (
                 6,
                 True,
                 20000,
             )
+            assert last["max_deliveries"] == {"from": 3, "to": 6}
+            assert last["key_affinity"] == {"from": False, "to": True}
             publish(conveyor_broker.address, "rd", ["a"])
             assert [r[2] for r in wait_records(tmp_path, "rd-v2", 1)] == ["0"]
         finally:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from broker import fsio
 from broker.errors import ConveyorError, SegmentCorrupt, StorageIOError
-from broker.fsutil import fsync_dir, make_dirs, storage_errors
+from broker.fsutil import free_name, fsync_dir, make_dirs, storage_errors
 from broker.record import Batch, BatchHeader
 from broker.segment import Segment
 from broker.storage import FsyncPolicy, TopicConfig, TopicLog
@@ -58,12 +58,16 @@ class FileLog(TopicLog):
             self._new_segment(0)
             return
         lost_from: int | None = None  # base of the oldest segments quarantined before any was kept
+        newest_lost_end: int | None = None  # the newest segment was quarantined: offsets it used up to here
         for i, base in enumerate(bases):
             segment = Segment(self.directory, base, index_interval=self.config.index_interval_bytes)
             newest = i == len(bases) - 1
-            if not self._recover(segment, sealed=not newest):
+            lost_end = self._recover(segment, sealed=not newest)
+            if lost_end is not None:
                 if not self.segments and lost_from is None:
                     lost_from = base
+                if newest:
+                    newest_lost_end = lost_end
                 continue
             if not self.segments and lost_from is not None:
                 self.gaps.append((lost_from, base))
@@ -71,32 +75,46 @@ class FileLog(TopicLog):
             self.segments.append(segment)
             self._bases.append(base)
             self._adopt_producers(segment.recovered_headers)
-        if not self.segments:
-            self._new_segment(bases[-1])
+        if newest_lost_end is not None:
+            self._continue_after_quarantine(lost_from, newest_lost_end)
         self.start_offset = self.segments[0].base_offset
         self.end_offset = self.durable_offset = self.segments[-1].next_offset
 
-    def _recover(self, segment: Segment, *, sealed: bool) -> bool:
+    def _continue_after_quarantine(self, lost_from: int | None, lost_end: int) -> None:
+        """A new newest segment after every offset the quarantined one held: offsets are never given twice."""
+        kept_end = self.segments[-1].next_offset if self.segments else lost_from
+        if kept_end is not None and kept_end < lost_end:
+            self.gaps.append((kept_end, lost_end))
+            log.error("%s: offsets [%d, %d) are missing (quarantined)", self.name, kept_end, lost_end)
+        self._new_segment(max(lost_end, self.segments[-1].next_offset if self.segments else 0))
+
+    def _recover(self, segment: Segment, *, sealed: bool) -> int | None:
+        """None if ``segment`` opened; if it was quarantined, the end of the offsets it may have held."""
         try:
             self.truncated_bytes += segment.recover(sealed=sealed)
-            return True
-        except SegmentCorrupt:
+            return None
+        except SegmentCorrupt as exc:
             if not self.quarantine:
                 segment.close()
-                raise
-            self._quarantine(segment)
-            return False
+                raise SegmentCorrupt(
+                    f"{exc.message}; start with --quarantine to move the segment to {QUARANTINE_DIR}/ "
+                    "(its offsets are then skipped, never reused)",
+                    **exc.fields,
+                ) from None
+            self._quarantine(segment, exc)
+            return max(segment.base_offset, int(exc.fields.get("end_offset", segment.base_offset)))
 
-    def _quarantine(self, segment: Segment) -> None:
+    def _quarantine(self, segment: Segment, reason: SegmentCorrupt) -> None:
         target = self.directory / QUARANTINE_DIR
         make_dirs(target)
         segment.close()
         for path in (segment.path, segment.index_path):
             if path.exists():
-                fsio.rename(path, target / path.name)
+                fsio.rename(path, free_name(target, path.name))
         fsync_dir(target)  # both directory entries: a crash now must not lose the evidence nor bring it back
         fsync_dir(self.directory)
-        log.error("%s: quarantined corrupt segment %s", self.name, segment.path.name)
+        self.quarantined_segments += 1
+        log.error("%s: quarantined corrupt segment %s: %s", self.name, segment.path.name, reason.message)
 
     def _check_continuity(self, segment: Segment) -> None:
         if not self.segments:
@@ -104,7 +122,7 @@ class FileLog(TopicLog):
         expected = self.segments[-1].next_offset
         if segment.base_offset == expected:
             return
-        if not self.quarantine and not self.gaps:
+        if not self.quarantine and not self.gaps and not self._quarantined_within(expected, segment.base_offset):
             segment.close()
             raise SegmentCorrupt(
                 f"{segment.path}: starts at offset {segment.base_offset}, previous segment ends at {expected}",
@@ -113,6 +131,12 @@ class FileLog(TopicLog):
             )
         self.gaps.append((expected, segment.base_offset))
         log.error("%s: offsets [%d, %d) are missing (quarantined)", self.name, expected, segment.base_offset)
+
+    def _quarantined_within(self, start: int, end: int) -> bool:
+        """Whether ``quarantine/`` holds a segment from ``[start, end)``: a gap an earlier start left on purpose."""
+        folder = self.directory / QUARANTINE_DIR
+        names = (p.name.split(".")[0] for p in folder.glob("*.log*")) if folder.is_dir() else ()
+        return any(name.isdigit() and start <= int(name) < end for name in names)
 
     def _adopt_producers(self, headers: list[BatchHeader]) -> None:
         for header in headers:

@@ -63,6 +63,15 @@ def atomic_write(path: str | os.PathLike[str], data: bytes) -> None:
         fsync_dir(target.parent)
 
 
+def free_name(folder: Path, name: str) -> Path:
+    """``folder/name``, or ``name.1``, ``name.2``... if an earlier move took it (nothing is overwritten)."""
+    candidate, n = folder / name, 0
+    while candidate.exists():
+        n += 1
+        candidate = folder / f"{name}.{n}"
+    return candidate
+
+
 def write_all(fd: int, data: bytes | bytearray | memoryview) -> None:
     view = memoryview(data)
     while view:

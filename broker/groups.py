@@ -418,6 +418,22 @@ class Group:
         self._dispatch_new(log, plans, max_bytes)
         return plans.all
 
+    def dispatch_or_nothing(self, log: TopicLog) -> list[Delivery]:
+        """``dispatch``, or, if it raises midway (a batch that cannot be read), no change at all.
+
+        The chunks it planned are dropped and the group's position and pending redeliveries are
+        as before, so nothing is lost or counted as a delivery; the error is raised for the
+        caller to contain. Chunk ids only grow: the new ones are those from the first id taken.
+        """
+        first_id, next_offset, pending, rr = next(_chunk_ids), self.next_offset, list(self.pending), self._rr
+        try:
+            return self.dispatch(log)
+        except Exception:
+            for chunk in [c for c in self.chunks.values() if c.id > first_id]:
+                self._drop_chunk(chunk)
+            self.next_offset, self.pending, self._rr = next_offset, pending, rr
+            raise
+
     def _members_with_credit(self, avoid: bytes = b"") -> Iterator[Member]:
         """Members in round-robin order, the one to avoid last."""
         n = len(self.members)

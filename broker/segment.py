@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import os
 import struct
+import zlib
 from array import array
 from bisect import bisect_right
 from dataclasses import dataclass
@@ -19,13 +20,23 @@ from pathlib import Path
 from broker import fsio
 from broker.errors import ConveyorError, SegmentCorrupt
 from broker.fsutil import storage_errors, write_all
-from broker.record import HEADER_SIZE, LENGTH_PREFIX, Batch, BatchHeader, check_batch, decode_header
+from broker.record import (
+    CRC_START,
+    HEADER,
+    HEADER_SIZE,
+    LENGTH_PREFIX,
+    Batch,
+    BatchHeader,
+    check_batch,
+    decode_header,
+)
 
 log = logging.getLogger(__name__)
 
 INDEX_ENTRY = struct.Struct(">II")  # offset relative to the segment base, file position
 READ_CHUNK = 1 << 20
 _LENGTH = struct.Struct(">I")  # batch_length, at byte 8 of a header
+_MAGIC_AND_RESERVED = bytes([1, 0, 0, 0])  # bytes 12-15 of every header: where a batch can start
 
 
 def segment_name(base_offset: int) -> str:
@@ -207,84 +218,118 @@ class Segment:
     def recover(self, *, sealed: bool) -> int:
         """Check this segment on open; return the bytes cut from a torn tail.
 
-        A sealed segment must be whole: any bad batch raises ``SegmentCorrupt``.
-        The newest segment is scanned from its last trustworthy index entry and
-        truncated at the first batch that is incomplete or fails its CRC.
+        Every batch is CRC-checked, the newest segment's too: its index is not
+        trusted (a bad batch before its last entry would otherwise be found only
+        when a consumer reaches it). A sealed segment must be whole: any bad
+        batch raises ``SegmentCorrupt``. In the newest segment a bad batch is a
+        torn tail only if no whole, CRC-valid batch lies at or after it (a write
+        cut short leaves nothing valid behind it); then the tail is cut. If one
+        does, the bad batch is corruption of confirmed data: ``SegmentCorrupt``
+        names the file and position and nothing is cut.
         """
-        start_pos, start_offset = (0, None) if sealed else self._trusted_index_start()
-        prefix = self._trusted_prefix(start_pos, start_offset)
-        if prefix is None:  # the headers do not chain up to the index entry: check the whole file
-            start_pos, start_offset, prefix = 0, None, []
-        result = self.scan(start_pos, start_offset)
-        if result.error is not None and sealed:
-            raise result.error
-        self._adopt_scan(prefix, result)
-        self.recovered_headers = [h for h, _p in prefix] + [h for h, _p in result.headers]
+        result = self.scan()
+        if result.error is not None:
+            if sealed:
+                raise result.error
+            self._refuse_if_corrupt(result)
+        self._adopt_scan(result)
+        self.recovered_headers = [h for h, _p in result.headers]
         cut = self.size - result.valid_size
         if cut:
             log.warning("%s: truncating torn tail, %d bytes after offset %d", self.path, cut, result.next_offset)
             self.truncate(result.valid_size, result.next_offset)
         return cut
 
-    def _trusted_index_start(self) -> tuple[int, int | None]:
-        self._load_index()
-        while self._index_offsets:
-            offset, position = self._index_offsets[-1], self._index_positions[-1]
-            try:
-                head = check_batch(self._pread_from(position))
-                if head.base_offset == offset:
-                    return position, offset
-            except SegmentCorrupt:
-                pass
-            self._index_offsets.pop()
-            self._index_positions.pop()
-        return 0, None
+    def _refuse_if_corrupt(self, result: ScanResult) -> None:
+        assert result.error is not None
+        bad = result.valid_size
+        found = self.find_valid_batch(bad, result.next_offset)
+        if found is None:
+            return
+        position, header = found
+        end_offset = self._highest_offset_from(position, header)
+        raise SegmentCorrupt(
+            f"{result.error.message}, but a whole valid batch follows at position {position} (offset "
+            f"{header.base_offset}; valid batches reach offset {end_offset}): this is corruption of stored data, "
+            "not a torn write, and nothing was cut",
+            path=str(self.path),
+            position=bad,
+            valid_position=position,
+            end_offset=end_offset,
+        )
 
-    def _trusted_prefix(self, end: int, end_offset: int | None) -> list[tuple[BatchHeader, int]] | None:
-        """Headers and positions before ``end``, or None if they do not chain up to ``end_offset``.
+    def find_valid_batch(self, start: int, expected: int) -> tuple[int, BatchHeader] | None:
+        """The first whole, CRC-valid batch at or after ``start`` that can belong to this segment.
 
-        Not CRC-checked (the data was synced before the index entry was written),
-        but walked, so the rebuilt index never keeps a stale or garbage entry.
+        At ``start`` itself any whole batch counts (its offset or the unchecked header bytes are what is
+        damaged). Further on, a candidate is found by its magic and reserved bytes and must carry an offset
+        a real later batch could have (``expected`` up to one offset per byte skipped): a batch that a
+        producer sent inside a message body does not make a torn tail look like corruption.
         """
-        if end_offset is None:
-            return []
+        whole = self._whole_by_crc(start, expected)
+        if whole is not None:
+            return start, whole
+        window = 8 * READ_CHUNK
+        position = start + 1
+        while position + HEADER_SIZE <= self.size:
+            data = os.pread(self._fd, min(window + HEADER_SIZE, self.size - position), position)
+            at = data.find(_MAGIC_AND_RESERVED, 12)
+            while at >= 0:
+                candidate = position + at - 12
+                header = self._valid_at(candidate)
+                if header is not None and expected <= header.base_offset <= expected + (candidate - start):
+                    return candidate, header
+                at = data.find(_MAGIC_AND_RESERVED, at + 1)
+            position += window
+        return None
+
+    def _valid_at(self, position: int) -> BatchHeader | None:
         try:
-            headers = self.walk_headers(0, end)
+            return check_batch(self._pread_from(position))
         except SegmentCorrupt:
             return None
-        out: list[tuple[BatchHeader, int]] = []
-        position, expected = 0, self.base_offset
-        for header in headers:
-            if header.base_offset != expected or header.count < 1:
-                return None
-            out.append((header, position))
-            position += header.size
-            expected = header.next_offset
-        return out if (position, expected) == (end, end_offset) else None
 
-    def _adopt_scan(self, prefix: list[tuple[BatchHeader, int]], result: ScanResult) -> None:
+    def _whole_by_crc(self, position: int, expected: int) -> BatchHeader | None:
+        """The batch at ``position`` if the bytes its CRC covers (from byte 20, sized by the body length
+        inside them) are all there and match; its offset is taken as ``expected`` (the stored one is not
+        covered: it may be what is damaged)."""
+        head = os.pread(self._fd, HEADER_SIZE, position)
+        if len(head) < HEADER_SIZE:
+            return None
+        _base, _length, _magic, _attrs, _reserved, crc, count, ts, pid, seq, body_length = HEADER.unpack(head)
+        end = position + HEADER_SIZE + body_length
+        if end > self.size or count < 1:
+            return None
+        if zlib.crc32(os.pread(self._fd, end - position - CRC_START, position + CRC_START)) != crc:
+            return None
+        return BatchHeader(expected, count, ts, pid, seq, body_length, crc)
+
+    def _highest_offset_from(self, position: int, header: BatchHeader) -> int:
+        """The end of the valid batches from ``position`` on, skipping damage: offsets a quarantine must not reuse."""
+        highest = header.next_offset
+        position += header.size
+        while position < self.size:
+            result = self.scan(position, highest)
+            highest = max(highest, result.next_offset)
+            if result.error is None:
+                break
+            found = self.find_valid_batch(result.valid_size, result.next_offset)
+            if found is None:
+                break
+            position, header = found
+            highest = max(highest, header.next_offset)
+            position += header.size
+        return highest
+
+    def _adopt_scan(self, result: ScanResult) -> None:
         self._index_offsets, self._index_positions = array("q"), array("q")
         self._bytes_since_index = self.index_interval
-        for header, position in [*prefix, *result.headers]:
+        for header, position in result.headers:
             self._maybe_index(header.base_offset, position, header.size)
         self.next_offset = result.next_offset
         if result.headers:
             self.last_timestamp_ms = result.last_timestamp_ms
         self._rewrite_index()
-
-    def _load_index(self) -> None:
-        try:
-            data = self.index_path.read_bytes()
-        except FileNotFoundError:
-            data = b""
-        offsets, positions = array("q"), array("q")
-        for i in range(len(data) // INDEX_ENTRY.size):
-            rel, pos = INDEX_ENTRY.unpack_from(data, i * INDEX_ENTRY.size)
-            if pos >= self.size or (positions and pos <= positions[-1]):
-                break  # an index entry past the data, or out of order: stop trusting it
-            offsets.append(self.base_offset + rel)
-            positions.append(pos)
-        self._index_offsets, self._index_positions = offsets, positions
 
     # --- reading -------------------------------------------------------------
 

@@ -29,6 +29,7 @@ from broker import admin_ops
 from broker.config import INT32_MAX, INT64_MAX
 from broker.containment import Containment
 from broker.deadletter import dead_letter_body, dead_letter_topic
+from broker.dispatch_guard import dispatch_contained
 from broker.errors import (
     ConfigError,
     ConveyorError,
@@ -165,6 +166,8 @@ class Broker:
         for topic in self.store:
             if topic.truncated_bytes:
                 self.metrics.truncated_bytes.labels(topic.name).inc(topic.truncated_bytes)
+            if topic.quarantined_segments:
+                self.metrics.quarantined_segments.labels(topic.name).inc(topic.quarantined_segments)
 
     # --- setup -------------------------------------------------------------------
 
@@ -785,17 +788,31 @@ class Broker:
             if log_ is None or self.groups.get((group.topic, group.name)) is not group:
                 self.dispatch_retries.pop(group, None)
                 continue
-            try:
-                for plan in group.dispatch(log_):
-                    self._deliver(group, plan)
-            except Exception as exc:  # contained to this group, which is tried again later
-                self.containment.record("dispatch", exc, {"topic": group.topic, "group": group.name})
-                self._retry_dispatch_later(group)
-            else:
-                if self.dispatch_retries:
-                    self.dispatch_retries.pop(group, None)
+            retry = self.dispatch_retries.get(group) if self.dispatch_retries else None
+            if retry is None or self.clock() >= retry[0]:  # a group paused after a failure waits for its retry
+                self._dispatch_group(group, log_, retry)
             self._moved.add(group)
             self._schedule(group)
+
+    def _dispatch_group(self, group: Group, log_: TopicLog, retry: tuple[float, float] | None) -> None:
+        try:
+            # A failed dispatch changes nothing; what lies before an unreadable batch is still delivered.
+            plans, error = dispatch_contained(group, log_)
+            for plan in plans:
+                self._deliver(group, plan)
+        except Exception as exc:
+            error = exc
+        if error is not None:  # contained to this group, which is tried again later
+            self._dispatch_failed(group, error)
+        elif retry is not None:
+            del self.dispatch_retries[group]
+
+    def _dispatch_failed(self, group: Group, exc: Exception) -> None:
+        offset = exc.fields.get("offset", group.next_offset) if isinstance(exc, ConveyorError) else group.next_offset
+        self.containment.record("dispatch", exc, {"topic": group.topic, "group": group.name, "offset": offset})
+        name = exc.name if isinstance(exc, ConveyorError) else type(exc).__name__
+        self.metrics.dispatch_errors.labels(group.topic, group.name, name).inc()
+        self._retry_dispatch_later(group)
 
     def _retry_dispatch_later(self, group: Group) -> None:
         """A group whose dispatch raised is dispatched again after 1 s, doubling to 30 s while it fails."""

@@ -15,7 +15,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
-from broker.errors import ConfigError, ConveyorError, OffsetOutOfRange
+from broker.errors import ConfigError, ConveyorError, OffsetOutOfRange, StorageIOError
 from broker.producers import ProducerState
 from broker.record import NO_PRODUCER, Batch, encode_header
 from broker.tailcache import TailCache
@@ -152,7 +152,8 @@ class TopicLog(ABC):
         self.start_offset = 0
         self.end_offset = 0
         self.durable_offset = 0
-        self.truncated_bytes = 0
+        self.truncated_bytes = 0  # torn tails cut when the log opened
+        self.quarantined_segments = 0  # corrupt segments moved aside when it opened (--quarantine)
         self.producers = ProducerState()
         self.cache = TailCache(config.cache_bytes)
         self._last_sync = clock()
@@ -262,10 +263,26 @@ class TopicLog(ABC):
             return []
         batches = self.cache.read(offset, max_bytes)
         if batches is None:
-            batches = self._read_stored(offset, max_bytes)
+            batches = self._read_from_storage(offset, max_bytes)
         if max_messages is not None:
             batches = _limit_messages(batches, offset, max_messages)
         return batches
+
+    def _read_from_storage(self, offset: int, max_bytes: int) -> list[Batch]:
+        """``_read_stored``, its errors naming the topic and offset (an OSError is a ``StorageIOError``)."""
+        try:
+            return self._read_stored(offset, max_bytes)
+        except ConveyorError as exc:
+            exc.fields.setdefault("topic", self.name)
+            exc.fields.setdefault("offset", offset)
+            raise
+        except OSError as exc:
+            raise StorageIOError(
+                f"{exc.strerror or exc} reading {self.name} at offset {offset}",
+                topic=self.name,
+                offset=offset,
+                errno=exc.errno,
+            ) from exc
 
     @property
     def dirty(self) -> bool:

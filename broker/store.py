@@ -33,7 +33,7 @@ from broker.errors import (
     UnknownTopic,
 )
 from broker.filelog import QUARANTINE_DIR, FileLog
-from broker.fsutil import atomic_write, fsync_dir, make_dirs, storage_errors
+from broker.fsutil import atomic_write, free_name, fsync_dir, make_dirs, storage_errors
 from broker.iohealth import IoHealth
 from broker.memlog import MemoryLog
 from broker.storage import FsyncPolicy, StoredSettingError, TopicConfig, TopicLog
@@ -312,7 +312,7 @@ class Store:
         folder = path.parent / QUARANTINE_DIR
         with storage_errors(str(folder)):
             make_dirs(folder)
-            target = _free_name(folder, path.name)
+            target = free_name(folder, path.name)
             fsio.rename(path, target)
             fsync_dir(folder)
             fsync_dir(path.parent)
@@ -605,12 +605,3 @@ def _short(value: Any) -> str:
 
 def _one_line(exc: BaseException) -> str:
     return " ".join(str(exc).split())
-
-
-def _free_name(folder: Path, name: str) -> Path:
-    """``folder/name``, or ``name.1``, ``name.2``... if an earlier quarantine took it."""
-    candidate, n = folder / name, 0
-    while candidate.exists():
-        n += 1
-        candidate = folder / f"{name}.{n}"
-    return candidate

@@ -255,6 +255,18 @@ class BrokerMetrics:
         self.truncated_bytes = Counter(
             "conveyor_log_truncated_bytes", "Bytes of torn tails cut when the log opened", topic, registry=registry
         )
+        self.quarantined_segments = Counter(
+            "conveyor_log_quarantined_segments",
+            "Corrupt segments moved to the topic's quarantine/ when the log opened (--quarantine)",
+            topic,
+            registry=registry,
+        )
+        self.dispatch_errors = Counter(
+            "conveyor_dispatch_errors",
+            "Dispatches to a group that failed (a read error, by error name); the group pauses and retries",
+            [*group, "error"],
+            registry=registry,
+        )
         self.publish_seconds = LoopHistogram(
             "conveyor_publish_duration_seconds",
             "From receiving a PUBLISH to sending its confirm (includes the group commit)",

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import random
 import time
+import urllib.request
 
 import pytest
 from fault_helpers import consumers, drain_group, fetch_all, report, wait_for
@@ -109,6 +110,71 @@ def test_a_flipped_byte_in_a_sealed_segment_stops_the_broker_or_is_quarantined(b
         with Admin(broker.address) as admin, pytest.raises(OffsetOutOfRange):
             admin.fetch(topic, 0, 10)
     report("flipped-bytes", topics=len(places), quarantined=len(sealed))
+
+
+def test_a_flipped_byte_mid_newest_segment_stops_the_broker_or_is_quarantined(brokers):
+    # Given a topic whose only (newest) segment has a byte flipped in its second batch, valid batches after it
+    broker = brokers.start()
+    publish_batches(broker.address, "mid", [[f"b{b}-{i}" for i in range(10)] for b in range(6)])
+    broker.stop()
+    segment = next((broker.data_dir / "topics" / "mid").glob("*.log"))
+    position = batches_of(segment)[1][0]
+    data = bytearray(segment.read_bytes())
+    data[position + HEADER_SIZE + 3] ^= 0x01
+    segment.write_bytes(bytes(data))
+    # When the broker starts, it refuses, naming the file and the position, and cuts nothing
+    with pytest.raises(RuntimeError, match="SEGMENT_CORRUPT") as refused:
+        broker.start()
+    assert f"{segment}: CRC mismatch at position {position}" in str(refused.value)
+    assert "--quarantine" in str(refused.value)
+    assert segment.read_bytes() == bytes(data)
+    # Then with --quarantine it starts, moves the segment aside, counts it, and never reuses its offsets
+    broker.extra.append("--quarantine")
+    broker.start()
+    assert (segment.parent / "quarantine" / segment.name).exists()
+    assert broker.metric("conveyor_log_quarantined_segments_total", 'topic="mid"') == 1
+    with Producer(broker.address) as producer:
+        assert producer.send("mid", "after").result(timeout=10) == 60
+    assert fetch_all(broker.address, "mid") == [(60, "after")]
+
+
+def test_a_batch_corrupted_under_a_running_broker_never_ends_it(brokers):
+    # Given a topic read from disk (no tail cache) and a byte flipped in its third batch while the broker runs
+    broker = brokers.start()
+    with Admin(broker.address) as admin:
+        admin.create_topic("rot", cache_bytes=0)
+    publish_batches(broker.address, "rot", [[f"b{b}-{i}" for i in range(10)] for b in range(5)])
+    segment = next((broker.data_dir / "topics" / "rot").glob("*.log"))
+    position = batches_of(segment)[2][0]
+    with segment.open("r+b") as f:
+        f.seek(position + HEADER_SIZE + 3)
+        good = f.read(1)
+        f.seek(position + HEADER_SIZE + 3)
+        f.write(bytes([good[0] ^ 0x01]))
+    # When a group reaches it
+    with consumers(broker.address, "rot", "g", n=1) as group:
+        assert wait_for(lambda: broker.metric("conveyor_dispatch_errors_total", 'error="SEGMENT_CORRUPT"') >= 1, 30)
+        # Then the broker lives: the batches before it were delivered, the group is paused and shown as DEGRADED
+        assert broker.proc.poll() is None
+        assert wait_for(lambda: len(group[0].deliveries) >= 20, 30)
+        health_url = broker.metrics_url.replace("/metrics", "/healthz")
+        health = json.loads(urllib.request.urlopen(health_url, timeout=5).read())  # DEGRADED is a 200
+        assert health["status"] == "DEGRADED"
+        recent = health["checks"]["internal_errors"]["recent"]["dispatch"]
+        assert "SEGMENT_CORRUPT" in recent["error"] and recent["context"] == "topic=rot group=g offset=20"
+        assert "internal error in dispatch topic=rot group=g offset=20" in "".join(broker.output)
+        # And other topics and groups are served meanwhile
+        with Producer(broker.address) as producer:
+            assert producer.send("other", "x").result(timeout=10) == 0
+        with consumers(broker.address, "other", "g", n=1) as other:
+            assert wait_for(lambda: len(other[0].deliveries) == 1, 30)
+        # And once the byte is good again, a retry (with backoff) delivers the rest
+        with segment.open("r+b") as f:
+            f.seek(position + HEADER_SIZE + 3)
+            f.write(good)
+        assert wait_for(lambda: len(group[0].deliveries) >= 50, 60)
+    assert sorted(o for o, _v, _a in group[0].deliveries) == list(range(50))
+    assert broker.metric("conveyor_dispatch_errors_total", 'group="g",topic="rot"') >= 1
 
 
 def consume_all(broker, topic: str, group: str, expected_committed: int) -> None:

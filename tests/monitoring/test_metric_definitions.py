@@ -49,6 +49,8 @@ BROKER: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "protocol_errors": ("conveyor_protocol_errors", "counter", ("code", "name")),
     "router_send_errors": ("conveyor_router_send_errors", "counter", ("error",)),
     "truncated_bytes": ("conveyor_log_truncated_bytes", "counter", TOPIC),
+    "quarantined_segments": ("conveyor_log_quarantined_segments", "counter", TOPIC),
+    "dispatch_errors": ("conveyor_dispatch_errors", "counter", (*GROUP, "error")),
     "publish_seconds": ("conveyor_publish_duration_seconds", "histogram", ()),
     "fsync_seconds": ("conveyor_fsync_duration_seconds", "histogram", ()),
     "append_seconds": ("conveyor_append_duration_seconds", "histogram", ()),

@@ -109,6 +109,11 @@ def test_quarantine_moves_the_corrupt_segment_away_and_reports_the_gap(copy, fie
             assert bytes(batch.body) == by_base[batch.base_offset].body  # never a batch from the gap
     # And appends continue after the end
     assert log.append(expected[0].body, expected[0].count).base_offset == expected[-1].next_offset
+    log.sync()
+    log.close()
+    # And a later start without --quarantine accepts the gap the quarantine left (a lost start is just the start)
+    reopened = file_log(directory, **CONFIG)
+    assert (reopened.start_offset, reopened.gaps) == (log.start_offset, [] if segment == 0 else [lost])
 
 
 def test_quarantined_first_segment_moves_the_start(copy):
@@ -136,24 +141,121 @@ def test_two_quarantined_segments_report_two_gaps(copy):
     assert log.gaps == [(bases[1], bases[2]), (bases[3], bases[4])]
 
 
+def snapshot(directory: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in directory.iterdir() if p.is_file()}
+
+
 @pytest.mark.parametrize("field", [*FIELDS, "body_last"])
-def test_a_flipped_byte_in_the_newest_segment_truncates_from_that_batch(copy, field):
-    # Given the newest segment with a byte flipped in a batch in its middle
+@pytest.mark.parametrize("batch", ["first", "middle"])
+def test_a_flipped_byte_mid_newest_segment_is_corruption_and_nothing_is_cut(copy, field, batch):
+    # Given the newest segment with a byte flipped in a batch that valid batches follow
     directory, expected = copy
-    path, position, hit = target(directory, expected, -1, "middle")
-    size = path.stat().st_size
+    path, position, hit = target(directory, expected, -1, batch)
     at = position + hit.size - 1 if field == "body_last" else position + FIELDS[field]
     flip_byte(path, at, 0x01)
-    # When it opens
-    log = file_log(directory, **CONFIG)
-    # Then the log ends just before that batch, and appends continue there
-    kept = [e for e in expected if e.base_offset < hit.base_offset]
-    assert log.truncated_bytes == size - position
-    assert_log_holds(log, kept, every_offset_from=int(path.stem))
-    assert log.append(hit.body, hit.count).base_offset == hit.base_offset
+    before = snapshot(directory)
+    # When it opens, it refuses, naming the file and the bad batch's position
+    with pytest.raises(SegmentCorrupt) as info:
+        file_log(directory, **CONFIG)
+    assert (info.value.path, info.value.position) == (str(path), position)
+    assert path.name in str(info.value) and f"position {position}" in str(info.value)
+    assert info.value.end_offset == expected[-1].next_offset
+    # Then not a byte changed: no confirmed batch after it was cut
+    assert snapshot(directory) == before
+
+
+def test_a_flip_at_every_byte_before_the_last_batch_of_the_newest_segment_is_corruption(built, tmp_path):
+    source, expected = built
+    path = segment_files(source)[-1]
+    placed = batches_in(expected, path)
+    original = path.read_bytes()
+    directory = tmp_path / "t"
+    shutil.copytree(source, directory)
+    newest = directory / path.name
+    for at in range(placed[-1][0]):
+        damaged = bytearray(original)
+        damaged[at] ^= 0x01
+        newest.write_bytes(bytes(damaged))
+        with pytest.raises(SegmentCorrupt) as info:
+            file_log(directory, **CONFIG).close()
+        position = max(p for p, _e in placed if p <= at)
+        assert info.value.position == position, at
+        assert newest.read_bytes() == bytes(damaged), at
+
+
+@pytest.mark.parametrize(
+    ("field", "corrupt"),
+    [
+        # Bytes outside the CRC: the batch is still whole by its CRC, so it was written whole
+        ("base_offset_low", True),
+        ("batch_length", True),
+        ("magic", True),
+        ("reserved", True),
+        # Bytes inside the CRC (or the CRC itself): the same as a write cut short, cut and counted
+        ("crc", False),
+        ("count", False),
+        ("body_length", False),
+        ("body_last", False),
+    ],
+)
+def test_a_flip_in_the_last_batch_is_corruption_only_if_the_batch_is_provably_whole(copy, field, corrupt):
+    directory, expected = copy
+    path, position, hit = target(directory, expected, -1, "last")
+    at = position + hit.size - 1 if field == "body_last" else position + FIELDS[field]
+    flip_byte(path, at, 0x01)
+    if corrupt:
+        with pytest.raises(SegmentCorrupt) as info:
+            file_log(directory, **CONFIG)
+        assert info.value.position == position
+        assert path.stat().st_size == position + hit.size
+    else:
+        log = file_log(directory, **CONFIG)
+        assert log.truncated_bytes == hit.size
+        assert_log_holds(log, expected[:-1], every_offset_from=int(path.stem))
+
+
+@pytest.mark.parametrize("field", ["base_offset_low", "magic", "crc", "count", "body_first"])
+def test_with_quarantine_a_corrupt_newest_segment_is_moved_aside_and_its_offsets_never_reused(copy, field):
+    # Given the newest segment with a flipped byte in its middle batch
+    directory, expected = copy
+    path, position, _hit = target(directory, expected, -1, "middle")
+    flip_byte(path, position + FIELDS[field])
+    base = int(path.stem)
+    # When the log opens with quarantine on
+    log = file_log(directory, quarantine=True, **CONFIG)
+    # Then the segment sits in quarantine/, counted, and the log goes on after every offset it held
+    assert (directory / QUARANTINE_DIR / path.name).exists()
+    assert log.quarantined_segments == 1
+    assert log.gaps == [(base, expected[-1].next_offset)]
+    assert log.end_offset == expected[-1].next_offset
+    for e in expected:  # what came before the quarantined segment still reads back; its offsets read nothing
+        if e.base_offset < base:
+            assert bytes(log.read(e.base_offset, max_bytes=1)[0].body) == e.body
+        else:
+            assert log.read(e.base_offset) == []
+    new = log.append(expected[0].body, expected[0].count)
+    assert new.base_offset == expected[-1].next_offset
     log.sync()
     log.close()
-    assert file_log(directory, **CONFIG).end_offset == hit.next_offset
+    # And it reopens as it was left
+    reopened = file_log(directory, **CONFIG)
+    assert (reopened.end_offset, reopened.truncated_bytes) == (new.base_offset + new.count, 0)
+
+
+def test_with_quarantine_a_log_whose_only_segment_is_corrupt_starts_after_it(tmp_path):
+    directory = tmp_path / "t"
+    log = file_log(directory, **CONFIG)
+    rng = random.Random(5)
+    expected = [append_random(log, rng, max_count=2, max_value=40) for _ in range(4)]
+    log.sync()
+    log.close()
+    path = segment_files(directory)[0]
+    flip_byte(path, FIELDS["body_first"])
+
+    log = file_log(directory, quarantine=True, **CONFIG)
+
+    assert log.start_offset == log.end_offset == expected[-1].next_offset
+    assert log.append(expected[0].body, expected[0].count).base_offset == expected[-1].next_offset
 
 
 @pytest.mark.parametrize("field", [*FIELDS, "body_last"])
@@ -188,12 +290,9 @@ def test_fresh_appends_are_served_from_the_cache_without_touching_disk(tmp_path)
     assert bytes(log.read(first.base_offset)[0].body) == first.body
 
 
-@pytest.mark.parametrize(
-    ("field", "caught_at_open"),
-    [("base_offset_low", True), ("magic", True), ("count", True), ("crc", False), ("body_first", False)],
-)
-def test_a_flip_behind_the_newest_segments_last_index_entry(tmp_path, field, caught_at_open):
-    # Given a newest segment indexed often, so recovery trusts (walks, but does not CRC) its synced start
+@pytest.mark.parametrize("field", ["base_offset_low", "magic", "count", "crc", "body_first"])
+def test_a_flip_behind_the_newest_segments_last_index_entry_is_caught_at_open(tmp_path, field):
+    # Given a newest segment indexed often: recovery once trusted its synced start without checking CRCs
     rng = random.Random(3)
     directory = tmp_path / "t"
     log = file_log(directory, segment_bytes=1 << 20, index_interval_bytes=200)
@@ -201,16 +300,9 @@ def test_a_flip_behind_the_newest_segments_last_index_entry(tmp_path, field, cau
     log.sync()
     log.close()
     path = segment_files(directory)[0]
-    position, hit = batches_in(expected, path)[3]
+    position, _hit = batches_in(expected, path)[3]
     flip_byte(path, position + FIELDS[field], 0x01)
-    # When it opens
-    log = file_log(directory, segment_bytes=1 << 20, index_interval_bytes=200)
-    # Then a header that no longer chains up is caught and cut from there; a bad CRC is caught on read
-    if caught_at_open:
-        assert log.end_offset == hit.base_offset
-        assert_log_holds(log, expected[:3])
-    else:
-        assert log.end_offset == expected[-1].next_offset
-        with pytest.raises(SegmentCorrupt):
-            log.read(hit.base_offset)
-        assert bytes(log.read(hit.next_offset)[0].body) == expected[4].body
+    # When it opens, the bad batch is found there and then, not when a consumer reaches it
+    with pytest.raises(SegmentCorrupt) as info:
+        file_log(directory, segment_bytes=1 << 20, index_interval_bytes=200)
+    assert info.value.position == position

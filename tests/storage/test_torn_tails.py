@@ -19,7 +19,8 @@ from storage_helpers import (
     segment_files,
 )
 
-from broker.record import HEADER_SIZE, Batch, encode_batch, encode_header
+from broker.errors import SegmentCorrupt
+from broker.record import HEADER_SIZE, Batch, encode_batch, encode_header, pack_records
 from broker.segment import INDEX_ENTRY
 
 CONFIG = {"segment_bytes": 2048, "index_interval_bytes": 256}
@@ -133,29 +134,48 @@ def test_a_header_claiming_a_huge_body_is_cut(built, tmp_path):
     assert_log_holds(log, expected)
 
 
-def test_a_valid_batch_with_the_wrong_offset_is_cut(built, tmp_path):
-    # Given a whole, CRC-valid copy of the last batch written again (a stale replay)
+def test_a_whole_batch_with_the_wrong_offset_is_corruption_not_a_torn_tail(built, tmp_path):
+    # Given a whole, CRC-valid batch at the end whose offset does not follow (a write is never torn that way)
     directory, newest, expected = copy_of(built, tmp_path / "t")
     last = expected[-1]
+    size = newest.stat().st_size
     stale = encode_batch(Batch(last.base_offset, last.count, 0, last.body))
     with open(newest, "ab") as f:
         f.write(stale)
-    # When the log opens, the offset check refuses it
-    log = file_log(directory, **CONFIG)
-    assert log.truncated_bytes == len(stale)
-    assert_log_holds(log, expected)
+    # When the log opens, it refuses and cuts nothing
+    with pytest.raises(SegmentCorrupt) as info:
+        file_log(directory, **CONFIG)
+    assert info.value.position == size
+    assert newest.stat().st_size == size + len(stale)
 
 
-def test_a_good_batch_after_garbage_is_cut_with_the_garbage(built, tmp_path):
+def test_a_good_batch_after_garbage_is_corruption(built, tmp_path):
     directory, newest, expected = copy_of(built, tmp_path / "t")
     last = expected[-1]
+    size = newest.stat().st_size
     good = encode_batch(Batch(last.next_offset, 1, 0, random_body(random.Random(3), 1)))
     with open(newest, "ab") as f:
         f.write(b"\x00garbage" + good)
 
-    log = file_log(directory, **CONFIG)
+    with pytest.raises(SegmentCorrupt) as info:
+        file_log(directory, **CONFIG)
 
-    assert log.truncated_bytes == 8 + len(good)
+    assert (info.value.position, info.value.valid_position) == (size, size + 8)
+    assert newest.stat().st_size == size + 8 + len(good)
+
+
+def test_a_batch_inside_a_torn_batchs_body_does_not_make_it_corruption(built, tmp_path):
+    # Given a torn last batch whose body carries a whole batch with an offset no later batch could have
+    directory, newest, expected = copy_of(built, tmp_path / "t")
+    last = expected[-1]
+    inner = encode_batch(Batch(10**9, 1, 0, random_body(random.Random(4), 1)))
+    body = pack_records([(None, None, inner)])
+    torn = (encode_header(last.next_offset, 1, 0, body) + body)[:-1]
+    with open(newest, "ab") as f:
+        f.write(torn)
+    # When the log opens, the torn batch is cut
+    log = file_log(directory, **CONFIG)
+    assert log.truncated_bytes == len(torn)
     assert_log_holds(log, expected)
 
 

@@ -41,6 +41,7 @@ from broker.topic_settings import FIXED_AT_CREATION, STORAGES
 
 NAME_RE = re.compile(r"[A-Za-z0-9._-]{1,200}")
 TOPIC_FILE = "topic.json"
+DELETED_MARK = "~deleted"  # a topic directory being deleted: '~' is not allowed in topic names
 GROUPS_FILE = "groups.json"
 
 LogFactory = Callable[[str, Path, TopicConfig, FsyncPolicy], TopicLog]
@@ -255,10 +256,81 @@ class Store:
 
     def _open_topics(self) -> None:
         for directory in sorted(self.topics_dir.iterdir()):
-            if directory.is_dir() and (directory / TOPIC_FILE).exists():
-                config = self._read_config(directory.name, directory / TOPIC_FILE)
-                self.logs[directory.name] = self._make_log(directory.name, config)
-                self.groups[directory.name] = self._read_groups(directory.name, directory / GROUPS_FILE)
+            if not directory.is_dir():
+                continue
+            name = directory.name
+            if DELETED_MARK in name:  # a deletion a crash cut short ('~' is not allowed in topic names)
+                self._remove_deleted(directory)
+                continue
+            config = self._stored_config(name, directory)
+            if config is None:
+                continue
+            self.logs[name] = self._make_log(name, config)
+            self.groups[name] = self._read_groups(name, directory / GROUPS_FILE)
+
+    def _stored_config(self, name: str, directory: Path) -> TopicConfig | None:
+        """The settings of the topic in ``directory``, or None if it is no topic (yet).
+
+        A topic whose ``topic.json`` is missing but whose segments hold data is
+        adopted with the default settings, never skipped: a later create would
+        take its directory. An unparsable ``topic.json`` stops the start, or with
+        ``quarantine`` is moved aside and the topic adopted the same way. Only an
+        unfinished creation (no ``topic.json``, no data) is left to be replaced.
+        """
+        path = directory / TOPIC_FILE
+        if not NAME_RE.fullmatch(name) or name in (".", ".."):
+            log.warning("%s: not a topic name; the directory is left alone", directory)
+            return None
+        if path.exists():
+            try:
+                return self._read_config(name, path)
+            except MetadataCorrupt as exc:
+                if not self.quarantine:
+                    raise MetadataCorrupt(
+                        f"{exc.message}; start with --quarantine to move it aside "
+                        "(the topic is then adopted with the default settings)",
+                        **exc.fields,
+                    ) from None
+                moved = self._quarantine_file(path)
+                return self._adopt(name, path, f"{TOPIC_FILE} was unreadable ({exc.message}), moved to {moved}")
+        if _holds_data(directory):
+            return self._adopt(name, path, f"{TOPIC_FILE} is missing but the segments hold data")
+        return None
+
+    def _adopt(self, name: str, path: Path, why: str) -> TopicConfig:
+        """Keep a topic whose settings are lost: the defaults, reported, counted and written down."""
+        config = replace(self.defaults, storage="file")
+        log.error(
+            "topic %s: %s; adopted with the default settings (check them: conveyor topics describe %s; "
+            "change them: conveyor topics alter %s --set KEY=VALUE)",
+            name,
+            why,
+            name,
+            name,
+        )
+        if self._topic_config_errors is not None:
+            self._topic_config_errors.labels(name, TOPIC_FILE).inc()
+        self.config_errors.setdefault(name, []).append(StoredSettingError(TOPIC_FILE, None, "defaults", why))
+        with storage_errors(str(path)):
+            atomic_write(path, json.dumps(config.to_dict(), sort_keys=True).encode())
+        return config
+
+    def _quarantine_file(self, path: Path) -> Path:
+        """Move a damaged file to its topic's ``quarantine/`` durably (never over an earlier one)."""
+        folder = path.parent / QUARANTINE_DIR
+        with storage_errors(str(folder)):
+            make_dirs(folder)
+            target = free_name(folder, path.name)
+            fsio.rename(path, target)
+            fsync_dir(folder)
+            fsync_dir(path.parent)
+        return target
+
+    def _remove_deleted(self, directory: Path) -> None:
+        log.warning("%s: finishing a topic deletion that was cut short", directory)
+        with storage_errors(str(directory)):
+            shutil.rmtree(directory)
+            fsync_dir(self.topics_dir)
 
     def _read_config(self, topic: str, path: Path) -> TopicConfig:
         """A topic's stored settings; each one the table refuses is reported, counted, and replaced by the default."""
@@ -309,13 +381,7 @@ class Store:
 
     def _quarantine_groups(self, topic: str, path: Path, reason: MetadataCorrupt) -> None:
         """Move a corrupt ``groups.json`` to the topic's ``quarantine/``: its groups restart at the log start."""
-        folder = path.parent / QUARANTINE_DIR
-        with storage_errors(str(folder)):
-            make_dirs(folder)
-            target = free_name(folder, path.name)
-            fsio.rename(path, target)
-            fsync_dir(folder)
-            fsync_dir(path.parent)
+        target = self._quarantine_file(path)
         log.warning(
             "%s: quarantined corrupt offsets file as %s (%s); its groups start again from the log start "
             "(their messages are delivered again)",
@@ -402,17 +468,29 @@ class Store:
             raise UnknownTopic(f"no topic {name}", topic=name) from None
 
     def delete_topic(self, name: str) -> None:
-        log = self.topic(name)
-        log.close()
+        """Delete a topic: renamed out of the way durably first, so a crash never brings back part of it."""
+        log_ = self.topic(name)
+        directory = self.topics_dir / name
+        doomed = free_name(self.topics_dir, f"{name}{DELETED_MARK}")
+        log_.close()  # flushes what it buffers into files named by path
+        if directory.is_dir():  # a memory topic has none
+            try:
+                with storage_errors(str(directory)):
+                    fsio.rename(directory, doomed)
+                    fsync_dir(self.topics_dir)
+            except ConveyorError:
+                if not doomed.exists():  # not renamed: the topic stays, open again
+                    self.logs[name] = self._make_log(name, log_.config)
+                    raise
         del self.logs[name]
         self._forget(name)
         self.groups.pop(name, None)
         self._dirty_groups.discard(name)
-        self._offsets.discard(self.topics_dir / name / GROUPS_FILE)
+        self._offsets.discard(directory / GROUPS_FILE)
         self.io_health.forget(name)
         self._forget_config_errors(name)
         with storage_errors(name):
-            shutil.rmtree(self.topics_dir / name, ignore_errors=True)
+            shutil.rmtree(doomed, ignore_errors=True)
             fsync_dir(self.topics_dir)
 
     def alter_topic(
@@ -554,6 +632,11 @@ GROUP_FIELDS: dict[str, type] = {
     "dead_letter_topic": str,
     "key_affinity": bool,
 }
+
+
+def _holds_data(directory: Path) -> bool:
+    """Whether any segment in ``directory`` holds bytes (an unfinished creation holds none)."""
+    return any(p.stat().st_size > 0 for p in directory.glob("*.log"))
 
 
 def _read_json(path: Path) -> dict[str, Any]:

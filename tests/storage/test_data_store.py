@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import shutil
 
 import pytest
 from storage_helpers import crash_store, random_body
@@ -208,3 +209,37 @@ def test_store_sync_makes_every_dirty_log_durable(data_dir):
     assert (a.durable_offset, b.durable_offset) == (0, 0)
     store.sync()
     assert (a.durable_offset, b.durable_offset) == (1, 2)
+
+
+def test_a_deletion_cut_by_a_crash_does_not_bring_the_topic_back(data_dir, monkeypatch):
+    # Given a topic of two segments, and a process that dies after removing the first of them
+    store = Store(data_dir)
+    log = store.create_topic("t", segment_bytes=1024)
+    while log.segment_count() < 2:
+        log.append(random_body(random.Random(0), 3), 3)
+    store.sync()
+    store.commit_offsets({("t", "g"): 1})
+    store.sync()
+
+    def dies_midway(path, ignore_errors=False):
+        next(iter(sorted(path.glob("*.log")))).unlink()
+        raise KeyboardInterrupt("the process dies here")
+
+    monkeypatch.setattr(shutil, "rmtree", dies_midway)
+    with pytest.raises(KeyboardInterrupt):
+        store.delete_topic("t")
+    monkeypatch.undo()
+    crash_store(store)
+    # When the data directory opens again
+    reopened = Store(data_dir)
+    # Then the topic stays deleted (no log with a hole), and nothing of it is left
+    assert "t" not in reopened.logs and reopened.group("t", "g") is None
+    assert sorted(p.name for p in (data_dir / "topics").iterdir()) == []
+    assert reopened.create_topic("t").end_offset == 0
+
+
+def test_a_deleted_topic_leaves_nothing_behind(data_dir):
+    store = Store(data_dir)
+    store.create_topic("t").append(random_body(random.Random(0), 1), 1)
+    store.delete_topic("t")
+    assert list((data_dir / "topics").iterdir()) == []

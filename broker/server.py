@@ -1039,7 +1039,10 @@ class Broker:
             gone = UnknownTopic(f"no topic {topic} (deleted)", topic=topic)
             self._reply_error(wait.peer, gone, wait.frame.get("rid"))
         else:
-            self._answer_fetch(wait.peer, wait.frame, log_)
+            try:
+                self._answer_fetch(wait.peer, wait.frame, log_)
+            except ConveyorError as exc:  # an unreadable batch is this fetch's answer, not the group commit's end
+                self._reply_error(wait.peer, exc, wait.frame.get("rid"))
 
     # --- deletions -----------------------------------------------------------------------
 

@@ -15,7 +15,7 @@ import pytest
 from fault_helpers import consumers, drain_group, fetch_all, report, wait_for
 
 from broker.client import Admin, Producer
-from broker.errors import OffsetOutOfRange
+from broker.errors import OffsetOutOfRange, SegmentCorrupt
 from broker.fsio import ENV_CONTROL
 from broker.record import HEADER_SIZE, decode_header
 
@@ -163,6 +163,9 @@ def test_a_batch_corrupted_under_a_running_broker_never_ends_it(brokers):
         recent = health["checks"]["internal_errors"]["recent"]["dispatch"]
         assert "SEGMENT_CORRUPT" in recent["error"] and recent["context"] == "topic=rot group=g offset=20"
         assert "internal error in dispatch topic=rot group=g offset=20" in "".join(broker.output)
+        # And a FETCH of it is answered SEGMENT_CORRUPT, never with its bytes
+        with Admin(broker.address) as admin, pytest.raises(SegmentCorrupt):
+            admin.fetch("rot", 25, 10)
         # And other topics and groups are served meanwhile
         with Producer(broker.address) as producer:
             assert producer.send("other", "x").result(timeout=10) == 0

@@ -70,6 +70,7 @@ def describe_group(broker: Broker, topic: str, name: str) -> dict[str, Any]:
         "lag": max(0, log.end_offset - committed),
         "in_flight": group.in_flight,
         "pending_redelivery": group.pending_messages,
+        "skipped_by_retention": group.skipped_by_retention,
         "members": [
             {"peer": m.peer.hex(), "sub": m.sub_id, "credit": m.credit, "in_flight": m.in_flight}
             for m in group.members + group.joining
@@ -195,7 +196,7 @@ def state_snapshot(broker: Broker) -> dict[str, Rows]:
         if log is None:
             continue
         labels = (topic, group_name)
-        committed = group.committed_offset
+        committed = max(group.committed_offset, log.start_offset)  # below the start: deleted, not lag
         add("conveyor_group_committed_offset", labels, committed)
         add("conveyor_group_lag_messages", labels, max(0, log.end_offset - committed))
         add("conveyor_group_lag_seconds", labels, _lag_seconds(log, committed, now_ms))

@@ -188,9 +188,15 @@ def cmd_tail(args: argparse.Namespace) -> int:
         last_data = time.monotonic()
         while args.count <= 0 or printed < args.count:
             want = 1000 if args.count <= 0 else min(1000, args.count - printed)
-            messages, header = admin.fetch_batch(args.topic, offset, want, wait_ms=1000)
+            try:
+                messages, header = admin.fetch_batch(args.topic, offset, want, wait_ms=1000)
+            except OffsetOutOfRange as exc:
+                start = int(exc.fields.get("start_offset", -1))
+                if not offset < start:
+                    raise
+                messages, header = [], {"start_offset": start}
             if offset < header["start_offset"]:
-                offset = header["start_offset"]  # retention moved past us
+                offset = _overtaken(args.topic, offset, header["start_offset"])
             for message in messages:
                 _print_message(message, args.format)
             printed += len(messages)
@@ -200,6 +206,17 @@ def cmd_tail(args: argparse.Namespace) -> int:
             elif args.idle_timeout and time.monotonic() - last_data >= args.idle_timeout:
                 break
     return 0
+
+
+def _overtaken(topic: str, offset: int, start: int) -> int:
+    """Retention deleted what the tail was about to read: say so and go on from the log start."""
+    print(
+        f"conveyor tail: retention deleted offsets {offset} to {start - 1} of {topic} before they were read; "
+        f"going on from {start}",
+        file=sys.stderr,
+        flush=True,
+    )
+    return start
 
 
 def _start_offset(admin: Any, topic: str, start: str, *, wait: bool = False) -> int:

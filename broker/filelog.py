@@ -36,8 +36,11 @@ class FileLog(TopicLog):
         fsync: FsyncPolicy,
         quarantine: bool = False,
         clock: Callable[[], float] | None = None,
+        monotonic: Callable[[], float] | None = None,
     ) -> None:
         kwargs = {"clock": clock} if clock is not None else {}
+        if monotonic is not None:
+            kwargs["monotonic"] = monotonic
         super().__init__(name, config, fsync=fsync, **kwargs)
         self.directory = Path(directory)
         self.quarantine = quarantine

@@ -210,6 +210,8 @@ class Group:
         self._rr = 0
         self.dead: list[DeadLetter] = []
         self.settings_changed: dict[str, Any] | None = None  # the last change a newer subscription made
+        self.skipped_by_retention = 0  # messages retention deleted before this group got to them
+        self.on_skip: Callable[[Group, int], None] | None = None  # told of each skip (log and count it)
 
     def apply_settings(self, settings: GroupSettings) -> None:
         """New settings from a newer subscription: leases and deliveries from now on follow them."""
@@ -400,12 +402,37 @@ class Group:
         self._leases.clear()
         self.next_offset = offset
 
+    def skip_retained(self, start: int) -> int:
+        """Retention deleted the log below ``start``: what this group still had to deliver there is skipped.
+
+        The next offset moves up to ``start`` and waiting redeliveries and dead letters lose their part
+        below it, as Kafka's ``auto.offset.reset=earliest`` does: reading there would fail, and nothing
+        can bring those messages back. Chunks in flight stay (their member holds the messages and may
+        still ack them); if they come back, they are skipped then. Returns how many messages were skipped.
+        """
+        skipped = 0
+        if self.next_offset < start:
+            skipped += start - self.next_offset
+            self.next_offset = start
+        if any(p.ranges and p.ranges[0][0] < start for p in self.pending):
+            skipped += _cut_below(self.pending, start)
+            self.pending = [p for p in self.pending if p.ranges]
+        if any(d.ranges and d.ranges[0][0] < start for d in self.dead):
+            skipped += _cut_below(self.dead, start)
+            self.dead = [d for d in self.dead if d.ranges]
+        if skipped:
+            self.skipped_by_retention += skipped
+            if self.on_skip is not None:
+                self.on_skip(self, skipped)
+        return skipped
+
     # --- dispatch ------------------------------------------------------------------------
 
     def dispatch(self, log: TopicLog, *, max_bytes: int = 1 << 20) -> list[Delivery]:
         """Plan deliveries for everything deliverable now, round-robin by credit."""
         if self.next_offset >= log.durable_offset and not self.pending and not self.joining:
             return []  # the common case after an ack: credit came back, nothing new waits
+        self.skip_retained(log.start_offset)
         self._admit_joiners()
         if not self.members:
             return []
@@ -705,13 +732,24 @@ class Group:
 
     # --- dead letters ------------------------------------------------------------------
 
-    def take_dead(self) -> list[DeadLetter]:
+    def take_dead(self, start: int = 0) -> list[DeadLetter]:
+        """The dead letters to store; those below the log ``start`` are gone already (skipped)."""
+        self.skip_retained(start)
         dead, self.dead = self.dead, []
         return dead
 
 
 def _segment_start(segment: tuple[int, int, Pending]) -> int:
     return segment[0]
+
+
+def _cut_below(held: Sequence[Pending | DeadLetter], start: int) -> int:
+    """Remove every offset below ``start`` from each item's ranges; return how many went."""
+    cut = 0
+    for item in held:
+        item.ranges, gone = subtract(item.ranges, [(0, start)])
+        cut += gone
+    return cut
 
 
 def _take_prefix(ranges: list[Range], n: int) -> tuple[list[Range], list[Range]]:

@@ -38,6 +38,7 @@ from broker.errors import (
     InvalidRequest,
     MessageTooLarge,
     NotSubscribed,
+    OffsetOutOfRange,
     ReadOnlyTopic,
     ShuttingDown,
     TooManyOpenFiles,
@@ -109,6 +110,7 @@ class FetchWait:
     peer: bytes
     frame: Frame
     deadline: float
+    offset: int  # answered once this offset is durable (or at the deadline)
     done: bool = False  # answered before its deadline (its heap entry is skipped)
 
 
@@ -183,7 +185,10 @@ class Broker:
         if offset > log_.end_offset:  # the log lost a tail the offsets file had seen (power cut, fsync=none)
             log.warning("group %s/%s: committed offset %d is past the log end %d", topic, name, offset, log_.end_offset)
             offset = log_.end_offset  # new messages will take those offsets again: deliver them
-        group = Group(topic, name, settings, next_offset=max(offset, log_.start_offset), clock=self.clock)
+        group = Group(topic, name, settings, next_offset=offset, clock=self.clock)
+        group.skipped_by_retention = int(state.get("skipped_by_retention", 0))
+        group.on_skip = self._skipped_by_retention
+        group.skip_retained(log_.start_offset)  # retention ran past it while the broker was down
         self.groups[(topic, name)] = group
         return group
 
@@ -218,6 +223,25 @@ class Broker:
                 log.error("group %s/%s: stored dead_letter_topic refused (%s); using %s.dlq", topic, name, exc, topic)
                 values["dead_letter_topic"] = ""
         return GroupSettings(**values)
+
+    def _skipped_by_retention(self, group: Group, count: int) -> None:
+        """A group moved past messages retention deleted before it got to them: say so, and count them."""
+        log.warning(
+            "group %s/%s: %d message(s) skipped: retention deleted them before the group got to them; "
+            "it goes on from offset %d",
+            group.topic,
+            group.name,
+            count,
+            group.next_offset,
+        )
+        self.metrics.skipped_messages.labels(group.topic, group.name, "retention").inc(count)
+
+    def _skip_retained(self) -> None:
+        """After retention: every group below its log's new start goes on from there, members or not."""
+        for group in list(self.groups.values()):
+            log_ = self.store.logs.get(group.topic)
+            if log_ is not None and group.skip_retained(log_.start_offset):
+                self.to_dispatch.add(group)
 
     def bind(self) -> str:
         self.ctx = zmq.Context()
@@ -380,7 +404,7 @@ class Broker:
             deadlines.append(self._fetch_deadlines[0][0])
         sync_due = self.store.next_sync_due()
         if sync_due is not None:
-            deadlines.append(sync_due - time.time() + now)
+            deadlines.append(sync_due)
         return max(0, int((min(deadlines) - now) * 1000) + 1)
 
     # --- sending ---------------------------------------------------------------------
@@ -552,9 +576,11 @@ class Broker:
     def _group_commit(self) -> None:
         """One fsync for everything appended this pass, then the confirms."""
         started = time.perf_counter()
+        synced: list[TopicLog] = []
         try:
             if self.store.fsync.mode == "interval":
-                self.store.maybe_sync()
+                # A sync may come in a pass of its own, after the appends: it wakes what it made durable.
+                synced = self.store.maybe_sync()
             else:
                 self.store.sync(wait=False)  # the groups' files are written by the store's writer thread
         except ConveyorError as exc:
@@ -563,6 +589,7 @@ class Broker:
             return
         self._last_fsync_seconds = time.perf_counter() - started
         self.metrics.fsync_seconds.observe(self._last_fsync_seconds)
+        self.appended.update(synced_log.name for synced_log in synced)
         for topic in self.appended:
             self._wake_fetches(topic)
             self.to_dispatch.update(self.groups.of_topic(topic))
@@ -866,7 +893,7 @@ class Broker:
             if self.groups.get((group.topic, group.name)) is not group:
                 continue
             source = self.store.logs.get(group.topic)
-            for dead in group.take_dead():
+            for dead in group.take_dead(source.start_offset if source is not None else 0):
                 if source is None:
                     continue
                 try:
@@ -974,19 +1001,24 @@ class Broker:
         offset = hfield(frame, "offset", int, log_.start_offset)
         wait_ms = max(0, min(hfield(frame, "wait_ms", int, 0), self.settings.max_fetch_wait_ms))
         if offset >= log_.durable_offset and wait_ms > 0:
-            wait = FetchWait(peer, frame, self.clock() + wait_ms / 1000)
+            wait = FetchWait(peer, frame, self.clock() + wait_ms / 1000, offset)
             self.fetch_waits[topic].append(wait)
             heapq.heappush(self._fetch_deadlines, (wait.deadline, next(self._seq), wait))
             return
         self._answer_fetch(peer, frame, log_)
 
     def _answer_fetch(self, peer: bytes, frame: Frame, log_: TopicLog) -> None:
+        """Answer a FETCH; a parked one too, which may find retention (or a resync) moved the start past it."""
         offset = hfield(frame, "offset", int, log_.start_offset)
         max_messages = max(1, hfield(frame, "max_messages", int, 10_000))
         max_bytes = max(1, min(hfield(frame, "max_bytes", int, 1 << 20), self.settings.max_batch_bytes))
         batches = []
         if offset < log_.durable_offset:
-            batches = log_.read(offset, max_bytes=max_bytes, max_messages=max_messages)
+            try:
+                batches = log_.read(offset, max_bytes=max_bytes, max_messages=max_messages)
+            except OffsetOutOfRange as exc:
+                self._reply_error(peer, exc, frame.get("rid"))
+                return
             batches = [b for b in batches if b.base_offset < log_.durable_offset][:MAX_ENTRIES]  # fits a header
         entries = [
             {
@@ -1015,7 +1047,21 @@ class Broker:
         )
 
     def _wake_fetches(self, topic: str) -> None:
+        """Answer the FETCHes parked on ``topic`` whose offset became durable; the others wait on.
+
+        A FETCH is answered with durable data only: under ``interval:MS`` an append is not a reason to
+        answer, the sync that follows it (perhaps in a later pass) is. A deleted topic answers them all.
+        """
+        log_ = self.store.logs.get(topic)
+        ready: list[FetchWait] = []
+        still: list[FetchWait] = []
         for wait in self.fetch_waits.pop(topic, []):
+            # Answered: durable data to read, or nothing any more (retention, a resync, a deletion).
+            answer = log_ is None or wait.offset < log_.durable_offset or wait.offset < log_.start_offset
+            (ready if answer else still).append(wait)
+        if still:
+            self.fetch_waits[topic] = still
+        for wait in ready:
             self._finish_fetch(topic, wait)
 
     def _expire_fetches(self, now: float) -> None:
@@ -1072,6 +1118,7 @@ class Broker:
         log_ = self.store.topic(topic)
         log_.reset_to(offset)
         for group in self.groups.of_topic(topic):
+            group.skip_retained(offset)  # the parent's retention deleted what came before
             group.reset(offset)
             self.store.save_group(topic, group.name, {**group.settings.to_dict(), "committed_offset": offset})
             self.to_dispatch.add(group)
@@ -1115,7 +1162,8 @@ class Broker:
             with self.containment.guard("offsets_commit"):
                 self._commit_offsets()
             with self.containment.guard("retention"):
-                self.store.apply_retention()
+                if self.store.apply_retention():
+                    self._skip_retained()
 
     def _heartbeats(self, now: float, interval: float) -> None:
         dead_after = interval * self.settings.liveness

@@ -144,11 +144,15 @@ class TopicLog(ABC):
         *,
         fsync: FsyncPolicy,
         clock: Callable[[], float] = time.time,
+        monotonic: Callable[[], float] = time.monotonic,
     ) -> None:
+        """``clock``: wall time, for batch timestamps and age retention; ``monotonic``: for the fsync interval,
+        which a step of the wall clock (NTP, an operator) must neither stall nor hurry."""
         self.name = name
         self.config = config
         self.fsync = fsync
         self.clock = clock
+        self.monotonic = monotonic
         self.start_offset = 0
         self.end_offset = 0
         self.durable_offset = 0
@@ -156,7 +160,7 @@ class TopicLog(ABC):
         self.quarantined_segments = 0  # corrupt segments moved aside when it opened (--quarantine)
         self.producers = ProducerState()
         self.cache = TailCache(config.cache_bytes)
-        self._last_sync = clock()
+        self._last_sync = monotonic()
         self.io_health: IoHealth | None = None  # the store's: writes and syncs report their outcome there
         # Called after each append: the store keeps the logs a pass touched, so that the group
         # commit and retention look at those and not at every topic the broker holds.
@@ -302,7 +306,7 @@ class TopicLog(ABC):
                 raise
             self._io_outcome("fsync")
         self.durable_offset = self.end_offset
-        self._last_sync = self.clock()
+        self._last_sync = self.monotonic()
 
     def _io_outcome(self, op: str, error: ConveyorError | None = None) -> None:
         """Tell the store's ``IoHealth`` how a real write or sync went."""
@@ -316,13 +320,13 @@ class TopicLog(ABC):
         """Sync if the interval policy says it is due; return whether it did."""
         if not self.dirty:
             return False
-        if self.fsync.mode == "interval" and (self.clock() - self._last_sync) * 1000 < self.fsync.interval_ms:
+        if self.fsync.mode == "interval" and (self.monotonic() - self._last_sync) * 1000 < self.fsync.interval_ms:
             return False
         self.sync()
         return True
 
     def next_sync_due(self) -> float | None:
-        """When the interval policy wants the next sync (clock seconds)."""
+        """When the interval policy wants the next sync (``monotonic`` seconds)."""
         if self.fsync.mode != "interval" or not self.dirty:
             return None
         return self._last_sync + self.fsync.interval_ms / 1000

@@ -240,6 +240,12 @@ class BrokerMetrics:
             ["where"],
             registry=registry,
         )
+        self.skipped_messages = Counter(
+            "conveyor_group_skipped_messages",
+            "Messages a group never got because they were deleted before it reached them, by reason (retention)",
+            [*group, "reason"],
+            registry=registry,
+        )
         self.protocol_errors = Counter(
             "conveyor_protocol_errors",
             "Requests answered with ERROR, by stable code",

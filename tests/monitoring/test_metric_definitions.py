@@ -46,6 +46,7 @@ BROKER: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "dead_letter_failures": ("conveyor_dead_letter_failures", "counter", (*GROUP, "reason")),
     "group_settings_changes": ("conveyor_group_settings_changes", "counter", GROUP),
     "internal_errors": ("conveyor_internal_errors", "counter", ("where",)),
+    "skipped_messages": ("conveyor_group_skipped_messages", "counter", (*GROUP, "reason")),
     "protocol_errors": ("conveyor_protocol_errors", "counter", ("code", "name")),
     "router_send_errors": ("conveyor_router_send_errors", "counter", ("error",)),
     "truncated_bytes": ("conveyor_log_truncated_bytes", "counter", TOPIC),

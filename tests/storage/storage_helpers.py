@@ -57,6 +57,7 @@ def file_log(directory: Path, **config: object) -> FileLog:
     fsync = config.pop("fsync", FsyncPolicy("batch"))
     quarantine = bool(config.pop("quarantine", False))
     clock = config.pop("clock", None)
+    monotonic = config.pop("monotonic", None)
     return FileLog(
         "t",
         directory,
@@ -64,6 +65,7 @@ def file_log(directory: Path, **config: object) -> FileLog:
         fsync=fsync,  # type: ignore[arg-type]
         quarantine=quarantine,
         clock=clock,  # type: ignore[arg-type]
+        monotonic=monotonic,  # type: ignore[arg-type]
     )
 
 

@@ -6,7 +6,7 @@ import os
 import random
 
 import pytest
-from storage_helpers import file_log, random_body
+from storage_helpers import FakeClock, file_log, random_body
 
 from broker.errors import ConfigError
 from broker.memlog import MemoryLog
@@ -46,11 +46,13 @@ def body(n: int = 1) -> bytes:
 
 @pytest.fixture(params=["file", "memory"])
 def make(request, tmp_path, clock):
-    def make_log(policy: str):
+    """Logs whose wall clock and monotonic clock are both ``clock`` (see the test of a wall-clock step below)."""
+
+    def make_log(policy: str, *, monotonic=clock):
         fsync = FsyncPolicy.parse(policy)
         if request.param == "memory":
-            return MemoryLog("t", TopicConfig(), fsync=fsync, clock=clock)
-        return file_log(tmp_path / policy, fsync=fsync, clock=clock)
+            return MemoryLog("t", TopicConfig(), fsync=fsync, clock=clock, monotonic=monotonic)
+        return file_log(tmp_path / policy, fsync=fsync, clock=clock, monotonic=monotonic)
 
     return make_log
 
@@ -93,6 +95,27 @@ def test_interval_policy_syncs_on_an_append_after_the_interval(make, clock):
     clock.advance(0.2)
     log.append(body(2), 2)
     assert log.durable_offset == 3
+
+
+@pytest.mark.parametrize("step", [-3600, -0.5, 3600])
+def test_the_interval_is_measured_on_the_monotonic_clock_not_the_wall_clock(make, clock, step):
+    # Given an interval policy whose monotonic clock is separate from the wall clock
+    monotonic = FakeClock(1000.0)
+    log = make("interval:100", monotonic=monotonic)
+    log.append(body(2), 2)
+    assert log.next_sync_due() == pytest.approx(monotonic() + 0.1)
+    # When the wall clock steps (NTP, an operator) while little real time passes
+    clock.advance(step)
+    monotonic.advance(0.05)
+    # Then the interval neither ends early nor stalls
+    assert not log.maybe_sync()
+    assert log.durable_offset == 0
+    monotonic.advance(0.06)
+    assert log.maybe_sync()
+    assert log.durable_offset == 2
+    # And batch timestamps still follow the wall clock
+    log.append(body(1), 1)
+    assert log.read(2)[0].timestamp_ms == int(clock() * 1000)
 
 
 def test_batch_policy_never_syncs_on_its_own(make, clock):

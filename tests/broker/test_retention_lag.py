@@ -120,7 +120,8 @@ def test_a_slow_member_goes_on_from_the_log_start(broker, key_affinity):
             offsets = [m.offset for m in got]
             assert offsets == sorted(set(offsets)) and offsets[-1] == end - 1
             info = admin.describe_group(topic, "g")
-            assert info["skipped_by_retention"] == offsets[0] - 10 > 0
+            # Retention may pass the group again while it catches up: every offset is delivered or skipped.
+            assert info["skipped_by_retention"] == (end - 10) - len(offsets) > 0
             assert skipped(broker, topic, "g") == info["skipped_by_retention"]
     finally:
         sub.close()
@@ -143,11 +144,11 @@ def test_nacked_delayed_and_terminated_messages_below_the_start_are_skipped(brok
             got = receive_until(sub, lambda got: got and got[-1].offset == end - 1)
             assert broker.proc.poll() is None, "".join(broker.output[-20:])
             offsets = [m.offset for m in got]
-            assert offsets == list(range(offsets[0], end)), "each message once, in order"
+            assert offsets == sorted(set(offsets)) and offsets[-1] == end - 1, "each message at most once, in order"
             assert all(m.attempt == 1 for m in got)
             info = admin.describe_group("held", "g")
-            # 0-4 nacked, 5-9 terminated, 15 up to the first delivered offset: all deleted unread
-            assert info["skipped_by_retention"] == 10 + offsets[0] - 15
+            # 0-4 nacked, 5-9 terminated, and from 15 on what was not delivered: all deleted unread
+            assert info["skipped_by_retention"] == 10 + (end - 15) - len(offsets)
             assert skipped(broker, "held", "g") == info["skipped_by_retention"]
             assert "held.dlq" not in [t["name"] for t in admin.list_topics()]
     finally:
@@ -214,8 +215,8 @@ def test_retention_passing_the_durable_offset_under_interval_fsync(conveyor_brok
             assert broker.proc.poll() is None, "".join(broker.output[-20:])
             offsets = [m.offset for m in got]
             assert offsets and offsets[-1] == 299
-            assert offsets == list(range(offsets[0], 300))
-            assert admin.describe_group("iv", "g")["skipped_by_retention"] == offsets[0]
+            assert offsets == sorted(set(offsets))
+            assert admin.describe_group("iv", "g")["skipped_by_retention"] == 300 - len(offsets) > 0
     finally:
         consumer.join(timeout=40)
         sub.close()

@@ -236,12 +236,12 @@ class Broker:
         )
         self.metrics.skipped_messages.labels(group.topic, group.name, "retention").inc(count)
 
-    def _skip_retained(self) -> None:
-        """After retention: every group below its log's new start goes on from there, members or not."""
-        for group in list(self.groups.values()):
-            log_ = self.store.logs.get(group.topic)
-            if log_ is not None and group.skip_retained(log_.start_offset):
-                self.to_dispatch.add(group)
+    def _skip_retained(self, moved: list[TopicLog]) -> None:
+        """After retention: a group below its log's new start goes on from there, members or not."""
+        for log_ in moved:
+            for group in self.groups.of_topic(log_.name):
+                if group.skip_retained(log_.start_offset):
+                    self.to_dispatch.add(group)
 
     def bind(self) -> str:
         self.ctx = zmq.Context()
@@ -1162,8 +1162,7 @@ class Broker:
             with self.containment.guard("offsets_commit"):
                 self._commit_offsets()
             with self.containment.guard("retention"):
-                if self.store.apply_retention():
-                    self._skip_retained()
+                self._skip_retained(self.store.apply_retention())
 
     def _heartbeats(self, now: float, interval: float) -> None:
         dead_after = interval * self.settings.liveness

@@ -599,19 +599,23 @@ class Store:
                 del self._unsynced[log.name]
         return synced
 
-    def apply_retention(self) -> int:
-        """Retention for the logs appended to since the last call, and those that age with time."""
+    def apply_retention(self) -> list[TopicLog]:
+        """Retention for the logs appended to since the last call, and those that age with time.
+
+        Returns the logs whose start moved: their groups may have to skip what was deleted.
+        """
         candidates = list({**self._aging, **self._touched}.values())
         self._touched = {}
-        dropped = 0
+        moved: list[TopicLog] = []
         for i, log in enumerate(candidates):
             try:
-                dropped += log.apply_retention()
+                if log.apply_retention():
+                    moved.append(log)
             except BaseException:
                 self._touched.update((later.name, later) for later in candidates[i:])  # looked at again next time
                 raise
             self._check_aging(log)
-        return dropped
+        return moved
 
     def close(self) -> None:
         try:

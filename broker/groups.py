@@ -452,6 +452,7 @@ class Group:
         as before, so nothing is lost or counted as a delivery; the error is raised for the
         caller to contain. Chunk ids only grow: the new ones are those from the first id taken.
         """
+        self.skip_retained(log.start_offset)  # what retention deleted stays skipped, whatever happens next
         first_id, next_offset, pending, rr = next(_chunk_ids), self.next_offset, list(self.pending), self._rr
         try:
             return self.dispatch(log)

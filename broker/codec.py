@@ -11,6 +11,8 @@ from typing import Any
 
 import msgpack
 
+from broker.errors import InvalidRequest
+
 CONTENT_TYPE = "content-type"
 TEXT = "text/plain; charset=utf-8"
 MSGPACK = "application/msgpack"
@@ -45,6 +47,15 @@ def decode_value(body: bytes, content_type: str | None) -> Any:
 def make_record(
     value: Any, key: str | bytes | None = None, headers: dict[str, str] | None = None
 ) -> tuple[str | bytes | None, dict[str, str] | None, bytes]:
+    """``(key, headers, body)`` as the broker accepts it, or ``InvalidRequest`` at ``send()``.
+
+    The broker refuses a whole batch for one bad record, so a key or header
+    it would refuse is caught here, before it can fail the other messages.
+    """
+    if key is not None and type(key) is not str and type(key) is not bytes:
+        raise InvalidRequest(f"a message key must be str, bytes or None, not {type(key).__name__}", field="key")
+    if headers and not all(type(k) is str and type(v) is str for k, v in headers.items()):
+        raise InvalidRequest("message headers must map str to str", field="headers")
     body, content_type = encode_value(value)
     if content_type is not None:
         headers = {**headers, CONTENT_TYPE: content_type} if headers else {CONTENT_TYPE: content_type}

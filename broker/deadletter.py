@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from broker.names import dead_letter_topic
 from broker.ranges import Range
 from broker.record import Batch, pack_records, unpack_records
 from broker.storage import TopicLog
@@ -18,9 +19,7 @@ ORIGIN_TIMESTAMP = "x-origin-timestamp"
 DELIVERY_COUNT = "x-delivery-count"
 LAST_ERROR = "x-last-error"
 
-
-def dead_letter_topic(topic: str, configured: str = "") -> str:
-    return configured or f"{topic}.dlq"
+__all__ = ["dead_letter_body", "dead_letter_topic"]
 
 
 def dead_letter_body(

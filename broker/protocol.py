@@ -29,6 +29,8 @@ from broker.errors import (
     UnsupportedVersion,
     error_for_code,
 )
+from broker.wire_schema import check_header, declared
+from broker.wire_schema import request_id as valid_rid
 
 SIGNATURE = b"CVY1"
 VERSION = 1
@@ -85,8 +87,30 @@ _packb = msgpack.Packer(use_bin_type=True).pack
 
 
 def encode(command: Command, header: dict[str, Any] | None = None, *payload: bytes | memoryview) -> list[Any]:
-    """The frames of one message, ready for ``send_multipart``."""
-    return [SIGNATURE, _COMMAND_BYTES[command], _packb(header or {}), *payload]
+    """The frames of one message, ready for ``send_multipart``.
+
+    A header value msgpack cannot carry (an int past 64 bits, an object) is
+    ``InvalidRequest`` naming the field, for every client at once, instead
+    of msgpack's ``OverflowError`` or ``TypeError``.
+    """
+    try:
+        packed = _packb(header or {})
+    except (OverflowError, TypeError, ValueError) as exc:
+        raise _unpackable(command, header or {}, exc) from None
+    return [SIGNATURE, _COMMAND_BYTES[command], packed, *payload]
+
+
+def _unpackable(command: Command, header: dict[str, Any], exc: Exception) -> InvalidRequest:
+    for key, value in header.items():
+        try:
+            _packb({key: value})
+        except (OverflowError, TypeError, ValueError) as inner:
+            shown = repr(value)
+            shown = shown if len(shown) <= 80 else shown[:77] + "..."
+            return InvalidRequest(
+                f"{command.name} field {key!r} cannot be sent: {shown} ({type(inner).__name__}: {inner})", field=key
+            )
+    return InvalidRequest(f"{command.name} header cannot be sent: {type(exc).__name__}: {exc}")
 
 
 def decode(frames: Frames, *, max_batch_bytes: int = 16 << 20) -> Frame:
@@ -99,9 +123,22 @@ def decode(frames: Frames, *, max_batch_bytes: int = 16 << 20) -> Frame:
         raise MalformedFrame("missing protocol signature")
     command = _decode_command(frames[1])
     header = _decode_header(frames[2])
+    check_header(command.name, header)
     payload = tuple(frames[3:])
     _check_payload(command, payload, max_batch_bytes)
     return Frame(command, header, payload)
+
+
+def request_id(frames: Frames) -> Any:
+    """The ``rid`` of a request ``decode`` refused, when its header can be read (to answer it with its rid)."""
+    try:
+        if len(frames[2]) > MAX_HEADER_BYTES:
+            return None
+        header = msgpack.unpackb(frames[2], raw=False, strict_map_key=False, max_array_len=65536)
+    except Exception:  # a header msgpack cannot read has no rid to give
+        return None
+    rid = header.get("rid") if isinstance(header, dict) else None
+    return rid if valid_rid(rid) is None else None
 
 
 _COMMANDS = {c.value: c for c in Command}  # a dict lookup: ``Command(x)`` costs an Enum call per message
@@ -147,7 +184,13 @@ def _check_payload(command: Command, payload: tuple[bytes | memoryview, ...], ma
 
 
 def field(frame: Frame, key: str, kind: type | tuple[type, ...], default: Any = ...) -> Any:
-    """A header field of the expected type, or ``InvalidRequest`` naming it."""
+    """A header field of the expected type, or ``InvalidRequest`` naming it.
+
+    Only fields ``broker/wire_schema.py`` declares can be read: their type and
+    range were checked when the frame was decoded.
+    """
+    if not declared(frame.command.name, frame.header.get("op"), key):
+        raise LookupError(f"{frame.command.name} field {key!r} is not declared in broker/wire_schema.py")
     value = frame.header.get(key, default)
     if value is ...:
         raise InvalidRequest(f"{frame.command.name} needs field {key!r}", field=key)
@@ -157,17 +200,8 @@ def field(frame: Frame, key: str, kind: type | tuple[type, ...], default: Any = 
 
 
 def ranges(frame: Frame, key: str = "ranges") -> list[tuple[int, int]]:
-    """Offset ranges ``[[start, end), ...]`` from a settle command."""
-    raw = field(frame, key, list)
-    out: list[tuple[int, int]] = []
-    for item in raw:
-        if not (isinstance(item, list | tuple) and len(item) == 2 and all(type(v) is int for v in item)):
-            raise InvalidRequest(f"{key!r} must be a list of [start, end) offset pairs", field=key)
-        start, end = item
-        if not 0 <= start < end:
-            raise InvalidRequest(f"empty or negative range [{start}, {end})", field=key)
-        out.append((start, end))
-    return out
+    """Offset ranges ``[[start, end), ...]`` from a settle command (checked by the schema at decode)."""
+    return [(start, end) for start, end in field(frame, key, list)]
 
 
 # --- errors on the wire --------------------------------------------------------------

@@ -49,7 +49,7 @@ from broker.groups import MAX_ENTRIES, DeadLetter, Delivery, Group, GroupSetting
 from broker.health import broker_health, broker_live, broker_ready
 from broker.limits import TokenBucket, TopicLimits
 from broker.mirror import Mirror, MirrorSettings
-from broker.protocol import Command, Frame, decode, encode, error_header
+from broker.protocol import Command, Frame, decode, encode, error_header, request_id
 from broker.protocol import field as hfield
 from broker.protocol import ranges as hranges
 from broker.ranges import count as count_offsets
@@ -447,7 +447,7 @@ class Broker:
                 raise InvalidRequest(f"{frame.command.name} is not a client command")
             handler(self, peer, frame)
         except ConveyorError as exc:
-            self._reply_error(peer, exc, rid)
+            self._reply_error(peer, exc, request_id(body) if rid is None else rid)
         except Exception as exc:  # the broker never dies of a client's bytes
             self.containment.record("request", exc, {"peer": peer.hex(), "command": self._command_name(body)})
             with self.containment.guard("request"):

@@ -12,7 +12,6 @@ import contextlib
 import json
 import logging
 import os
-import re
 import shutil
 import threading
 import time
@@ -36,10 +35,10 @@ from broker.filelog import QUARANTINE_DIR, FileLog
 from broker.fsutil import atomic_write, free_name, fsync_dir, make_dirs, storage_errors
 from broker.iohealth import IoHealth
 from broker.memlog import MemoryLog
+from broker.names import NAME_RE
 from broker.storage import FsyncPolicy, StoredSettingError, TopicConfig, TopicLog
 from broker.topic_settings import FIXED_AT_CREATION, STORAGES
 
-NAME_RE = re.compile(r"[A-Za-z0-9._-]{1,200}")
 TOPIC_FILE = "topic.json"
 DELETED_MARK = "~deleted"  # a topic directory being deleted: '~' is not allowed in topic names
 GROUPS_FILE = "groups.json"

@@ -13,6 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from broker.names import fit_name
 from decorators.retry import RETRY_ATTR, RetryPolicy
 
 
@@ -122,7 +123,8 @@ def consumer(topic: str, **options: Any) -> Callable[[Callable[..., Any]], Consu
             raise TypeError(f"{fn.name} is already a consumer")
         if not callable(fn):
             raise TypeError("@consumer decorates a function")
-        group = options.get("group") or f"{fn.__module__}.{fn.__qualname__}"
+        # module.qualname, made a valid group name (a nested function's "<locals>", a long path)
+        group = options.get("group") or fit_name(f"{fn.__module__}.{fn.__qualname__}")
         return Consumer(fn, topic, **{**options, "group": group})
 
     return wrap

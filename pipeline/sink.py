@@ -117,7 +117,8 @@ def records_from_arrow(batch: pa.RecordBatch, content_type: str | None) -> tuple
     if column is None or column.null_count == n:
         headers: list[Any] = [{CONTENT_TYPE: default_type}] * n if default_type else [None] * n
     else:
-        headers = [dict(h) if h else None for h in column.to_pylist()]
+        # A null in a map<string,string> is no header at all: the broker takes str -> str only.
+        headers = [{k: v for k, v in h if v is not None} or None if h else None for h in column.to_pylist()]
         if default_type:
             headers = [h if h and CONTENT_TYPE in h else {**(h or {}), CONTENT_TYPE: default_type} for h in headers]
     return keys, headers, values

@@ -20,7 +20,7 @@ from prometheus_client import CollectorRegistry
 import broker.server as server_module
 from broker import admin_ops
 from broker.client import Admin, Producer
-from broker.errors import ConveyorError
+from broker.errors import ConveyorError, TopicLimit
 from broker.groups import Group
 from broker.server import Broker
 from broker.settings import BrokerSettings
@@ -203,3 +203,32 @@ def _end(admin: Admin, topic: str) -> int:
         return admin.describe_topic(topic)["end_offset"]
     except ConveyorError:
         return -1
+
+
+def test_a_dead_letter_refused_for_good_is_counted_by_reason_and_retried_every_30_s(
+    live: Live, monkeypatch: pytest.MonkeyPatch
+):
+    # Given a dead-letter topic the store refuses for a reason time will not fix
+    get_or_create = Store.get_or_create
+
+    def refuse(self: Store, name: str) -> Any:
+        if name.endswith(".dlq"):
+            raise TopicLimit(f"no room for {name}")
+        return get_or_create(self, name)
+
+    monkeypatch.setattr(Store, "get_or_create", refuse)
+    with Producer(live.address, linger_ms=1) as producer:
+        producer.send("t", b"doomed").result(timeout=30)
+    with Subscription("t", "g", address=live.address) as sub:
+        got: list[Any] = []
+        assert wait_for(lambda: got.extend(sub.receive(timeout=0.05)) or got, timeout=30)
+        sub.term(got, reason="bad")
+        labels = {"topic": "t", "group": "g", "reason": "topic_limit"}
+        failures = live.broker.registry.get_sample_value
+        assert wait_for(lambda: failures("conveyor_dead_letter_failures_total", labels) == 1, timeout=30)
+        # Then it is kept for a retry in 30 s: not every second, not dropped
+        assert not wait_for(lambda: failures("conveyor_dead_letter_failures_total", labels) > 1, timeout=3)
+        group = live.broker.groups[("t", "g")]
+        assert (group.committed_offset, group.pending_messages) == (0, 1)
+        assert min(p.not_before for p in group.pending) - live.broker.clock() > 20
+    assert live.internal_errors("dead_letter") == 0

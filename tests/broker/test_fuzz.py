@@ -2,16 +2,22 @@
 
 from __future__ import annotations
 
+import math
+import time
+
 import msgpack
 import pytest
 import zmq
+from bad_fields import ADMIN_OPS, COMMANDS, one_bad_field
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from broker import admin_ops, wire_schema
 from broker.client import Admin, Producer
-from broker.errors import ConveyorError
+from broker.errors import ConveyorError, InvalidRequest
 from broker.protocol import SIGNATURE, Command, decode
-from consumers.testing import BrokerProcess
+from consumers.session import Subscription
+from consumers.testing import BrokerProcess, wait_for
 
 SILENT = {
     Command.HEARTBEAT,
@@ -129,3 +135,136 @@ def test_errors_are_counted_and_normal_clients_still_work(broker, raw):
     with Admin(broker.address) as admin:
         assert [m.value for m in admin.fetch("after-fuzz", 0, 10)] == ["still fine"]
         assert "big" not in {t["name"] for t in admin.list_topics()} or admin.describe_topic("big")["end_offset"] == 0
+
+
+# --- one bad header field per command and ADMIN op: the exact code, with the request's rid -------
+
+
+@pytest.fixture
+def dealer(broker):
+    with Admin(broker.address) as admin:
+        if "fz" not in {t["name"] for t in admin.list_topics()}:
+            admin.create_topic("fz")  # so that a good ADMIN alter_topic reaches its setting checks
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(broker.address)
+    yield sock
+    sock.close()
+
+
+def answer(sock, rid, timeout: float = 10.0):
+    """The reply to the request ``rid`` (an ERROR without rid when the rid itself was bad)."""
+    deadline = time.monotonic() + timeout
+    while (left := deadline - time.monotonic()) > 0:
+        if not sock.poll(int(left * 1000) + 1):
+            break
+        reply = decode(sock.recv_multipart())
+        if reply.get("rid") == rid or (rid is None and reply.command is Command.ERROR):
+            return reply
+    raise AssertionError(f"no answer to rid {rid!r} in {timeout} s")
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(case=one_bad_field())
+def test_out_of_range_and_ill_typed_fields_get_the_right_error(broker, dealer, case):
+    frames, code, rid, what = case
+    dealer.send_multipart(frames)
+    reply = answer(dealer, rid)
+    assert reply.command is Command.ERROR, f"{what}: answered {reply.command.name} {reply.header}"
+    assert (reply.get("code"), reply.get("rid")) == (code, rid), f"{what}: {reply.header}"
+    assert "internal error" not in reply.get("message", ""), what
+    assert broker.proc.poll() is None, f"{what} ended the broker"
+
+
+def test_every_command_and_admin_op_is_covered_by_the_bad_field_cases():
+    client_commands = {c for c in Command if c < Command.HEARTBEAT} | {Command.HEARTBEAT, Command.BYE}
+    assert set(COMMANDS) | {Command.ADMIN} == client_commands
+    assert set(ADMIN_OPS) == set(admin_ops.OPS)
+    assert set(ADMIN_OPS) == set(wire_schema.ADMIN_OPS)
+    for command, (_base, fields) in COMMANDS.items():
+        assert set(fields) | {"rid"} == set(wire_schema.COMMANDS[command.name]), command
+
+
+REPORTED = [
+    ("sub -1", Command.SUBSCRIBE, {"sub": -1, "topic": "rep", "group": "g"}, 207),
+    ("sub 2**32", Command.SUBSCRIBE, {"sub": 2**32, "topic": "rep", "group": "g"}, 207),
+    ("pid 2**63", Command.PUBLISH, {"topic": "rep", "pid": 2**63, "seq": 0}, 207),
+    ("seq 2**31", Command.PUBLISH, {"topic": "rep", "pid": 1, "seq": 2**31}, 207),
+    (
+        "start timestamp x",
+        Command.SUBSCRIBE,
+        {"sub": 1, "topic": "rep", "group": "g", "start": {"timestamp": "x"}},
+        207,
+    ),
+    (
+        "start offset inf",
+        Command.SUBSCRIBE,
+        {"sub": 1, "topic": "rep", "group": "g", "start": {"offset": math.inf}},
+        207,
+    ),
+    (
+        "reset to timestamp x",
+        Command.ADMIN,
+        {"op": "reset_offsets", "topic": "rep", "group": "g", "to": {"timestamp": "x"}},
+        207,
+    ),
+    ("reset without to", Command.ADMIN, {"op": "reset_offsets", "topic": "rep", "group": "g"}, 207),
+    ("config a list", Command.ADMIN, {"op": "create_topic", "topic": "rep2", "config": [1, 2]}, 500),
+    ("config int keys", Command.ADMIN, {"op": "create_topic", "topic": "rep2", "config": {1: 2}}, 201),  # map keys: str
+    ("fetch offset 2**63", Command.FETCH, {"topic": "rep", "offset": 2**63}, 207),
+    ("ack range past 2**63", Command.ACK, {"sub": 1, "ranges": [[0, 2**64 - 1]]}, 207),
+]
+
+
+def test_the_reported_frames_get_invalid_request_and_the_broker_keeps_dispatching(broker, dealer):
+    with Producer(broker.address) as producer:
+        producer.send("rep", b"first").result(timeout=30)
+    for i, (what, command, fields, code) in enumerate(REPORTED, start=1):
+        body = [header([[None, None, b"x"]])] if command is Command.PUBLISH else []
+        dealer.send_multipart([SIGNATURE, bytes([command]), header({"rid": i, **fields}), *body])
+        reply = answer(dealer, i)
+        assert (reply.command, reply.get("code")) == (Command.ERROR, code), (
+            f"{what}: {reply.command.name} {reply.header}"
+        )
+    with Admin(broker.address) as admin:
+        assert (
+            admin.describe_group("rep", "g")["committed_offset"] == 0
+            if "g" in admin.describe_topic("rep")["groups"]
+            else True
+        )
+        assert "rep2" not in {t["name"] for t in admin.list_topics()}
+    with Producer(broker.address) as producer:
+        producer.send("rep", b"second").result(timeout=30)
+    with Subscription("rep", "after", address=broker.address) as sub:  # the next dispatch
+        got = []
+        assert wait_for(lambda: got.extend(sub.receive(timeout=0.05)) or len(got) >= 2, timeout=30)
+        assert [m.body for m in got] == [b"first", b"second"]
+    assert broker.proc.poll() is None
+
+
+@pytest.mark.parametrize(
+    ("call", "field_name"),
+    [
+        (lambda a: a.reset_offsets("cw", "g", 2**64), "to"),
+        (lambda a: a.fetch("cw", 2**70), "offset"),
+        (lambda a: a.create_topic("cw2", retention_ms=object()), "config"),
+        (lambda a: a.describe_topic(object()), "topic"),
+    ],
+)
+def test_a_value_the_wire_cannot_carry_is_an_invalid_request_and_the_client_stays_usable(broker, call, field_name):
+    with Admin(broker.address) as admin:
+        with pytest.raises(InvalidRequest, match=f"field '{field_name}' cannot be sent") as raised:
+            call(admin)
+        assert raised.value.fields["field"] == field_name
+        assert isinstance(admin.list_topics(), list)  # the same client goes on
+
+
+def test_a_raw_reset_offsets_without_a_target_is_refused_and_moves_nothing(broker):
+    with Producer(broker.address) as producer:
+        for future in [producer.send("rs", b"m") for _ in range(3)]:
+            future.result(timeout=30)
+    with Admin(broker.address) as admin:
+        admin.reset_offsets("rs", "g", "latest")
+        with pytest.raises(InvalidRequest, match="needs field 'to'"):
+            admin.request(Command.ADMIN, {"op": "reset_offsets", "topic": "rs", "group": "g"})
+        assert admin.describe_group("rs", "g")["committed_offset"] == 3

@@ -22,13 +22,14 @@ import time
 
 import msgpack
 import pytest
+from bad_fields import one_bad_field
 from fault_helpers import ConsumerThread, Load, fetch_all, judge, judge_group, report, rss_bytes, wait_for
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_fuzz import messages as malformed_messages
 from test_fuzz import nested
 
-from broker.client import Producer
+from broker.client import Admin, Producer
 from broker.errors import ConveyorError
 from broker.protocol import SIGNATURE, Command, decode
 
@@ -116,6 +117,8 @@ def target(tmp_path_factory):
     load.__enter__()
     consumer.start()
     RSS.append(rss_bytes(broker.pid))
+    with Admin(broker.address) as admin:
+        admin.create_topic("fz")  # so that a good ADMIN alter_topic reaches its setting checks
     broker.errors_before = broker.metric("conveyor_protocol_errors_total")  # type: ignore[attr-defined]
     yield broker, load, consumer
     consumer.stop()
@@ -269,6 +272,27 @@ def test_deep_nesting_and_wrong_frame_counts_over_zmtp(target):
         conn.close()
     STATS["errors_received"] += answered
     assert answered == len(cases)
+    alive(broker)
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(case=one_bad_field())
+def test_one_bad_header_field_over_hand_made_zmtp_gets_the_exact_code_and_its_rid(target, case):
+    broker, _load, _consumer = target
+    frames, code, rid, what = case
+    conn = RawZmtp(broker.address)
+    try:
+        conn.handshake()
+        conn.send(frames)
+        STATS["zmtp_messages"] += 1
+        reply = conn.recv(10.0)
+    finally:
+        conn.close()
+    assert reply is not None, f"no answer to {what}"
+    answer = decode(reply)
+    assert answer.command is Command.ERROR, f"{what}: answered {answer.command.name} {answer.header}"
+    assert (answer.get("code"), answer.get("rid")) == (code, rid), f"{what}: {answer.header}"
+    STATS["errors_received"] += 1
     alive(broker)
 
 

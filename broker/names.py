@@ -1,0 +1,35 @@
+"""Topic and group names: the pattern, and names derived from others that always fit it.
+
+A name the broker derives (a dead-letter topic ``<topic>.dlq``) or a client
+derives (``@consumer``'s default group, ``module.qualname``) must still be a
+valid name, or the write it is for can never succeed: a 197-character topic
+gave a 201-character dead-letter topic, refused for ever. ``fit_name`` keeps
+a name that fits as it is (so existing topics and groups keep theirs), and
+otherwise replaces what the pattern does not allow and shortens it, with a
+SHA-256 suffix of the full name so that different names stay different.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+
+MAX_NAME = 200
+NAME_RE = re.compile(r"[A-Za-z0-9._-]{1,200}")
+_NOT_ALLOWED = re.compile(r"[^A-Za-z0-9._-]")
+DIGEST_CHARS = 16  # 64 bits of SHA-256, hex
+
+
+def fit_name(base: str, suffix: str = "") -> str:
+    """``base + suffix`` if it is a valid name, else a valid name made from it (same input, same name)."""
+    name = base + suffix
+    if NAME_RE.fullmatch(name) and name not in (".", ".."):
+        return name
+    digest = hashlib.sha256(name.encode("utf-8", "surrogatepass")).hexdigest()[:DIGEST_CHARS]
+    keep = MAX_NAME - len(suffix) - 1 - DIGEST_CHARS
+    return f"{_NOT_ALLOWED.sub('_', base)[:keep]}.{digest}{suffix}"
+
+
+def dead_letter_topic(topic: str, configured: str = "") -> str:
+    """The group's dead-letter topic: ``configured``, else ``<topic>.dlq``, shortened if that is too long."""
+    return configured or fit_name(topic, ".dlq")

@@ -284,3 +284,17 @@ def test_stale_index_after_cut_and_different_appends(built, tmp_path):
     survivors = keep + refill
     assert reopened.truncated_bytes == 0
     assert_log_holds(reopened, survivors)
+
+
+def test_a_good_batch_far_behind_the_damage_is_found(built, tmp_path):
+    # Given more garbage than one search window (8 MiB) before a whole batch that follows the log
+    directory, newest, expected = copy_of(built, tmp_path / "t")
+    size = newest.stat().st_size
+    garbage = random.Random(5).randbytes(9 << 20)
+    good = encode_batch(Batch(expected[-1].next_offset, 1, 0, random_body(random.Random(3), 1)))
+    with open(newest, "ab") as f:
+        f.write(garbage + good)
+    # When the log opens, it is corruption, found where it is
+    with pytest.raises(SegmentCorrupt) as info:
+        file_log(directory, **CONFIG)
+    assert (info.value.position, info.value.valid_position) == (size, size + len(garbage))

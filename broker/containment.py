@@ -79,7 +79,7 @@ class Containment:
 
     @property
     def total(self) -> int:
-        return sum(p.count for p in self.places.values())
+        return sum(p.count for p in list(self.places.values()))  # list(): /healthz reads from another thread
 
     def check(self) -> dict[str, Any]:
         """The ``internal_errors`` health check: DEGRADED while an error is recent."""
@@ -91,7 +91,7 @@ class Containment:
                 "error": p.last_error,
                 "context": p.last_context,
             }
-            for where, p in self.places.items()
+            for where, p in list(self.places.items())  # a copy: the loop may add a place meanwhile
             if now - p.last_at < HEALTH_WINDOW_SECONDS
         }
         return {"status": "DEGRADED" if recent else "HEALTHY", "total": self.total, "recent": recent}

@@ -37,7 +37,9 @@ class FileLog(TopicLog):
         quarantine: bool = False,
         clock: Callable[[], float] | None = None,
         monotonic: Callable[[], float] | None = None,
+        sync_new_directory: bool = True,
     ) -> None:
+        """``sync_new_directory=False``: the caller makes a new topic's first segment durable (the store's creator)."""
         kwargs = {"clock": clock} if clock is not None else {}
         if monotonic is not None:
             kwargs["monotonic"] = monotonic
@@ -51,14 +53,14 @@ class FileLog(TopicLog):
         self._in_doubt = False  # a failed fsync's data is not cut yet: no writes until it is
         with storage_errors(str(self.directory)):
             self.directory.mkdir(parents=True, exist_ok=True)
-        self._open()
+        self._open(sync_new_directory)
 
     # --- opening -----------------------------------------------------------
 
-    def _open(self) -> None:
+    def _open(self, sync_new_directory: bool = True) -> None:
         bases = sorted(int(p.stem) for p in self.directory.glob("*.log") if p.stem.isdigit())
         if not bases:
-            self._new_segment(0)
+            self._new_segment(0, sync_directory=sync_new_directory)
             return
         lost_from: int | None = None  # base of the oldest segments quarantined before any was kept
         newest_lost_end: int | None = None  # the newest segment was quarantined: offsets it used up to here
@@ -146,12 +148,13 @@ class FileLog(TopicLog):
             if header.producer_id >= 0:
                 self.producers.record(header.producer_id, header.sequence, header.base_offset, header.count)
 
-    def _new_segment(self, base: int) -> Segment:
+    def _new_segment(self, base: int, *, sync_directory: bool = True) -> Segment:
         segment = Segment(self.directory, base, index_interval=self.config.index_interval_bytes)
         self.segments.append(segment)
         self._bases.append(base)
-        with storage_errors(str(self.directory)):
-            fsync_dir(self.directory)
+        if sync_directory:
+            with storage_errors(str(self.directory)):
+                fsync_dir(self.directory)
         return segment
 
     def reconfigure(self, config: TopicConfig) -> None:

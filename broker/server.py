@@ -135,6 +135,7 @@ class Broker:
             quarantine=settings.quarantine,
             offsets_write_errors=self.metrics.offsets_write_errors,
             topic_config_errors=self.metrics.topic_config_errors,
+            create_in_background=True,
         )
         self.groups: GroupIndex = GroupIndex()
         self.peers: dict[bytes, Peer] = {}
@@ -322,6 +323,7 @@ class Broker:
             for sig in (signal.SIGTERM, signal.SIGINT):
                 signal.signal(sig, lambda *_: self.stop())
         self._wake = wake_w
+        self.store.creator.wake = self.stop_wake  # a topic made durable: confirm and deliver what it holds
         poller = self.poller
         poller.register(self.socket, zmq.POLLIN)
         poller.register(wake_r.fileno(), zmq.POLLIN)
@@ -372,6 +374,7 @@ class Broker:
         if now >= self._next_housekeeping:
             self._housekeeping(now)
         self._handle_dead_letters()
+        self.appended.update(self.store.finish_creations())  # new topics now durable: confirm, deliver, serve
         # self.confirms: a pass that only answered resent (duplicate) batches still owes their confirms.
         if self.appended or self.confirms or self.store.next_sync_due() is not None:
             with self.containment.guard("group_commit"):

@@ -165,6 +165,9 @@ class TopicLog(ABC):
         # Called after each append: the store keeps the logs a pass touched, so that the group
         # commit and retention look at those and not at every topic the broker holds.
         self.on_write: Callable[[TopicLog], None] | None = None
+        # A new topic whose creation is not durable yet: its durable offset stays put, so nothing
+        # in it is confirmed, delivered or served until the store's creation thread has synced it.
+        self.held = False
 
     # --- the primitives a backend provides ------------------------------------
 
@@ -241,7 +244,7 @@ class TopicLog(ABC):
         self.cache.add(Batch(base, count, ts, body, producer_id, sequence))
         if producer_id != NO_PRODUCER:
             self.producers.record(producer_id, sequence, base, count)
-        if self.fsync.mode == "none":
+        if self.fsync.mode == "none" and not self.held:
             self.durable_offset = self.end_offset
         elif self.fsync.mode == "interval":
             self.maybe_sync()
@@ -297,7 +300,10 @@ class TopicLog(ABC):
 
         Under ``none`` this only flushes in-memory indexes, unless forced
         (shutdown, roll). Under ``interval`` the broker calls ``maybe_sync``.
+        A held log (its creation not durable yet) is left as it is.
         """
+        if self.held:
+            return
         if (self.fsync.mode != "none" and self.dirty) or force:
             try:
                 self._sync()
@@ -318,7 +324,7 @@ class TopicLog(ABC):
 
     def maybe_sync(self) -> bool:
         """Sync if the interval policy says it is due; return whether it did."""
-        if not self.dirty:
+        if not self.dirty or self.held:
             return False
         if self.fsync.mode == "interval" and (self.monotonic() - self._last_sync) * 1000 < self.fsync.interval_ms:
             return False
@@ -327,7 +333,7 @@ class TopicLog(ABC):
 
     def next_sync_due(self) -> float | None:
         """When the interval policy wants the next sync (``monotonic`` seconds)."""
-        if self.fsync.mode != "interval" or not self.dirty:
+        if self.fsync.mode != "interval" or not self.dirty or self.held:
             return None
         return self._last_sync + self.fsync.interval_ms / 1000
 

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from broker import fsio
+from broker.creator import TopicCreator
 from broker.datadir_lock import DataDirLock
 from broker.errors import (
     ConfigError,
@@ -214,8 +215,11 @@ class Store:
         quarantine: bool = False,
         offsets_write_errors: Any = None,
         topic_config_errors: Any = None,
+        create_in_background: bool = False,
     ) -> None:
-        """``offsets_write_errors``: a counter labelled by topic, incremented at each failed ``groups.json`` write.
+        """``create_in_background``: the broker's loop creates topics without an fsync (see ``broker.creator``).
+
+        ``offsets_write_errors``: a counter labelled by topic, incremented at each failed ``groups.json`` write.
 
         ``topic_config_errors``: a counter labelled by topic and setting, incremented for each stored
         setting ``topic.json`` holds that the table refuses (the topic uses the default instead).
@@ -225,6 +229,7 @@ class Store:
         self.fsync = FsyncPolicy.parse(fsync) if isinstance(fsync, str) else fsync
         self.defaults = defaults or TopicConfig()
         self.quarantine = quarantine
+        self.create_in_background = create_in_background
         self.logs: dict[str, TopicLog] = {}
         self.groups: dict[str, dict[str, dict[str, Any]]] = {}
         self._dirty_groups: set[str] = set()
@@ -252,6 +257,7 @@ class Store:
             self.lock.release()
             raise
         self._offsets = OffsetWriter(on_error=self._offsets_failed, on_written=self._offsets_written)
+        self._creator = TopicCreator(self.topics_dir)
 
     def _open_topics(self) -> None:
         for directory in sorted(self.topics_dir.iterdir()):
@@ -397,13 +403,20 @@ class Store:
     def _offsets_written(self, path: Path) -> None:
         self.io_health.worked("offsets", path.parent.name)
 
-    def _make_log(self, name: str, config: TopicConfig) -> TopicLog:
+    def _make_log(self, name: str, config: TopicConfig, *, new: bool = False) -> TopicLog:
         factory = BACKENDS.get(config.storage)
         if factory is None:
             raise UnknownTopic(f"topic {name} uses unknown storage {config.storage!r}", topic=name)
         log: TopicLog
         if config.storage == "file":
-            log = FileLog(name, self.topics_dir / name, config, fsync=self.fsync, quarantine=self.quarantine)
+            log = FileLog(
+                name,
+                self.topics_dir / name,
+                config,
+                fsync=self.fsync,
+                quarantine=self.quarantine,
+                sync_new_directory=not new,
+            )
         else:
             log = factory(name, self.topics_dir / name, config, self.fsync)
         log.io_health = self.io_health
@@ -443,7 +456,9 @@ class Store:
             raise TopicExists(f"topic {name} exists", topic=name)
         topic_config = self.defaults.with_settings({**(settings or {}), **more}, extra=extra)
         directory = self.topics_dir / name
-        if topic_config.storage != "memory":  # memory topics are ephemeral: nothing on disk
+        if topic_config.storage == "memory":  # memory topics are ephemeral: nothing on disk
+            self.logs[name] = self._make_log(name, topic_config)
+        elif not self.create_in_background:
             try:
                 with storage_errors(str(directory)):
                     make_dirs(directory)  # its entry in topics/ is synced: a power cut keeps the new topic
@@ -452,9 +467,46 @@ class Store:
                 self.io_health.failed("create_topic", name, exc)
                 raise
             self.io_health.worked("create_topic", name)
-        self.logs[name] = self._make_log(name, topic_config)
+            self.logs[name] = self._make_log(name, topic_config)
+        else:
+            # No fsync here (the event loop): the creator thread writes topic.json and syncs the
+            # directories; until it has, the log is held and nothing in it is confirmed or served.
+            try:
+                with storage_errors(str(directory)):
+                    directory.mkdir(exist_ok=True)
+                topic_log = self._make_log(name, topic_config, new=True)
+            except ConveyorError as exc:
+                self.io_health.failed("create_topic", name, exc)
+                raise
+            topic_log.held = True
+            self.logs[name] = topic_log
+            self._creator.submit(name, json.dumps(topic_config.to_dict(), sort_keys=True).encode())
         self.groups[name] = {}
         return self.logs[name]
+
+    def finish_creations(self) -> list[str]:
+        """Release the topics the creator made durable since the last call; return their names.
+
+        Called by the broker's loop each pass: the released logs are synced by
+        the next group commit, which then confirms and delivers what they hold.
+        """
+        released = []
+        for name, error in self._creator.outcomes():
+            if error is not None:
+                self.io_health.failed("create_topic", name, error)
+                continue
+            self.io_health.worked("create_topic", name)
+            topic_log = self.logs.get(name)
+            if topic_log is not None and topic_log.held:
+                topic_log.held = False
+                if topic_log.dirty:
+                    self._unsynced[name] = topic_log
+                released.append(name)
+        return released
+
+    @property
+    def creator(self) -> TopicCreator:
+        return self._creator
 
     def get_or_create(self, name: str) -> TopicLog:
         log = self.logs.get(name)
@@ -469,6 +521,7 @@ class Store:
     def delete_topic(self, name: str) -> None:
         """Delete a topic: renamed out of the way durably first, so a crash never brings back part of it."""
         log_ = self.topic(name)
+        self._creator.forget(name)  # a creation still being written must not bring the directory back
         directory = self.topics_dir / name
         doomed = free_name(self.topics_dir, f"{name}{DELETED_MARK}")
         log_.close()  # flushes what it buffers into files named by path
@@ -568,8 +621,12 @@ class Store:
         """The group commit: every dirty log, then the groups that moved.
 
         ``wait=False`` (the broker's loop) leaves the groups' files to the writer thread.
-        Only logs appended to since their last sync are looked at, unless ``force``.
+        Only logs appended to since their last sync are looked at, unless ``force``,
+        which first waits for the topics still being created.
         """
+        if force:
+            self._creator.settle()
+            self.finish_creations()
         for log in list(self.logs.values() if force else self._unsynced.values()):
             if log.dirty or force:
                 log.sync(force=force)
@@ -622,6 +679,7 @@ class Store:
         finally:
             try:
                 self._offsets.close()
+                self._creator.close()
                 for topic_log in self.logs.values():
                     topic_log.close()
             finally:

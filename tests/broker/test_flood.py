@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import resource
 import subprocess
+import threading
 from functools import partial
 
 import pytest
@@ -133,3 +134,40 @@ def test_the_broker_raises_its_descriptor_limit_and_caps_topics_by_it(tmp_path, 
         assert broker.metric("conveyor_descriptors_exhausted_total") == 0
     finally:
         broker.stop()
+
+
+@pytest.mark.parametrize("fsync", ["batch", "none", "interval:1"])
+def test_a_new_topic_confirms_nothing_until_its_creation_is_durable(tmp_path, monkeypatch, fsync):
+    # Given a store that creates topics in the background, whose creator is held back
+    from broker import creator
+    from broker.record import pack_records
+    from broker.store import Store
+
+    gate = threading.Event()
+    write = creator.atomic_write
+    monkeypatch.setattr(creator, "atomic_write", lambda path, data: (gate.wait(30), write(path, data)))
+    store = Store(tmp_path / "data", fsync=fsync, create_in_background=True)
+    try:
+        # When a topic is created (no fsync on the caller's thread) and takes a batch
+        log = store.create_topic("fresh")
+        log.append(pack_records([(None, None, b"v")]), 1)
+        store.sync()
+        # Then nothing of it is durable, so nothing would be confirmed, delivered or served
+        assert log.durable_offset == 0
+        assert not (tmp_path / "data" / "topics" / "fresh" / "topic.json").exists()
+        # When the creator has made the topic durable
+        gate.set()
+        released: list[str] = []
+        assert wait_for(lambda: released.extend(store.finish_creations()) or released == ["fresh"], timeout=30)
+        store.sync()
+        # Then the batch is durable, and the topic survives a restart
+        assert log.durable_offset == 1
+        assert (tmp_path / "data" / "topics" / "fresh" / "topic.json").exists()
+    finally:
+        gate.set()
+        store.close()
+    reopened = Store(tmp_path / "data")
+    try:
+        assert reopened.topic("fresh").end_offset == 1
+    finally:
+        reopened.close()

@@ -21,9 +21,9 @@ def publish(address: str, topic: str, values: list, **kwargs) -> list[int]:
 
 
 def end_offset(admin: Admin, topic: str) -> int:
-    """The topic's end offset, or -1 while it does not exist yet."""
+    """The topic's durable end (what FETCH serves), or -1 while it does not exist yet."""
     try:
-        return admin.describe_topic(topic)["end_offset"]
+        return admin.describe_topic(topic)["durable_offset"]
     except UnknownTopic:
         return -1
 

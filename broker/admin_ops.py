@@ -126,7 +126,7 @@ def create_topic(broker: Broker, name: str, config: Any) -> dict[str, Any]:
     """Every setting is checked by the topic settings table before the topic's directory is made."""
     if name not in broker.store.logs:
         broker.check_topic_room(name)  # TOPIC_EXISTS stays the answer for a topic that is there
-    broker.store.create_topic(name, config)
+    broker.store.create_topic(name, config)  # durable when it answers: an operator may restart right after
     return describe_topic(broker, name)
 
 

@@ -546,7 +546,7 @@ class Broker:
             if not self.settings.auto_create_topics:
                 raise UnknownTopic(f"no topic {topic} (auto-create is off)", topic=topic)
             self._admit_auto_create(topic, peer)
-            self.store.create_topic(topic)
+            self.store.create_topic(topic, background=True)  # no fsync here: see broker.creator
         log_ = self.store.topic(topic)
         if log_.config.read_only:
             raise ReadOnlyTopic(f"topic {topic} is read-only", topic=topic)

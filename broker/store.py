@@ -448,6 +448,7 @@ class Store:
         settings: Mapping[str, Any] | None = None,
         *,
         extra: Mapping[str, Any] | None = None,
+        background: bool = False,
         **more: Any,
     ) -> TopicLog:
         """A new topic with the broker's defaults and ``settings``; every one is checked before anything is written."""
@@ -458,7 +459,7 @@ class Store:
         directory = self.topics_dir / name
         if topic_config.storage == "memory":  # memory topics are ephemeral: nothing on disk
             self.logs[name] = self._make_log(name, topic_config)
-        elif not self.create_in_background:
+        elif not (background and self.create_in_background):  # the broker's own topics (dead letters, mirrors)
             try:
                 with storage_errors(str(directory)):
                     make_dirs(directory)  # its entry in topics/ is synced: a power cut keeps the new topic

@@ -149,7 +149,7 @@ def test_a_new_topic_confirms_nothing_until_its_creation_is_durable(tmp_path, mo
     store = Store(tmp_path / "data", fsync=fsync, create_in_background=True)
     try:
         # When a topic is created (no fsync on the caller's thread) and takes a batch
-        log = store.create_topic("fresh")
+        log = store.create_topic("fresh", background=True)
         log.append(pack_records([(None, None, b"v")]), 1)
         store.sync()
         # Then nothing of it is durable, so nothing would be confirmed, delivered or served

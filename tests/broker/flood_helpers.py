@@ -46,7 +46,7 @@ class RawClient:
                 if frames is None:
                     break
                 frame = decode(frames)
-                if frame.command is not Command.HEARTBEAT:
+                if frame.command not in (Command.HEARTBEAT, Command.DELIVER, Command.EVENT):  # answers only
                     got.append(frame)
         return got
 
@@ -72,6 +72,16 @@ def cpu_seconds(pid: int) -> float:
     with open(f"/proc/{pid}/stat") as f:
         fields = f.read().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def wait_until_idle(pid: int, timeout: float = 30.0) -> None:
+    """Wait (at most ``timeout``) until the process uses under 10% of a core: its background work is done."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        before = cpu_seconds(pid)
+        time.sleep(0.5)
+        if cpu_seconds(pid) - before < 0.05:
+            return
 
 
 def cycles(producer: Producer, sub: Subscription, topic: str, count: int) -> None:

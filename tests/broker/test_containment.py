@@ -46,7 +46,6 @@ class Live:
             wait_for(lambda: _receive_into(sub, got) >= offsets[-1] + 1, timeout=30)
         return got
 
-
     def traffic(self, topic: str) -> None:
         """Publish and subscribe without waiting for deliveries (a faulty unit may hold them back)."""
         with Producer(self.address, linger_ms=1) as producer:

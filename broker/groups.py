@@ -186,6 +186,14 @@ class DeadLetter:
 
 _chunk_ids = itertools.count(1)
 
+# groups.json keeps at most this many unsettled ranges per group, the lowest: the group's saved next
+# offset stops before the first one left out, so what lies beyond is delivered again (at least once),
+# only without its count.
+MAX_SAVED_RANGES = 10_000
+# What a saved range is: not dead, past max_deliveries (the broker dead-letters it), terminated (TERM).
+LIVE, DEAD_BY_BROKER, TERMINATED = 0, 1, 2
+RESTARTED = "redelivered after a broker restart"
+
 
 class Group:
     def __init__(
@@ -370,6 +378,51 @@ class Group:
         return any(p.not_before <= now and not p.held for p in self.pending)
 
     # --- offsets -------------------------------------------------------------------------
+
+    def saved_state(self, now: float, now_ms: int, dying: Sequence[DeadLetter] = ()) -> dict[str, Any]:
+        """What ``groups.json`` keeps of the group beside its settings, so that a restart loses no count.
+
+        ``unsettled`` rows are ``[start, end, deliveries, first_ms, due_ms, dead]``, sorted, at most
+        ``MAX_SAVED_RANGES``: in flight (due at once after a restart, the delivery counted, as when a
+        member vanishes), waiting for redelivery (``due_ms``: the wall-clock time it is due, 0 for
+        now) and dead letters not yet stored (``dying``: the broker's writes in progress). ``now`` is
+        ``clock()``, ``now_ms`` the wall clock in ms.
+        """
+        rows = [[a, b, c.deliveries, c.first_ms, 0, LIVE] for c in list(self.chunks.values()) for a, b in c.ranges]
+        for p in list(self.pending):
+            due = int(now_ms + (p.not_before - now) * 1000) if p.not_before > now else 0
+            rows += [[a, b, p.deliveries, p.first_ms, due, LIVE] for a, b in p.ranges]
+        for d in [*self.dead, *dying]:
+            dead = DEAD_BY_BROKER if d.by_broker else TERMINATED
+            rows += [[a, b, d.deliveries, d.first_ms, 0, dead] for a, b in d.ranges]
+        rows.sort()
+        next_offset = self.next_offset
+        if len(rows) > MAX_SAVED_RANGES:
+            next_offset = min(next_offset, rows[MAX_SAVED_RANGES][0])
+            del rows[MAX_SAVED_RANGES:]
+        return {
+            "committed_offset": min(next_offset, rows[0][0]) if rows else next_offset,
+            "next_offset": next_offset,
+            "unsettled": rows,
+            "skipped_by_retention": self.skipped_by_retention,
+        }
+
+    def restore(self, rows: list[list[int]], now: float, now_ms: int) -> None:
+        """Unsettled ranges saved by ``saved_state``: they come again with their counts and due times.
+
+        Past ``max_deliveries`` (or terminated) they go to the dead-letter topic instead: a poison
+        message gets no fresh attempts because the broker restarted.
+        """
+        for start, end, deliveries, first_ms, due_ms, dead in rows:
+            end = min(end, self.next_offset)  # the log lost a tail the file had seen: those come as new
+            if end <= start:
+                continue
+            if dead:
+                reason = "terminated" if dead == TERMINATED else RESTARTED
+                self.dead.append(DeadLetter([(start, end)], deliveries, reason, dead == DEAD_BY_BROKER, b"", first_ms))
+                continue
+            not_before = now + max(0, due_ms - now_ms) / 1000 if due_ms else now
+            self._requeue([(start, end)], deliveries, not_before, RESTARTED, b"", first_ms)
 
     @property
     def committed_offset(self) -> int:

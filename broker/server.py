@@ -182,13 +182,17 @@ class Broker:
     def _make_group(self, topic: str, name: str, state: dict[str, Any]) -> Group:
         log_ = self.store.topic(topic)
         settings = self._stored_group_settings(topic, name, state)
-        offset = int(state.get("committed_offset", log_.start_offset))
+        offset = int(state.get("next_offset", state.get("committed_offset", log_.start_offset)))
         if offset > log_.end_offset:  # the log lost a tail the offsets file had seen (power cut, fsync=none)
             log.warning("group %s/%s: committed offset %d is past the log end %d", topic, name, offset, log_.end_offset)
             offset = log_.end_offset  # new messages will take those offsets again: deliver them
         group = Group(topic, name, settings, next_offset=offset, clock=self.clock)
         group.skipped_by_retention = int(state.get("skipped_by_retention", 0))
         group.on_skip = self._skipped_by_retention
+        # What was unsettled when the broker stopped comes again with its delivery counts.
+        group.restore(state.get("unsettled", []), self.clock(), int(time.time() * 1000))
+        if group.dead:
+            self.to_dispatch.add(group)  # dead letters are stored without waiting for a member
         group.skip_retained(log_.start_offset)  # retention ran past it while the broker was down
         self.groups[(topic, name)] = group
         return group
@@ -1187,12 +1191,16 @@ class Broker:
         """Stage the offsets of the groups that may have moved (``every``: all of them) and hand them to the writer."""
         moved = list(self.groups.values()) if every else [*self._moved, *(w.group for w in self.dead_writes)]
         self._moved = set()
-        offsets = {(g.topic, g.name): g.committed_offset for g in moved if self.groups.get((g.topic, g.name)) is g}
+        dying: dict[Group, list[DeadLetter]] = {}
         for write in self.dead_writes:  # settled only once the dead-letter topic holds them durably
-            key = (write.group.topic, write.group.name)
-            if key in offsets:
-                offsets[key] = min(offsets[key], *(start for start, _end in write.letter.ranges))
-        self.store.commit_offsets(offsets)
+            dying.setdefault(write.group, []).append(write.letter)
+        now, now_ms = self.clock(), int(time.time() * 1000)  # due times are saved on the wall clock
+        states = {
+            (g.topic, g.name): g.saved_state(now, now_ms, dying.get(g, ()))
+            for g in moved
+            if self.groups.get((g.topic, g.name)) is g
+        }
+        self.store.commit_groups(states)
         try:
             self.store.write_groups(wait=False)  # two fsyncs and a rename: not on the event loop
         except ConveyorError as exc:

@@ -612,6 +612,14 @@ class Store:
                 state["committed_offset"] = offset
                 self._dirty_groups.add(topic)
 
+    def commit_groups(self, states: dict[tuple[str, str], dict[str, Any]]) -> None:
+        """Stage groups' positions (committed offset, unsettled ranges with their counts); ``sync()`` writes them."""
+        for (topic, group), saved in states.items():
+            state = self.groups.setdefault(topic, {}).setdefault(group, {})
+            if any(state.get(key) != value for key, value in saved.items()):
+                state.update(saved)
+                self._dirty_groups.add(topic)
+
     def delete_group(self, topic: str, group: str) -> None:
         if self.groups.get(topic, {}).pop(group, None) is not None:
             self._dirty_groups.add(topic)
@@ -689,6 +697,9 @@ class Store:
 
 GROUP_FIELDS: dict[str, type] = {
     "committed_offset": int,
+    "next_offset": int,
+    "skipped_by_retention": int,
+    "unsettled": list,
     "max_deliveries": int,
     "ack_timeout_ms": int,
     "dead_letter_topic": str,
@@ -733,9 +744,26 @@ def _check_groups(path: Path, data: dict[str, Any]) -> dict[str, dict[str, Any]]
             value = state.get(key, kind())
             if type(value) is not kind:
                 raise corrupt(f"group {group!r}: {key} must be {_json_kind(kind())}, found {_short(value)}")
-        if state.get("committed_offset", 0) < 0:
-            raise corrupt(f"group {group!r}: committed_offset {state['committed_offset']} is negative")
+        for key in ("committed_offset", "next_offset", "skipped_by_retention"):
+            if state.get(key, 0) < 0:
+                raise corrupt(f"group {group!r}: {key} {state[key]} is negative")
+        problem = _unsettled_problem(state.get("unsettled", []))
+        if problem:
+            raise corrupt(f"group {group!r}: unsettled {problem}")
     return data
+
+
+def _unsettled_problem(rows: list[Any]) -> str:
+    """What is wrong with saved unsettled ranges ([start, end, deliveries, first_ms, due_ms, dead], sorted, apart)."""
+    previous_end = 0
+    for row in rows:
+        if not (isinstance(row, list) and len(row) == 6 and all(type(v) is int and v >= 0 for v in row)):
+            return f"row {_short(row)} is not six non-negative integers"
+        start, end, _deliveries, _first_ms, _due_ms, dead = row
+        if not previous_end <= start < end or dead not in (0, 1, 2):
+            return f"row {_short(row)} is out of order, empty or of an unknown kind"
+        previous_end = end
+    return ""
 
 
 def _json_kind(value: Any) -> str:

@@ -133,3 +133,25 @@ def test_a_poison_message_gets_no_fresh_attempts_when_the_broker_is_killed(conve
         sub.ack([rest])
     finally:
         sub.close()
+
+
+def test_saved_ranges_are_bounded_and_what_is_left_out_comes_again():
+    """In-process: at most MAX_SAVED_RANGES rows; the saved next offset stops before the first one left out."""
+    from broker.groups import MAX_SAVED_RANGES, Group, GroupSettings, Pending
+
+    clock = [100.0]
+    group = Group(TOPIC, "g", GroupSettings(max_deliveries=5), next_offset=50_000, clock=lambda: clock[0])
+    # Every other offset waits for a redelivery, after 2 deliveries; one of them due in 3 s.
+    group.pending = [Pending([(2 * i, 2 * i + 1)], 2, 100.0, "boom", first_ms=7) for i in range(MAX_SAVED_RANGES + 5)]
+    group.pending[0].not_before = 103.0
+    state = group.saved_state(100.0, 1_000_000)
+    rows = state["unsettled"]
+    assert len(rows) == MAX_SAVED_RANGES
+    assert rows[0] == [0, 1, 2, 7, 1_003_000, 0] and rows[1] == [2, 3, 2, 7, 0, 0]
+    assert state["next_offset"] == 2 * MAX_SAVED_RANGES  # the first range left out: delivered again, as new
+    assert state["committed_offset"] == 0
+    restored = Group(TOPIC, "g", GroupSettings(max_deliveries=5), next_offset=state["next_offset"], clock=lambda: 500.0)
+    restored.restore(rows, 500.0, 1_001_000)  # one second of wall clock later
+    assert [(p.ranges, p.deliveries, p.first_ms) for p in restored.pending[:2]] == [([(0, 1)], 2, 7), ([(2, 3)], 2, 7)]
+    assert restored.pending[0].not_before == 502.0  # still due 2 s later
+    assert restored.committed_offset == 0 and restored.next_offset == 2 * MAX_SAVED_RANGES

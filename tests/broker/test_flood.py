@@ -172,3 +172,44 @@ def test_a_new_topic_confirms_nothing_until_its_creation_is_durable(tmp_path, mo
         assert reopened.topic("fresh").end_offset == 1
     finally:
         reopened.close()
+
+
+def test_running_out_of_descriptors_is_a_retriable_error_and_counted(tmp_path, monkeypatch):
+    # Given a broker (in-process) whose next segment open fails with EMFILE
+    import errno
+    import os as os_module
+
+    from prometheus_client import CollectorRegistry
+
+    from broker import segment
+    from broker.record import pack_records
+    from broker.server import Broker
+    from broker.settings import BrokerSettings
+
+    real_open = os_module.open
+
+    def no_descriptors(path, *args, **kwargs):
+        if "nofd" in str(path):
+            raise OSError(errno.EMFILE, "Too many open files", str(path))
+        return real_open(path, *args, **kwargs)
+
+    monkeypatch.setattr(segment.os, "open", no_descriptors)
+    settings = BrokerSettings(bind="tcp://127.0.0.1:*", data_dir=str(tmp_path / "data"), metrics_port=-1)
+    broker = Broker(settings, registry=CollectorRegistry())
+    address = broker.bind()
+    thread = threading.Thread(target=broker.serve_forever, kwargs={"install_signals": False}, daemon=True)
+    thread.start()
+    raw = RawClient(address)
+    try:
+        # When a client publishes to a new topic
+        raw.send(Command.PUBLISH, {"rid": 1, "topic": "nofd"}, pack_records([(None, None, b"v")]))
+        (reply,) = raw.replies(1)
+        # Then it gets TOO_MANY_OPEN_FILES (retriable), the broker counts it and goes on serving
+        assert (reply.command, reply.get("code"), reply.get("name")) == (Command.ERROR, 109, "TOO_MANY_OPEN_FILES")
+        assert broker.registry.get_sample_value("conveyor_descriptors_exhausted_total") == 1
+        with Producer(address) as producer:
+            assert producer.send("other", b"x").result(timeout=30) == 0
+    finally:
+        raw.close()
+        broker.stop()
+        thread.join(30)

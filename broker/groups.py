@@ -842,7 +842,8 @@ def _split_at(ranges: list[Range], cut: int) -> tuple[list[Range], list[Range]]:
 
 
 def _batches_between(log: TopicLog, start: int, end: int) -> Iterator[Batch]:
-    offset = start
+    """Stored batches holding ``[start, end)``; what retention deleted is not there to read."""
+    offset = max(start, log.start_offset)
     while offset < end:
         batches = log.read(offset, max_bytes=1 << 20)
         if not batches:

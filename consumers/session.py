@@ -100,6 +100,7 @@ class Subscription:
         # Since when this subscription has been without its broker (None while subscribed): from the start
         # until the first SUBSCRIBED, and from each reconnect until the next; reconnecting does not reset it.
         self.down_since: float | None = time.monotonic()
+        self._resubscribe_at = 0.0  # a SUBSCRIBE refused for now (RATE_LIMITED...): when to send it again
         self._ctx = context or zmq.Context.instance()
         self._rids = itertools.count(1)
         self._sock: zmq.Socket[Any] | None = None
@@ -190,11 +191,17 @@ class Subscription:
         return self._next_tick(time.monotonic())
 
     def _next_tick(self, now: float) -> float:
-        return max(0.0, min(self._last_sent + self.heartbeat, self._last_heard + self.heartbeat * self.liveness) - now)
+        due = min(self._last_sent + self.heartbeat, self._last_heard + self.heartbeat * self.liveness)
+        if self._resubscribe_at:
+            due = min(due, self._resubscribe_at)
+        return max(0.0, due - now)
 
     def _tick(self) -> None:
         now = time.monotonic()
-        if now - self._last_heard > self.heartbeat * self.liveness:
+        if self._resubscribe_at and now >= self._resubscribe_at:
+            self._resubscribe_at = 0.0
+            self._reconnect("subscribing again after a retriable refusal")
+        elif now - self._last_heard > self.heartbeat * self.liveness:
             self._reconnect("broker silent")
         elif now - self._last_sent >= self.heartbeat:
             self._send(Command.HEARTBEAT, {})
@@ -235,6 +242,12 @@ class Subscription:
             exc = error_from_header(frame.header)
             if exc.name == "NOT_SUBSCRIBED":
                 self._reconnect("broker forgot this subscription")
+            elif exc.retriable and not self.subscribed:
+                # The SUBSCRIBE itself was refused for now (RATE_LIMITED auto-creating its topic, say): again later.
+                wait_ms = exc.fields.get("retry_after_ms")
+                delay = max(0.05, min(5.0, wait_ms / 1000)) if isinstance(wait_ms, int | float) else 0.5
+                log.info("consumer %s/%s: %s; subscribing again in %.2f s", self.topic, self.group, exc, delay)
+                self._resubscribe_at = time.monotonic() + delay
             else:
                 raise exc
         return []

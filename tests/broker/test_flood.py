@@ -22,6 +22,7 @@ import consumers.testing
 from broker.client import Admin, Producer
 from broker.errors import GroupLimit, TopicLimit
 from broker.protocol import Command
+from consumers.session import Subscription
 from consumers.testing import BrokerProcess, wait_for
 
 
@@ -213,3 +214,26 @@ def test_running_out_of_descriptors_is_a_retriable_error_and_counted(tmp_path, m
         raw.close()
         broker.stop()
         thread.join(30)
+
+
+def test_subscriptions_refused_by_the_auto_create_rate_subscribe_again_by_themselves(conveyor_broker_factory):
+    # Given a broker that auto-creates at most 2 topics a second
+    broker = conveyor_broker_factory(extra=["--auto-create-rate", "2"])
+    subs = [Subscription(f"slow-{i}", "g", address=broker.address) for i in range(6)]
+    try:
+        # When six consumers subscribe to six new topics at once, then messages are published to each
+        for sub in subs:
+            sub.receive(timeout=0.01)
+        assert wait_for(lambda: all(s.receive(timeout=0.01) == [] and s.subscribed for s in subs), timeout=30)
+        with Producer(broker.address) as producer:
+            for i in range(6):
+                producer.send(f"slow-{i}", f"m{i}").result(timeout=30)
+        # Then every consumer got its message: a RATE_LIMITED SUBSCRIBE was sent again after retry_after_ms
+        for i, sub in enumerate(subs):
+            got: list = []
+            assert wait_for(lambda: got.extend(sub.receive(timeout=0.05)) or got, timeout=30)  # noqa: B023
+            assert [m.value for m in got] == [f"m{i}"]
+        assert broker.metric("conveyor_protocol_errors_total", 'name="RATE_LIMITED"') >= 1
+    finally:
+        for sub in subs:
+            sub.close()

@@ -67,6 +67,10 @@ from monitoring.metrics import BrokerMetrics, HealthCollector, NullMetrics, Stat
 log = logging.getLogger("conveyor.broker")
 
 READ_BURST = 4096  # messages read per pass before the group commit
+# Creating a topic (and its group) is the costliest thing a request can ask of a pass: a pass that
+# created this many ends its reads there, so the confirms and deliveries of others are not held
+# behind a burst of thousands of creations (the rest is read in the next pass, at once).
+CREATIONS_PER_PASS = 64
 # A dead letter that cannot be stored for a reason time will not fix (a mirrored, read-only dead-letter
 # topic, an invalid name, a bug) is kept unsettled and tried again this slowly: never dropped, never
 # retried every second.
@@ -148,6 +152,7 @@ class Broker:
         self._timer_at: dict[Group, float] = {}  # each group's earliest entry in _timers
         self._fetch_deadlines: list[tuple[float, int, FetchWait]] = []
         self._seq = itertools.count()
+        self._pass_creations = 0  # topics auto-created in this pass's reads
         self._moved: set[Group] = set()  # groups whose committed offset may have changed since the last commit
         self.appended: set[str] = set()
         self.to_dispatch: set[Group] = set()
@@ -367,11 +372,14 @@ class Broker:
 
     def _read_burst(self) -> None:
         sock = self.socket
+        self._pass_creations = 0
         for _ in range(READ_BURST):
             frames = recv_frames(sock)
             if frames is None:
                 return
             self._handle(frames)
+            if self._pass_creations >= CREATIONS_PER_PASS:
+                return
 
     def _after_reads(self) -> None:
         now = self.clock()
@@ -550,6 +558,7 @@ class Broker:
             if not self.settings.auto_create_topics:
                 raise UnknownTopic(f"no topic {topic} (auto-create is off)", topic=topic)
             self._admit_auto_create(topic, peer)
+            self._pass_creations += 1
             self.store.create_topic(topic, background=True)  # no fsync here: see broker.creator
         log_ = self.store.topic(topic)
         if log_.config.read_only:

@@ -56,22 +56,35 @@ class TopicCreator:
             out.append(self._done.popleft())
         return out
 
-    def settle(self, name: str | None = None) -> None:
+    def settle(self, name: str | None = None, *, timeout: float | None = None) -> None:
         """Wait until ``name`` (every topic, if None) is written, and not being written, or has failed once more."""
+        deadline = None if timeout is None else time.monotonic() + timeout
         with self._cv:
+            failed_before = self._pending[name][2] if name in self._pending else self._failures.get(name or "", 0)
             for item in list(self._pending) if name is None else [name]:
                 if item in self._pending:
                     config, _retry, failures = self._pending[item]
                     self._pending[item] = (config, 0.0, failures)  # now, not after its backoff
             self._cv.notify_all()
-            while (name is None and (self._pending or self._busy)) or (
-                name is not None and (name in self._pending or name in self._busy)
-            ):
+            while (name is None and (self._pending or self._busy)) or (name is not None and self.owns(name)):
                 if self._closed or not self._thread.is_alive():
+                    return
+                if deadline is not None and time.monotonic() >= deadline:
                     return
                 if name is None and self._pending and not self._busy and self._all_failing():
                     return  # every one left is failing: give up waiting (they stay held)
+                if name is not None and name not in self._busy and self._pending[name][2] > failed_before:
+                    return  # it failed once more: the caller decides
                 self._cv.wait(0.1)
+
+    def owns(self, name: str) -> bool:
+        """Whether ``name``'s ``topic.json`` is still to be written (or being written) here.
+
+        While it is, this thread is the topic's only metadata writer: anyone
+        else who would rewrite ``topic.json`` (an alter) waits for ``settle``.
+        """
+        with self._cv:
+            return name in self._pending or name in self._busy
 
     def _all_failing(self) -> bool:
         return all(failures > 0 for _c, _r, failures in self._pending.values())

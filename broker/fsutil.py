@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import errno
+import itertools
 import os
+import threading
 from pathlib import Path
 
 from broker import fsio
@@ -45,21 +48,57 @@ def make_dirs(path: str | os.PathLike[str]) -> None:
         fsync_dir(Path(path).parent)
 
 
+TEMP_SUFFIX = ".tmp"
+_temp_counter = itertools.count()
+
+
+def temp_name(target: Path) -> Path:
+    """A temp file beside ``target`` that no other write shares (process, thread and a counter in its name).
+
+    One fixed name let two writers of one file (the topic creator's thread and
+    an alter on the loop) truncate, rename away or interleave each other's temp
+    file: a lost setting, a FileNotFoundError, or a torn file.
+    """
+    unique = f"{os.getpid()}.{threading.get_ident()}.{next(_temp_counter)}"
+    return target.with_name(f".{target.name}.{unique}{TEMP_SUFFIX}")
+
+
+def is_temp_file(path: Path) -> bool:
+    """A temp file ``atomic_write`` left behind (a crash between its create and its rename)."""
+    return path.name.startswith(".") and path.name.endswith(TEMP_SUFFIX)
+
+
+def remove_temp_files(folder: Path) -> list[Path]:
+    """Delete the temp files a crash left in ``folder`` (at startup, before anything writes there)."""
+    removed = []
+    for path in folder.iterdir():
+        if is_temp_file(path) and path.is_file():
+            path.unlink(missing_ok=True)
+            removed.append(path)
+    return removed
+
+
 def atomic_write(path: str | os.PathLike[str], data: bytes) -> None:
     """Replace ``path`` with ``data`` so a crash leaves the old or the new file.
 
-    Write a temp file beside it, fsync it, rename over, fsync the directory.
+    Write a temp file of its own beside it, fsync it, rename over, fsync the
+    directory. A failed write removes its temp file.
     """
     target = Path(path)
-    tmp = target.with_name(f".{target.name}.tmp")
+    tmp = temp_name(target)
     with storage_errors(str(target)):
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
-            write_all(fd, data)
-            fsio.fsync(fd)
-        finally:
-            os.close(fd)
-        fsio.replace(tmp, target)
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            try:
+                write_all(fd, data)
+                fsio.fsync(fd)
+            finally:
+                os.close(fd)
+            fsio.replace(tmp, target)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
         fsync_dir(target.parent)
 
 

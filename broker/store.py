@@ -33,7 +33,7 @@ from broker.errors import (
     UnknownTopic,
 )
 from broker.filelog import QUARANTINE_DIR, FileLog
-from broker.fsutil import atomic_write, free_name, fsync_dir, make_dirs, storage_errors
+from broker.fsutil import atomic_write, free_name, fsync_dir, make_dirs, remove_temp_files, storage_errors
 from broker.iohealth import IoHealth
 from broker.memlog import MemoryLog
 from broker.names import NAME_RE
@@ -43,6 +43,7 @@ from broker.topic_settings import FIXED_AT_CREATION, STORAGES
 TOPIC_FILE = "topic.json"
 DELETED_MARK = "~deleted"  # a topic directory being deleted: '~' is not allowed in topic names
 GROUPS_FILE = "groups.json"
+CREATION_WAIT_S = 10.0  # how long an alter waits for a new topic's first topic.json write
 
 LogFactory = Callable[[str, Path, TopicConfig, FsyncPolicy], TopicLog]
 log = logging.getLogger("conveyor.store")
@@ -267,6 +268,8 @@ class Store:
             if DELETED_MARK in name:  # a deletion a crash cut short ('~' is not allowed in topic names)
                 self._remove_deleted(directory)
                 continue
+            for leftover in remove_temp_files(directory):
+                log.info("%s: removed a temp file an interrupted write left", leftover)
             config = self._stored_config(name, directory)
             if config is None:
                 continue
@@ -572,6 +575,7 @@ class Store:
                     topic=name,
                 )
         if config.storage == "file":
+            self._wait_for_creation(name)
             with storage_errors(str(self.topics_dir / name)):
                 atomic_write(self.topics_dir / name / TOPIC_FILE, json.dumps(config.to_dict(), sort_keys=True).encode())
         topic_log.reconfigure(config)
@@ -581,6 +585,22 @@ class Store:
                 "topic %s: topic.json rewritten; the settings refused at start are replaced by those in use", name
             )
         return config
+
+    def _wait_for_creation(self, name: str) -> None:
+        """Order a rewrite of ``topic.json`` after the creator's first write of it.
+
+        Until the creator thread has written a new topic's ``topic.json`` it is
+        that file's only writer; a rewrite racing it could be overwritten by
+        the older settings (lost at the next start) or tear the file.
+        """
+        if not self._creator.owns(name):
+            return
+        self._creator.settle(name, timeout=CREATION_WAIT_S)
+        if self._creator.owns(name):
+            raise StorageIOError(
+                f"topic {name} is still being created (its {TOPIC_FILE} cannot be written yet); retry",
+                path=str(self.topics_dir / name),
+            )
 
     def _forget_config_errors(self, topic: str) -> bool:
         errors = self.config_errors.pop(topic, [])

@@ -14,7 +14,7 @@ import logging
 import random
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import tenacity
 import zmq
@@ -25,7 +25,7 @@ from broker.config import broker_address, check_address
 from broker.errors import ConveyorError, RequestTimeout, buffer_full, delivery_timed_out
 from broker.protocol import Command, decode, encode, error_from_header
 from broker.record import pack_records
-from broker.security import secure_client
+from broker.security import HandshakeWatch, secure_client
 
 
 @dataclass(slots=True)
@@ -83,6 +83,7 @@ class AsyncProducer:
         self.producer_id = random.getrandbits(62) or 1
         self._ctx = zmq.asyncio.Context.instance()
         self._sock: zmq.asyncio.Socket | None = None
+        self._watch: HandshakeWatch | None = None
         self._buffers: dict[str, _Batch] = {}
         self._in_flight: dict[int, _Batch] = {}
         self._seqs: dict[str, int] = {}
@@ -93,16 +94,47 @@ class AsyncProducer:
 
     async def start(self) -> AsyncProducer:
         self._sock = self._new_socket()
-        self._tasks = [asyncio.create_task(self._reader()), asyncio.create_task(self._watchdog())]
+        self._tasks = [
+            asyncio.create_task(self._reader()),
+            asyncio.create_task(self._watchdog()),
+            asyncio.create_task(self._handshakes()),
+        ]
         return self
 
     def _new_socket(self) -> zmq.asyncio.Socket:
+        """A DEALER to the broker; its handshakes are watched (``self._watch``, replacing the old socket's)."""
         check_address(self.address)
         sock = self._ctx.socket(zmq.DEALER)
         secure_client(sock)
         sock.setsockopt(zmq.LINGER, 0)
+        if self._watch is not None:
+            self._watch.close()
+        self._watch = HandshakeWatch(sock, self.address)
         sock.connect(self.address)
         return sock
+
+    async def _handshakes(self) -> None:
+        """When the broker refuses this producer's handshake, what is in flight fails with AUTH_FAILED at once."""
+        while True:
+            watch = self._watch
+            assert watch is not None
+            try:
+                frames = await cast(zmq.asyncio.Socket, watch.socket).recv_multipart()
+            except (zmq.ZMQError, asyncio.CancelledError):
+                if watch is self._watch:
+                    raise  # this task is being cancelled (close())
+                continue  # the watch was replaced with its socket (a reconnect): watch the new one
+            watch.on_event(frames)
+            if watch.failure is not None and watch is self._watch:
+                self._refused(watch.failure)
+
+    def _refused(self, error: ConveyorError) -> None:
+        batches, self._in_flight = list(self._in_flight.values()), {}
+        for batch in batches:
+            self._settled(batch)
+            for future in batch.futures:
+                if not future.done():
+                    future.set_exception(error)
 
     async def send(
         self, topic: str, value: Any, *, key: str | bytes | None = None, headers: dict[str, str] | None = None
@@ -287,6 +319,9 @@ class AsyncProducer:
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
+            if self._watch is not None:
+                self._watch.close()
+                self._watch = None
             if self._sock is not None:
                 self._sock.close(linger=0)
                 self._sock = None

@@ -52,7 +52,7 @@ from broker.config import DEFAULT_BROKER, broker_address, check_address
 from broker.errors import BrokerUnavailable, ConveyorError, RequestTimeout, buffer_full, delivery_timed_out
 from broker.futures import BatchState, batch_futures, new_future
 from broker.protocol import Command, decode, encode, error_from_header
-from broker.security import secure_client
+from broker.security import HandshakeWatch, secure_client
 from broker.transport import NOBLOCK, recv_frames, send_frames
 from consumers.message import Message, messages_from_entries
 
@@ -61,8 +61,10 @@ __all__ = ["DEFAULT_BROKER", "Admin", "AsyncProducer", "Producer"]
 log = logging.getLogger("conveyor.client")
 
 
-def new_dealer(ctx: zmq.Context[Any], address: str, *, auto_reconnect: bool = True) -> zmq.Socket[Any]:
-    """A DEALER to the broker.
+def new_dealer(
+    ctx: zmq.Context[Any], address: str, *, auto_reconnect: bool = True
+) -> tuple[zmq.Socket[Any], HandshakeWatch]:
+    """A DEALER to the broker, and the watch of its handshakes (``AUTH_FAILED`` when the broker refuses it).
 
     ``auto_reconnect=False`` is for the producer: ZeroMQ's own reconnect would
     let batches queued after a lost one reach a restarted broker first, and
@@ -76,12 +78,14 @@ def new_dealer(ctx: zmq.Context[Any], address: str, *, auto_reconnect: bool = Tr
         sock.setsockopt(zmq.RECONNECT_IVL, -1)
     sock.setsockopt(zmq.SNDHWM, 100_000)
     sock.setsockopt(zmq.RCVHWM, 100_000)
+    watch = HandshakeWatch(sock, address)  # before connect: the first handshake is watched too
     try:
         sock.connect(check_address(address))
     except ConveyorError:
+        watch.close()
         sock.close(linger=0)
         raise
-    return sock
+    return sock, watch
 
 
 def backoff_seconds(strategy: Any, attempt: int) -> float:
@@ -461,7 +465,7 @@ class _ProducerIO:
         self.retry_at: dict[int, float] = {}
         self.reconnects = 0
         self.last_heard: float | None = None  # when the broker last answered anything
-        self.sock = new_dealer(producer._ctx, producer.address, auto_reconnect=False)
+        self.sock, self.watch = new_dealer(producer._ctx, producer.address, auto_reconnect=False)
 
     def heard(self) -> str:
         """When the broker last answered, for error messages."""
@@ -472,6 +476,7 @@ class _ProducerIO:
     def run(self) -> None:
         poller = zmq.Poller()
         poller.register(self.sock, zmq.POLLIN)
+        poller.register(self.watch.socket, zmq.POLLIN)
         poller.register(self.p._wake_r.fileno(), zmq.POLLIN)
         while True:
             timeout = self._timeout_ms()
@@ -480,6 +485,8 @@ class _ProducerIO:
                 self._drain_wake()
             if self.sock in events:
                 self._read_replies()
+            if self.watch.socket in events:
+                self._check_handshakes(poller)
             self._collect_lingering()
             self._send_queued()
             self._check_timeouts(poller)
@@ -488,7 +495,25 @@ class _ProducerIO:
                 break
             if self.p._closed and not self.in_flight and not self.queued and not self.ready:
                 break
+        self.watch.close()
         self.sock.close(linger=0)
+
+    def _check_handshakes(self, poller: zmq.Poller) -> None:
+        """The broker refused this producer: every batch in flight fails with AUTH_FAILED now, not at a timeout.
+
+        Then a new socket for what comes next (this one does not reconnect by
+        itself): if the broker still refuses, those batches fail the same way.
+        """
+        silent = self.watch.silent
+        refused = self.watch.read()
+        if refused is None:
+            if self.watch.silent > silent:  # a handshake ended without a reason: this socket will not retry it
+                self._reconnect(poller)
+            return
+        for flight in list(self.in_flight.values()):
+            self._finish(flight)
+            flight.futures.fail(refused)
+        self._reconnect(poller)
 
     def _fail_everything(self, error: RequestTimeout) -> None:
         """``close()`` gave up: every unconfirmed message fails now instead of at its delivery timeout."""
@@ -632,10 +657,15 @@ class _ProducerIO:
         """A fresh socket, then every unconfirmed batch again, in order."""
         self.reconnects += 1
         poller.unregister(self.sock)
+        poller.unregister(self.watch.socket)
+        self.watch.close()
         self.sock.close(linger=0)
         time.sleep(backoff_seconds(self.p.retry_wait, min(self.reconnects, 10)))
-        self.sock = new_dealer(self.p._ctx, self.p.address, auto_reconnect=False)
+        silent = self.watch.silent  # handshakes that ended without a reason count across sockets
+        self.sock, self.watch = new_dealer(self.p._ctx, self.p.address, auto_reconnect=False)
+        self.watch.silent = silent
         poller.register(self.sock, zmq.POLLIN)
+        poller.register(self.watch.socket, zmq.POLLIN)
         for flight in sorted(self.in_flight.values(), key=lambda f: (f.topic, f.seq)):
             flight.attempts += 1
             self.retry_at.pop(flight.rid, None)
@@ -656,7 +686,7 @@ class Admin:
         self._ctx = context or zmq.Context.instance()
         self._lock = threading.Lock()
         self._rids = itertools.count(1)
-        self._sock = new_dealer(self._ctx, self.address)
+        self._sock, self._watch = new_dealer(self._ctx, self.address)
 
     def request(self, command: Command, header: dict[str, Any], *, timeout: float | None = None) -> Any:
         """One request, one reply; raises the broker's error as its own class."""
@@ -666,7 +696,14 @@ class Admin:
             deadline = time.monotonic() + (timeout if timeout is not None else self.timeout)
             while True:
                 remaining = deadline - time.monotonic()
-                if remaining <= 0 or not self._sock.poll(int(remaining * 1000) + 1):
+                ready = self._wait(remaining)
+                if ready is self._watch.socket:
+                    refused = self._watch.read()
+                    if refused is None:
+                        continue
+                    self._reset_socket()
+                    raise refused
+                if ready is None:
                     self._reset_socket()
                     raise BrokerUnavailable(
                         f"no answer from {self.address} in time (is a broker running there? "
@@ -679,9 +716,22 @@ class Admin:
                     raise error_from_header(reply.header)
                 return reply
 
+    def _wait(self, remaining: float) -> Any:
+        """The socket that became readable first (the reply's, or the handshake watch's), or None at the deadline."""
+        if remaining <= 0:
+            return None
+        poller = zmq.Poller()
+        poller.register(self._sock, zmq.POLLIN)
+        poller.register(self._watch.socket, zmq.POLLIN)
+        events = dict(poller.poll(int(remaining * 1000) + 1))
+        if self._sock in events:
+            return self._sock
+        return self._watch.socket if self._watch.socket in events else None
+
     def _reset_socket(self) -> None:
+        self._watch.close()
         self._sock.close(linger=0)
-        self._sock = new_dealer(self._ctx, self.address)
+        self._sock, self._watch = new_dealer(self._ctx, self.address)
 
     def _admin(self, op: str, **args: Any) -> Any:
         return self.request(Command.ADMIN, {"op": op, **args}).get("result")
@@ -754,6 +804,7 @@ class Admin:
         return messages[:max_messages], reply.header
 
     def close(self) -> None:
+        self._watch.close()
         self._sock.close(linger=0)
 
     def __enter__(self) -> Admin:

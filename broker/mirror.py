@@ -26,7 +26,7 @@ from broker.client import backoff_seconds
 from broker.errors import ConveyorError
 from broker.protocol import Command, Frame, decode, encode, error_from_header
 from broker.record import Batch, pack_records, unpack_records
-from broker.security import secure_client
+from broker.security import HandshakeWatch, secure_client
 from monitoring.health import DEGRADED, HEALTHY, UNHEALTHY
 
 if TYPE_CHECKING:
@@ -69,6 +69,8 @@ class Mirror:
     topics: dict[str, TopicMirror] = field(default_factory=dict)
     reconnects: int = 0
     socket: zmq.Socket[Any] | None = None
+    watch: HandshakeWatch | None = None
+    refused: str = ""  # the parent refused this broker's handshake (AUTH_FAILED), until it answers again
     connected_since: float | None = None
     last_reply: float = 0.0
     down_since: float | None = None
@@ -85,6 +87,7 @@ class Mirror:
         secure_client(sock)  # the parent may require CURVE: this broker is its client
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.RCVHWM, 0)
+        self.watch = HandshakeWatch(sock, self.settings.upstream)
         sock.connect(self.settings.upstream)
         self.socket = sock
         now = self.clock()
@@ -101,12 +104,23 @@ class Mirror:
         if self.down_since is None:
             self.down_since = self.last_reply
         log.warning("upstream %s: %s; reconnecting", self.settings.upstream, why)
+        if self.watch is not None:
+            self.watch.close()
+            self.watch = None
         if self.socket is not None:
             self.broker.poller.unregister(self.socket)
             self.socket.close(linger=0)
         delay = backoff_seconds(self._wait, min(self.reconnects, 10))
         self._next_connect = self.clock() + delay
         self.socket = None
+
+    def close(self) -> None:
+        """Close the link to the parent (the broker is stopping)."""
+        if self.watch is not None:
+            self.watch.close()
+            self.watch = None
+        if self.socket is not None:
+            self.socket.close(linger=0)
 
     def change_upstream(self, address: str) -> None:
         """Follow a new parent (registry discovery); offsets carry over unchanged."""
@@ -127,6 +141,7 @@ class Mirror:
             self.connect()
             assert self.socket is not None
             self.broker.poller.register(self.socket, zmq.POLLIN)
+        self._check_handshakes()
         silent = now - self.last_reply
         if silent > self.settings.fetch_wait_ms / 1000 + 2.0:
             self._reconnect(f"no answer for {silent:.1f} s")
@@ -139,6 +154,13 @@ class Mirror:
                 self._fetch(mirror)
         # Never a time in the past: the loop would spin instead of sleeping.
         return max(now + 0.01, min(self._next_discovery, now + 0.5))
+
+    def _check_handshakes(self) -> None:
+        """A parent that refuses this broker's handshake is named (AUTH_FAILED), not just silent."""
+        refused = self.watch.read() if self.watch is not None else None
+        if refused is not None and not self.refused:
+            self.refused = f"{refused.name}: {refused.message}"
+            log.error("upstream %s refused this broker: %s", self.settings.upstream, refused.message)
 
     def on_readable(self) -> None:
         assert self.socket is not None
@@ -157,6 +179,7 @@ class Mirror:
     def _on_reply(self, reply: Frame) -> None:
         now = self.clock()
         self.last_reply = now
+        self.refused = ""
         if self.down_since is not None and not _is_shutting_down(reply):
             log.info("upstream %s is back", self.settings.upstream)
             self.down_since = None
@@ -304,6 +327,8 @@ class Mirror:
 
     def status(self) -> str:
         now = self.clock()
+        if self.refused:
+            return UNHEALTHY  # refused by the parent: no retry will help until its keys or ours change
         # A long-poll FETCH is answered within its wait: a later answer is overdue.
         overdue_after = self.settings.fetch_wait_ms / 1000 + 0.5
         if self.down_since is not None or self.socket is None or now - self.last_reply > overdue_after:
@@ -321,6 +346,7 @@ class Mirror:
             "status": self.status(),
             "seconds_since_answer": round(self.clock() - self.last_reply, 3),
             "reconnects": self.reconnects,
+            **({"error": self.refused} if self.refused else {}),
             "topics": {
                 name: {"lag_messages": self.lag(m), "stopped": m.stopped or None, "refreshing": m.refresh_target}
                 for name, m in list(self.topics.items())

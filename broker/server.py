@@ -55,7 +55,7 @@ from broker.protocol import ranges as hranges
 from broker.ranges import count as count_offsets
 from broker.record import NO_PRODUCER, validate_body
 from broker.registry import RegistryWatch
-from broker.security import ServerSecurity
+from broker.security import ServerSecurity, check_server_options
 from broker.settings import BrokerSettings
 from broker.storage import FsyncPolicy, TopicConfig, TopicLog
 from broker.store import Store, check_name
@@ -256,9 +256,15 @@ class Broker:
     def bind(self) -> str:
         self.ctx = zmq.Context()
         self.security: ServerSecurity | None = None
-        if self.settings.curve_secret_key:
+        s = self.settings
+        check_server_options(s.curve_secret_key, s.curve_authorized_keys, s.curve_allow_any_client)
+        if s.curve_secret_key:
             self.security = ServerSecurity(
-                self.ctx, self.settings.curve_secret_key, self.settings.curve_authorized_keys
+                self.ctx,
+                s.curve_secret_key,
+                s.curve_authorized_keys,
+                allow_any_client=s.curve_allow_any_client,
+                failures=self.metrics.auth_failures,
             )
         sock = self.ctx.socket(zmq.ROUTER)
         if self.security is not None:
@@ -1245,8 +1251,8 @@ class Broker:
             self._commit_offsets(every=True)
         finally:
             self.store.close()
-            if self.mirror is not None and self.mirror.socket is not None:
-                self.mirror.socket.close(linger=0)
+            if self.mirror is not None:
+                self.mirror.close()
             if self.registry_watch is not None:
                 self.registry_watch.stop()
             self.socket.close(linger=500)

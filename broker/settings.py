@@ -63,6 +63,7 @@ class BrokerSettings:
     metrics: bool = True
     curve_secret_key: str = ""
     curve_authorized_keys: str = ""
+    curve_allow_any_client: bool = False
     upstream: str = ""
     mirror: str = ""
     mirror_gap_policy: str = "resync"
@@ -122,6 +123,7 @@ HELP = {
     "log_level": "DEBUG, INFO, WARNING, ERROR or CRITICAL",
     "curve_secret_key": "the broker's CURVE certificate (.key_secret from `conveyor keys`): encrypt and authenticate",
     "curve_authorized_keys": "directory of client public certificates (.key) allowed in with CURVE",
+    "curve_allow_any_client": "with CURVE and no --curve-authorized-keys: encrypt, but let any client in",
     "metrics": "update metrics (--no-metrics only to measure what they cost; /healthz stays)",
     "upstream": "parent broker to mirror topics from (tcp://HOST:PORT)",
     "mirror": "topic patterns to mirror from the upstream (fnmatch; repeat or separate with commas)",

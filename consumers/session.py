@@ -27,8 +27,8 @@ from broker.config import broker_address, check_address
 from broker.errors import ConveyorError
 from broker.protocol import Command, Frame, decode, encode, error_from_header
 from broker.ranges import to_ranges
-from broker.security import secure_client
-from broker.transport import recv_frames, send_frames
+from broker.security import HandshakeWatch, secure_client
+from broker.transport import NOBLOCK, recv_frames, send_frames
 from consumers.exceptions import DeadLettered
 from consumers.message import Message, messages_from_entries
 
@@ -104,6 +104,7 @@ class Subscription:
         self._ctx = context or zmq.Context.instance()
         self._rids = itertools.count(1)
         self._sock: zmq.Socket[Any] | None = None
+        self._watch: HandshakeWatch | None = None
         self._last_heard = self._last_sent = time.monotonic()
         self._connect()
 
@@ -115,6 +116,7 @@ class Subscription:
         secure_client(sock)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.RCVHWM, 0)  # credit bounds what can arrive
+        self._watch = HandshakeWatch(sock, self.address)
         sock.connect(self.address)
         self._sock = sock
         self._send(Command.HELLO, {"rid": next(self._rids), "client": f"conveyor-consumer/{os.getpid()}"})
@@ -138,6 +140,8 @@ class Subscription:
     def _reconnect(self, why: str) -> None:
         log.warning("consumer %s/%s: %s; reconnecting to %s", self.topic, self.group, why, self.address)
         self.reconnects += 1
+        if self._watch is not None:
+            self._watch.close()
         if self._sock is not None:
             self._sock.close(linger=0)
         self._connect()
@@ -197,6 +201,11 @@ class Subscription:
         return max(0.0, due - now)
 
     def _tick(self) -> None:
+        """Heartbeat or reconnect if due; raise ``AUTH_FAILED`` when the broker refused this client's handshake."""
+        if self._watch is not None:
+            refused = self._watch.read()
+            if refused is not None:
+                raise refused
         now = time.monotonic()
         if self._resubscribe_at and now >= self._resubscribe_at:
             self._resubscribe_at = 0.0
@@ -305,8 +314,14 @@ class Subscription:
         if self._sock is None:
             return
         try:
-            self._send(Command.BYE, {})
+            # Never blocks: with no connection (the broker is down, or refused this client) there is no one to tell.
+            send_frames(self._sock, encode(Command.BYE, {}), NOBLOCK)
+        except zmq.Again:
+            pass
         finally:
+            if self._watch is not None:
+                self._watch.close()
+                self._watch = None
             self._sock.close(linger=200)
             self._sock = None
 

@@ -327,6 +327,13 @@ class BrokerMetrics:
             "Operations refused because the process ran out of file descriptors (EMFILE): TOO_MANY_OPEN_FILES",
             registry=registry,
         )
+        self.auth_failures = Counter(
+            "conveyor_auth_failures",
+            "CURVE handshakes the broker refused, by reason: unknown_key (not in --curve-authorized-keys), "
+            "mechanism_mismatch (a client without CURVE), bad_handshake (a wrong broker key, a corrupt handshake)",
+            ["reason"],
+            registry=registry,
+        )
         self.offsets_write_errors = Counter(
             "conveyor_offsets_write_errors",
             "Failed writes of a topic's group offsets file (groups.json); each is retried with backoff",

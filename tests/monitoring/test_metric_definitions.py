@@ -64,6 +64,7 @@ BROKER: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "offsets_write_errors": ("conveyor_offsets_write_errors", "counter", TOPIC),
     "descriptors_exhausted": ("conveyor_descriptors_exhausted", "counter", ()),
     "topic_config_errors": ("conveyor_topic_config_errors", "counter", ("topic", "setting")),
+    "auth_failures": ("conveyor_auth_failures", "counter", ("reason",)),
 }
 RUNNER: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "handled": ("conveyor_runner_messages", "counter", (*HANDLER, "outcome")),

@@ -2,18 +2,20 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 from broker import security
-from broker.client import Admin, Producer
-from broker.errors import BrokerUnavailable
+from broker.client import Admin, AsyncProducer, Producer
+from broker.errors import AuthFailed
 from consumers.session import Subscription
-from consumers.testing import BrokerProcess
+from consumers.testing import BrokerProcess, wait_for
 
 
 @pytest.fixture
@@ -98,18 +100,157 @@ def test_an_authorized_client_works_end_to_end(secure_broker, keys, as_client):
     assert '"value": "hello"' in out.stdout
 
 
+# Refused clients get AUTH_FAILED from their handshake, long before this timeout would give a BrokerUnavailable.
+SLOW = 30_000
+
+
 def test_an_unauthorized_key_is_refused(secure_broker, keys, as_client):
     as_client(keys / "server" / "broker.key", keys / "strangers" / "mallory.key_secret")
-    with Admin(secure_broker.address, timeout_ms=1500) as admin, pytest.raises(BrokerUnavailable):
+    with Admin(secure_broker.address, timeout_ms=SLOW) as admin, pytest.raises(AuthFailed):
         admin.list_topics()
 
 
 def test_a_plaintext_client_is_refused(secure_broker):
-    with Admin(secure_broker.address, timeout_ms=1500) as admin, pytest.raises(BrokerUnavailable):
+    with Admin(secure_broker.address, timeout_ms=SLOW) as admin, pytest.raises(AuthFailed):
         admin.list_topics()
 
 
 def test_a_wrong_server_key_is_refused(secure_broker, keys, as_client):
     as_client(keys / "strangers" / "mallory.key", keys / "clients" / "alice.key_secret")
-    with Admin(secure_broker.address, timeout_ms=1500) as admin, pytest.raises(BrokerUnavailable):
+    with Admin(secure_broker.address, timeout_ms=SLOW) as admin, pytest.raises(AuthFailed):
         admin.list_topics()
+
+
+# --- refusals are distinguishable, counted and logged; bad settings refuse to start ------------------------
+
+
+def run_broker(tmp_path, *flags, timeout=30):
+    """``conveyor broker`` with ``flags`` that should make it refuse to start: its exit code and output."""
+    cmd = [sys.executable, "-m", "broker", "broker", "--bind", "tcp://127.0.0.1:*", "--metrics-port", "-1"]
+    cmd += ["--data-dir", str(tmp_path / "refused-data"), *map(str, flags)]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CONVEYOR_")}
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+    return out.returncode, out.stdout + out.stderr
+
+
+def test_curve_without_authorized_keys_refuses_to_start(keys, tmp_path):
+    code, output = run_broker(tmp_path, "--curve-secret-key", keys / "server" / "broker.key_secret")
+    assert code == 2, output
+    assert "CONFIG_ERROR" in output and "--curve-allow-any-client" in output, output
+
+
+def test_curve_allow_any_client_encrypts_and_lets_any_key_in(keys, tmp_path, as_client):
+    extra = ["--curve-secret-key", str(keys / "server" / "broker.key_secret"), "--curve-allow-any-client"]
+    with BrokerProcess(tmp_path / "any", extra=extra) as broker:
+        as_client(keys / "server" / "broker.key", keys / "strangers" / "mallory.key_secret")
+        with Admin(broker.address, timeout_ms=SLOW) as admin:
+            assert admin.list_topics() == []
+
+
+@pytest.mark.parametrize("flag", ["--curve-authorized-keys", "--curve-allow-any-client"])
+def test_a_curve_client_option_without_the_secret_key_refuses_to_start(keys, tmp_path, flag):
+    args = [flag, keys / "authorized"] if flag == "--curve-authorized-keys" else [flag]
+    code, output = run_broker(tmp_path, *args)
+    assert code == 2, output
+    assert "CONFIG_ERROR" in output and "--curve-secret-key" in output, output
+
+
+def test_a_bad_authorized_key_file_refuses_to_start_and_names_it(keys, tmp_path):
+    bad = keys / "authorized" / "bob.key"
+    bad.write_text("not a certificate\n")
+    secret = keys / "server" / "broker.key_secret"
+    code, output = run_broker(tmp_path, "--curve-secret-key", secret, "--curve-authorized-keys", keys / "authorized")
+    assert code == 2, output
+    assert "CONFIG_ERROR" in output and str(bad) in output, output
+
+
+def test_refused_clients_get_auth_failed_and_are_counted_and_logged(secure_broker, keys, as_client, monkeypatch):
+    # Given a client whose key is not authorized: AUTH_FAILED, not a timeout
+    as_client(keys / "server" / "broker.key", keys / "strangers" / "mallory.key_secret")
+    with Admin(secure_broker.address, timeout_ms=SLOW) as admin, pytest.raises(AuthFailed) as refused:
+        admin.list_topics()
+    assert refused.value.code == 404 and "authorized" in refused.value.message
+    # And a plaintext client
+    monkeypatch.delenv("CONVEYOR_CURVE_SERVER_KEY")
+    monkeypatch.delenv("CONVEYOR_CURVE_KEY")
+    with Admin(secure_broker.address, timeout_ms=SLOW) as admin, pytest.raises(AuthFailed) as refused:
+        admin.list_topics()
+    assert "CONVEYOR_CURVE_KEY" in refused.value.message
+    # Then the broker counted both, by reason, and logged them
+    assert wait_for(lambda: secure_broker.metric("conveyor_auth_failures_total", 'reason="unknown_key"') >= 1, 30)
+    assert wait_for(
+        lambda: secure_broker.metric("conveyor_auth_failures_total", 'reason="mechanism_mismatch"') >= 1, 30
+    )
+    logged = "".join(secure_broker.output)
+    assert "refused CURVE client handshakes" in logged
+    assert security.client_keys() is None
+
+
+def test_producers_and_subscriptions_of_a_refused_client_get_auth_failed(secure_broker, keys, as_client):
+    as_client(keys / "server" / "broker.key", keys / "strangers" / "mallory.key_secret")
+    producer = Producer(secure_broker.address, request_timeout_ms=SLOW, delivery_timeout_ms=120_000)
+    try:
+        with pytest.raises(AuthFailed):
+            producer.send("secret", b"x").result(timeout=60)
+    finally:
+        producer.close(timeout=5)
+
+    async def publish() -> None:
+        async with AsyncProducer(secure_broker.address, request_timeout_ms=SLOW) as aio:
+            with pytest.raises(AuthFailed):
+                await asyncio.wait_for(await aio.send("secret", b"x"), 60)
+
+    asyncio.run(publish())
+    sub = Subscription("secret", "g", address=secure_broker.address)
+    try:
+        with pytest.raises(AuthFailed):
+            for _ in range(600):  # 60 s at most
+                sub.receive(timeout=0.1)
+    finally:
+        sub.close()
+
+
+def test_a_runner_whose_key_is_refused_exits_2_naming_auth_failed(secure_broker, keys, tmp_path):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CONVEYOR_")}
+    env["CONVEYOR_CURVE_SERVER_KEY"] = str(keys / "server" / "broker.key")
+    env["CONVEYOR_CURVE_KEY"] = str(keys / "strangers" / "mallory.key_secret")
+    env["PYTHONPATH"] = str(Path(__file__).resolve().parents[1] / "monitoring" / "apps")
+    cmd = [sys.executable, "-m", "consumers", "app_probe", "--broker", secure_broker.address, "--metrics-port", "-1"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=60, env=env)
+    assert out.returncode == 2, out.stdout + out.stderr
+    assert "AUTH_FAILED" in out.stdout + out.stderr
+
+
+def test_a_mirror_refused_by_its_parent_names_auth_failed(secure_broker, keys, tmp_path):
+    env = {
+        "CONVEYOR_CURVE_SERVER_KEY": str(keys / "server" / "broker.key"),
+        "CONVEYOR_CURVE_KEY": str(keys / "strangers" / "mallory.key_secret"),
+    }
+    child = BrokerProcess(tmp_path / "child", extra=["--upstream", secure_broker.address], env=env).start()
+    try:
+        with Admin(child.address, timeout_ms=SLOW) as admin:
+            assert wait_for(lambda: "AUTH_FAILED" in str(admin.mirror_status().get("error", "")), 30)
+            assert admin.mirror_status()["status"] == "UNHEALTHY"
+    finally:
+        child.stop()
+
+
+def test_a_broker_restart_is_not_an_auth_failure(secure_broker, keys, as_client):
+    as_client(keys / "server" / "broker.key", keys / "clients" / "alice.key_secret")
+    with Producer(secure_broker.address, linger_ms=1) as producer:
+        before = [producer.send("restarts", i) for i in range(50)]
+        assert [f.result(timeout=30) for f in before] == list(range(50))
+        sub = Subscription("restarts", "g", address=secure_broker.address)
+        try:
+            # When the broker is killed and comes back, several times
+            for round_ in range(3):
+                secure_broker.restart(kill=round_ % 2 == 0)
+                during = [producer.send("restarts", i) for i in range(10)]
+                # Then every client carries on: nothing is called a refusal
+                assert all(isinstance(f.result(timeout=60), int) for f in during)
+                with Admin(secure_broker.address, timeout_ms=SLOW) as admin:
+                    assert any(t["name"] == "restarts" for t in admin.list_topics())
+                for _ in range(20):
+                    sub.receive(timeout=0.05)  # raises AUTH_FAILED if a restart looked like a refusal
+        finally:
+            sub.close()

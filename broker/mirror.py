@@ -242,7 +242,10 @@ class Mirror:
     def _request(self, command: Command, header: dict[str, Any]) -> int:
         assert self.socket is not None
         rid = next(self._rids)
-        self.socket.send_multipart(encode(command, {**header, "rid": rid}))
+        try:  # never blocks the broker's loop: a socket without a connection (a refused handshake) has no pipe
+            self.socket.send_multipart(encode(command, {**header, "rid": rid}), zmq.NOBLOCK)
+        except zmq.Again:
+            pass  # no answer will come: the silence check reconnects
         return rid
 
     def _apply(self, mirror: TopicMirror, reply: Frame) -> None:

@@ -213,7 +213,12 @@ class Subscription:
         elif now - self._last_heard > self.heartbeat * self.liveness:
             self._reconnect("broker silent")
         elif now - self._last_sent >= self.heartbeat:
-            self._send(Command.HEARTBEAT, {})
+            assert self._sock is not None
+            try:  # never blocks: without a connection there is no one to tell, and the silence check reconnects
+                send_frames(self._sock, encode(Command.HEARTBEAT, {}), NOBLOCK)
+            except zmq.Again:
+                pass
+            self._last_sent = now
 
     def _read(self) -> list[Message]:
         assert self._sock is not None

@@ -5,14 +5,14 @@ from __future__ import annotations
 import logging
 import os
 from bisect import bisect_right
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 from broker import fsio
 from broker.errors import ConveyorError, SegmentCorrupt, StorageIOError
-from broker.fsutil import free_name, fsync_dir, make_dirs, storage_errors
+from broker.fsutil import atomic_write, free_name, fsync_dir, make_dirs, storage_errors
 from broker.record import Batch, BatchHeader
-from broker.segment import Segment
+from broker.segment import INDEX_ENTRY, Segment
 from broker.storage import FsyncPolicy, TopicConfig, TopicLog
 
 log = logging.getLogger(__name__)
@@ -38,8 +38,12 @@ class FileLog(TopicLog):
         clock: Callable[[], float] | None = None,
         monotonic: Callable[[], float] | None = None,
         sync_new_directory: bool = True,
+        committed: Mapping[str, int] | None = None,
     ) -> None:
-        """``sync_new_directory=False``: the caller makes a new topic's first segment durable (the store's creator)."""
+        """``sync_new_directory=False``: the caller makes a new topic's first segment durable (the store's creator).
+
+        ``committed``: each group's committed offset from ``groups.json``, evidence of offsets that existed.
+        """
         kwargs = {"clock": clock} if clock is not None else {}
         if monotonic is not None:
             kwargs["monotonic"] = monotonic
@@ -51,6 +55,7 @@ class FileLog(TopicLog):
         self._bases: list[int] = []
         self._unsynced: list[Segment] = []  # rolled since the last sync
         self._in_doubt = False  # a failed fsync's data is not cut yet: no writes until it is
+        self._evidence = self._known_offsets(committed or {})  # read before recovery rewrites the indexes
         with storage_errors(str(self.directory)):
             self.directory.mkdir(parents=True, exist_ok=True)
         self._open(sync_new_directory)
@@ -67,7 +72,7 @@ class FileLog(TopicLog):
         for i, base in enumerate(bases):
             segment = Segment(self.directory, base, index_interval=self.config.index_interval_bytes)
             newest = i == len(bases) - 1
-            lost_end = self._recover(segment, sealed=not newest)
+            lost_end = self._recover(segment, sealed=not newest, before_cut=self._keep_confirmed_tail(segment))
             if lost_end is not None:
                 if not self.segments and lost_from is None:
                     lost_from = base
@@ -82,8 +87,78 @@ class FileLog(TopicLog):
             self._adopt_producers(segment.recovered_headers)
         if newest_lost_end is not None:
             self._continue_after_quarantine(lost_from, newest_lost_end)
+        self._continue_after_loss()
         self.start_offset = self.segments[0].base_offset
         self.end_offset = self.durable_offset = self.segments[-1].next_offset
+
+    def _known_offsets(self, committed: Mapping[str, int]) -> list[tuple[int, str]]:
+        """``(end, why)`` for each sign that offsets below ``end`` once existed, highest first.
+
+        A group commits only what was confirmed (durable), so its committed
+        offset is proof. A segment's ``.index`` whose ``.log`` is gone proves
+        that segment existed: its base offset, and the entries that are
+        plausible (rising, at most one offset per byte). The index of a
+        segment that is there stays a hint, rebuilt from the data.
+        """
+        found = [(int(offset), f"group {group} committed offset {offset}") for group, offset in committed.items()]
+        for path in self.directory.glob("*.index"):
+            if path.stem.isdigit() and not path.with_suffix(".log").exists():
+                highest = int(path.stem) + _plausible_index_end(path.read_bytes())
+                found.append((highest, f"{path.name} is left of a segment whose .log is gone (offset {highest - 1})"))
+        return sorted(found, reverse=True)
+
+    def _keep_confirmed_tail(self, segment: Segment) -> Callable[[int, int], None]:
+        """Before a tail is cut: if evidence says it held confirmed offsets, keep its bytes in ``quarantine/``."""
+
+        def keep(valid_size: int, next_offset: int) -> None:
+            if not self._evidence or self._evidence[0][0] <= next_offset:
+                return  # a torn write: nothing says it was ever confirmed
+            with open(segment.path, "rb") as source:
+                source.seek(valid_size)
+                self._write_lost_marker(next_offset, source.read())
+
+        return keep
+
+    def _write_lost_marker(self, start: int, data: bytes) -> Path:
+        """``quarantine/<start>.log.lost``: the cut bytes (if any), and what tells the next start the gap is known."""
+        folder = self.directory / QUARANTINE_DIR
+        with storage_errors(str(folder)):
+            make_dirs(folder)
+            target = free_name(folder, f"{start:020d}.log.lost")
+            atomic_write(target, data)
+        return target
+
+    def _continue_after_loss(self) -> None:
+        """Offsets evidence says existed are missing: loud, recorded, and never given to new messages.
+
+        The log goes on after the highest offset known to have existed (as
+        after a quarantined newest segment): a gap is better than two different
+        messages at one offset.
+        """
+        kept_end = self.segments[-1].next_offset
+        known = [(end, why) for end, why in self._evidence if end > kept_end]
+        self._evidence = []
+        if not known:
+            return
+        lost_end = known[0][0]
+        marker = self.directory / QUARANTINE_DIR / f"{kept_end:020d}.log.lost"
+        if not marker.exists():
+            marker = self._write_lost_marker(kept_end, b"")
+        for end, why in known:
+            log.error(
+                "%s: CONFIRMED DATA LOST: offsets [%d, %d) are missing but %s; they are skipped, never reused "
+                "(cut bytes, if any, kept in %s)",
+                self.name,
+                kept_end,
+                end,
+                why,
+                marker,
+            )
+        self.lost_ranges.append({"start": kept_end, "end": lost_end, "evidence": [why for _e, why in known]})
+        self.gaps.append((kept_end, lost_end))
+        if self.segments[-1].size == 0:
+            self._delete_newest()  # an empty segment before the gap would only be in the way
+        self._new_segment(lost_end)
 
     def _continue_after_quarantine(self, lost_from: int | None, lost_end: int) -> None:
         """A new newest segment after every offset the quarantined one held: offsets are never given twice."""
@@ -93,10 +168,12 @@ class FileLog(TopicLog):
             log.error("%s: offsets [%d, %d) are missing (quarantined)", self.name, kept_end, lost_end)
         self._new_segment(max(lost_end, self.segments[-1].next_offset if self.segments else 0))
 
-    def _recover(self, segment: Segment, *, sealed: bool) -> int | None:
+    def _recover(
+        self, segment: Segment, *, sealed: bool, before_cut: Callable[[int, int], None] | None = None
+    ) -> int | None:
         """None if ``segment`` opened; if it was quarantined, the end of the offsets it may have held."""
         try:
-            self.truncated_bytes += segment.recover(sealed=sealed)
+            self.truncated_bytes += segment.recover(sealed=sealed, before_cut=before_cut)
             return None
         except SegmentCorrupt as exc:
             if not self.quarantine:
@@ -308,3 +385,21 @@ class FileLog(TopicLog):
             path.rmdir() if path.is_dir() else path.unlink()
         self.directory.rmdir()
         fsync_dir(self.directory.parent)
+
+
+MIN_RECORD_BYTES = 4  # a stored record is at least a msgpack [key, headers, value] of nils
+
+
+def _plausible_index_end(data: bytes) -> int:
+    """One past the highest relative offset an index's entries show, trusting them only while they are plausible:
+    the first is (0, 0) (a segment's first batch is always indexed), then both rise, and no entry claims more
+    records than the bytes before it could hold."""
+    end, last_offset, last_position = 1, -1, -1
+    for at in range(0, len(data) - len(data) % INDEX_ENTRY.size, INDEX_ENTRY.size):
+        relative, position = INDEX_ENTRY.unpack_from(data, at)
+        if at == 0 and (relative, position) != (0, 0):
+            break
+        if relative <= last_offset or position <= last_position or relative * MIN_RECORD_BYTES > position:
+            break
+        end, last_offset, last_position = relative + 1, relative, position
+    return end

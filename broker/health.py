@@ -11,6 +11,9 @@
   wait; over five heartbeats it is wedged (UNHEALTHY, and ``/livez`` fails).
 - ``upstream``: a mirroring broker's link to its parent.
 - ``internal_errors``: an exception contained in the loop recently (DEGRADED).
+- ``lost_data``: offsets recovery found missing although a group had
+  committed past them or an index named them (confirmed data lost at the
+  last start): DEGRADED until the next restart, with each topic's range.
 
 Read on the HTTP thread: every value here is written by the loop (or the
 offsets writer, under ``IoHealth``'s lock) and read whole.
@@ -37,7 +40,13 @@ def broker_health(broker: Broker) -> Report:
     if broker.mirror is not None:
         checks["upstream"] = broker.mirror.health()
     checks["internal_errors"] = broker.containment.check()
+    checks["lost_data"] = _lost_data(broker)
     return report(checks)
+
+
+def _lost_data(broker: Broker) -> dict[str, Any]:
+    lost = {topic.name: topic.lost_ranges for topic in list(broker.store.logs.values()) if topic.lost_ranges}
+    return {"status": DEGRADED, "topics": lost} if lost else {"status": HEALTHY}
 
 
 def broker_live(broker: Broker) -> Report:

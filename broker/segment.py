@@ -14,6 +14,7 @@ import struct
 import zlib
 from array import array
 from bisect import bisect_right
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -215,7 +216,7 @@ class Segment:
             start += header.size
         return out
 
-    def recover(self, *, sealed: bool) -> int:
+    def recover(self, *, sealed: bool, before_cut: Callable[[int, int], None] | None = None) -> int:
         """Check this segment on open; return the bytes cut from a torn tail.
 
         Every batch is CRC-checked, the newest segment's too: its index is not
@@ -236,6 +237,8 @@ class Segment:
         self.recovered_headers = [h for h, _p in result.headers]
         cut = self.size - result.valid_size
         if cut:
+            if before_cut is not None:  # the caller may keep the bytes (evidence says they were confirmed)
+                before_cut(result.valid_size, result.next_offset)
             log.warning("%s: truncating torn tail, %d bytes after offset %d", self.path, cut, result.next_offset)
             self.truncate(result.valid_size, result.next_offset)
         return cut

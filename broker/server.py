@@ -176,6 +176,8 @@ class Broker:
                 self.metrics.truncated_bytes.labels(topic.name).inc(topic.truncated_bytes)
             if topic.quarantined_segments:
                 self.metrics.quarantined_segments.labels(topic.name).inc(topic.quarantined_segments)
+            for lost in topic.lost_ranges:
+                self.metrics.lost_offsets.labels(topic.name).inc(lost["end"] - lost["start"])
 
     # --- setup -------------------------------------------------------------------
 

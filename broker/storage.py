@@ -158,6 +158,9 @@ class TopicLog(ABC):
         self.durable_offset = 0
         self.truncated_bytes = 0  # torn tails cut when the log opened
         self.quarantined_segments = 0  # corrupt segments moved aside when it opened (--quarantine)
+        # Offsets that existed (a group committed past them, an index named them) but were not found when it
+        # opened: confirmed data lost; never given again. One entry per range: start, end and the evidence.
+        self.lost_ranges: list[dict[str, Any]] = []
         self.producers = ProducerState()
         self.cache = TailCache(config.cache_bytes)
         self._last_sync = monotonic()

@@ -273,8 +273,9 @@ class Store:
             config = self._stored_config(name, directory)
             if config is None:
                 continue
-            self.logs[name] = self._make_log(name, config)
-            self.groups[name] = self._read_groups(name, directory / GROUPS_FILE)
+            groups = self._read_groups(name, directory / GROUPS_FILE)
+            self.logs[name] = self._make_log(name, config, committed=_committed_offsets(groups))
+            self.groups[name] = groups
 
     def _stored_config(self, name: str, directory: Path) -> TopicConfig | None:
         """The settings of the topic in ``directory``, or None if it is no topic (yet).
@@ -406,7 +407,9 @@ class Store:
     def _offsets_written(self, path: Path) -> None:
         self.io_health.worked("offsets", path.parent.name)
 
-    def _make_log(self, name: str, config: TopicConfig, *, new: bool = False) -> TopicLog:
+    def _make_log(
+        self, name: str, config: TopicConfig, *, new: bool = False, committed: Mapping[str, int] | None = None
+    ) -> TopicLog:
         factory = BACKENDS.get(config.storage)
         if factory is None:
             raise UnknownTopic(f"topic {name} uses unknown storage {config.storage!r}", topic=name)
@@ -419,6 +422,7 @@ class Store:
                 fsync=self.fsync,
                 quarantine=self.quarantine,
                 sync_new_directory=not new,
+                committed=committed,
             )
         else:
             log = factory(name, self.topics_dir / name, config, self.fsync)
@@ -725,6 +729,17 @@ GROUP_FIELDS: dict[str, type] = {
     "dead_letter_topic": str,
     "key_affinity": bool,
 }
+
+
+def _committed_offsets(groups: Mapping[str, Mapping[str, Any]]) -> dict[str, int]:
+    """Each group's highest offset it was given: all below were confirmed (recovery must not lose or reuse them)."""
+    found = {}
+    for group, state in groups.items():
+        offsets = [state.get(key) for key in ("committed_offset", "next_offset")]
+        known = [int(o) for o in offsets if isinstance(o, int) and not isinstance(o, bool)]
+        if known:
+            found[group] = max(known)
+    return found
 
 
 def _holds_data(directory: Path) -> bool:

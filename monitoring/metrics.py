@@ -267,6 +267,13 @@ class BrokerMetrics:
             topic,
             registry=registry,
         )
+        self.lost_offsets = Counter(
+            "conveyor_log_lost_offsets",
+            "Offsets missing when the log opened although a group committed past them or an index named them: "
+            "confirmed data lost; skipped, never reused",
+            topic,
+            registry=registry,
+        )
         self.dispatch_errors = Counter(
             "conveyor_dispatch_errors",
             "Dispatches to a group that failed (a read error, by error name); the group pauses and retries",

@@ -51,6 +51,7 @@ BROKER: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "router_send_errors": ("conveyor_router_send_errors", "counter", ("error",)),
     "truncated_bytes": ("conveyor_log_truncated_bytes", "counter", TOPIC),
     "quarantined_segments": ("conveyor_log_quarantined_segments", "counter", TOPIC),
+    "lost_offsets": ("conveyor_log_lost_offsets", "counter", TOPIC),
     "dispatch_errors": ("conveyor_dispatch_errors", "counter", (*GROUP, "error")),
     "publish_seconds": ("conveyor_publish_duration_seconds", "histogram", ()),
     "fsync_seconds": ("conveyor_fsync_duration_seconds", "histogram", ()),
@@ -357,7 +358,14 @@ def test_broker_health_turns_unhealthy_when_the_loop_is_stuck(broker: Broker, se
     status, body = http_get(f"{url}/healthz")
     report = json.loads(body)
     assert (status, report["status"]) == (200, "HEALTHY"), report
-    assert set(report["checks"]) == {"storage", "disk_space", "fsync_latency", "event_loop", "internal_errors"}
+    assert set(report["checks"]) == {
+        "storage",
+        "disk_space",
+        "fsync_latency",
+        "event_loop",
+        "internal_errors",
+        "lost_data",
+    }
     # When the loop has not passed for much longer than the heartbeat
     now = broker.clock()
     broker.clock = lambda: now + 60

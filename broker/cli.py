@@ -13,6 +13,7 @@ import argparse
 import contextlib
 import json
 import logging
+import math
 import os
 import sys
 from collections.abc import Callable, Sequence
@@ -182,6 +183,7 @@ def cmd_tail(args: argparse.Namespace) -> int:
     from broker.client import Admin
 
     opts = client_options(args, "tail")
+    _check_tail_limits(args)
     printed = 0
     with Admin(opts["broker"]) as admin:
         offset = _start_offset(admin, args.topic, args.start, wait=args.wait)
@@ -206,6 +208,16 @@ def cmd_tail(args: argparse.Namespace) -> int:
             elif args.idle_timeout and time.monotonic() - last_data >= args.idle_timeout:
                 break
     return 0
+
+
+def _check_tail_limits(args: argparse.Namespace) -> None:
+    """``--count -1`` or ``--idle-timeout nan`` would follow forever where the user asked for a bound."""
+    if args.count < 0:
+        raise ConfigError(f"--count takes 0 (follow forever) or a number of messages, not {args.count}")
+    if not math.isfinite(args.idle_timeout) or args.idle_timeout < 0:
+        raise ConfigError(
+            f"--idle-timeout takes 0 (wait forever) or a finite number of seconds, not {args.idle_timeout}"
+        )
 
 
 def _overtaken(topic: str, offset: int, start: int) -> int:
@@ -255,11 +267,15 @@ def _checked_offset(topic: str, offset: int, first: int, end: int, wait: bool) -
 
 def _timestamp_ms(text: str, option: str) -> int:
     try:
-        return int(datetime.fromisoformat(text).timestamp() * 1000)
+        when = datetime.fromisoformat(text)
     except ValueError:
         raise ConfigError(
             f"{option} takes earliest, latest, an offset or an ISO time (2026-11-26T10:00:00), not {text!r}"
         ) from None
+    try:
+        return int(when.timestamp() * 1000)
+    except (ValueError, OverflowError, OSError) as exc:  # year 1 in a zone east of UTC, year 9999 west of it
+        raise ConfigError(f"{option} {text}: the time is out of range ({exc})") from None
 
 
 def _offset_for_time(admin: Any, topic: str, ts_ms: int, info: dict[str, Any]) -> int:

@@ -22,6 +22,7 @@ import math
 import os
 import re
 import shlex
+import sys
 import tomllib
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -222,6 +223,8 @@ def resolve(args: argparse.Namespace, options: Sequence[Option], command: str) -
     problems: list[str] = []
     config = ConfigFile.load(args.config, command, problems) if getattr(args, "config", None) else None
     problems += _unknown_command_variables(options, command)
+    for warning in _unknown_shared_variables(options, command):
+        print(f"conveyor {command}: warning: {warning}", file=sys.stderr, flush=True)
     values: dict[str, Any] = {}
     for opt in options:
         found = False
@@ -270,6 +273,43 @@ def _unknown_command_variables(options: Sequence[Option], command: str) -> list[
             hint = f" (did you mean {close[0]}?)" if close else ""
             problems.append(f"{name}: conveyor {command} has no such option{hint}")
     return problems
+
+
+# Variables Conveyor reads that are not options: the client's address and keys, the Spark session's
+# cache, the test and soak harnesses, the fault-injecting file layer.
+OTHER_VARIABLES = frozenset(
+    {
+        BROKER_ENV,
+        "CONVEYOR_CONFIG",
+        "CONVEYOR_CURVE_KEY",
+        "CONVEYOR_CURVE_SERVER_KEY",
+        "CONVEYOR_SPARK_CDS",
+        "CONVEYOR_SPARK_CDS_DIR",
+        "CONVEYOR_SOAK_SECONDS",
+        "CONVEYOR_FAULT_REPORT",
+        "CONVEYOR_FSIO_JOURNAL",
+        "CONVEYOR_FSIO_FAULTS",
+        "CONVEYOR_FSIO_CONTROL",
+    }
+)
+OTHER_PREFIXES = ("CONVEYOR_TEST_",)  # the test suite's handler apps
+
+
+def _unknown_shared_variables(options: Sequence[Option], command: str) -> list[str]:
+    """``CONVEYOR_X`` that no command reads: a warning, not an error, as other tools may share the prefix.
+
+    ``CONVEYOR_METRCS_PORT=5`` would otherwise be ignored without a word.
+    """
+    tables = {**COMMAND_OPTIONS, command: options}
+    known = set(OTHER_VARIABLES) | {opt.env for opts in tables.values() for opt in opts}
+    prefixes = (*OTHER_PREFIXES, *(f"CONVEYOR_{name.upper()}_" for name in tables))
+    warnings = []
+    for name in sorted(os.environ):
+        if name.startswith("CONVEYOR_") and name not in known and not name.startswith(prefixes):
+            close = difflib.get_close_matches(name[9:], [k[9:] for k in known], n=1, cutoff=0.75)
+            hint = f"did you mean CONVEYOR_{close[0]}?" if close else "no Conveyor command reads it"
+            warnings.append(f"{name} is ignored ({hint})")
+    return warnings
 
 
 @dataclass

@@ -26,6 +26,7 @@ against the expected next offset instead.
 
 from __future__ import annotations
 
+import re
 import struct
 import zlib
 from dataclasses import dataclass
@@ -34,7 +35,7 @@ from typing import Any
 
 import msgpack
 
-from broker.errors import InvalidRequest, MalformedFrame, SegmentCorrupt
+from broker.errors import BatchTooLarge, ConveyorError, InvalidRequest, MalformedFrame, SegmentCorrupt
 
 MAGIC = 1
 HEADER = struct.Struct(">QIBBHIIqqiI")
@@ -172,12 +173,38 @@ def validate_body(body: bytes, *, max_message_bytes: int, max_records: int = 1_0
         raise InvalidRequest(f"a record holds a string that is not valid UTF-8 ({exc.reason})") from None
     except TypeError:  # a map or an array as a map key: unhashable
         raise InvalidRequest("a record holds a map with a map as a key") from None
-    except (ValueError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError) as exc:
+    except msgpack.StackError:  # its message is empty
+        raise MalformedFrame(
+            "batch body is nested deeper than msgpack decodes (a record holds arrays or maps within "
+            "each other too many levels deep)"
+        ) from None
+    except ValueError as exc:
+        raise _declared_too_many(exc, max_records) from None
+    except (msgpack.ExtraData, msgpack.FormatError) as exc:
         raise MalformedFrame(f"batch body is not one msgpack value: {exc}") from None
     if not isinstance(records, tuple) or not records:
         raise InvalidRequest("batch body must be a non-empty msgpack array of records")
     _check_records(records)
     return len(records)
+
+
+def _declared_too_many(exc: ValueError, max_records: int) -> ConveyorError:
+    """An array or map that declares more items than a batch may hold, named by its count, not by bytes."""
+    declared = re.fullmatch(r"(\d+) exceeds max_(array|map)_len\((\d+)\)", str(exc))
+    if declared and declared.group(2) == "array":
+        return BatchTooLarge(
+            f"the batch body declares an array of {declared.group(1)} items; a batch holds at most "
+            f"{max_records} records",
+            count=int(declared.group(1)),
+            limit=max_records,
+        )
+    if declared:
+        return MalformedFrame(
+            f"batch body declares a map of {declared.group(1)} entries; at most {max_records}",
+            count=int(declared.group(1)),
+            limit=max_records,
+        )
+    return MalformedFrame(f"batch body is not one msgpack value: {exc}")
 
 
 _TUPLE, _THREE = {tuple}, {3}

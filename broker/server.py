@@ -231,6 +231,8 @@ class Broker:
         if values["dead_letter_topic"]:
             try:
                 check_name(values["dead_letter_topic"])
+                if values["dead_letter_topic"] == topic:
+                    raise InvalidName("it is the group's own topic: dead letters would loop back to the group")
             except InvalidName as exc:
                 log.error("group %s/%s: stored dead_letter_topic refused (%s); using %s.dlq", topic, name, exc, topic)
                 values["dead_letter_topic"] = ""
@@ -677,6 +679,12 @@ class Broker:
         known = self.peers[peer]
         if sub_id in known.members:  # before anything changes: a refused SUBSCRIBE sets nothing
             raise InvalidRequest(f"subscription {sub_id} already exists on this connection", field="sub")
+        if hfield(frame, "dead_letter_topic", str, "") == topic:
+            raise InvalidRequest(
+                f"dead_letter_topic {topic} is the subscribed topic itself: a dead letter would be delivered "
+                "to the group again, and again (name another topic, or leave it out for <topic>.dlq)",
+                field="dead_letter_topic",
+            )
         if (topic, name) not in self.groups:
             self.check_group_room(topic, name)  # before the topic is made for it
         if topic not in self.store.logs:

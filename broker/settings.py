@@ -87,6 +87,11 @@ class BrokerSettings:
                 object.__setattr__(self, opt.dest, checked)
         if not problems and self.default_credit > self.max_credit:
             problems.append(f"default_credit {self.default_credit} is above max_credit {self.max_credit}")
+        if not problems and self.mirror.strip(", ") and not (self.upstream or self.registry):
+            problems.append(
+                f"--mirror {self.mirror!r} needs a parent to mirror from: give --upstream tcp://HOST:PORT "
+                "(or --registry); without one nothing would be mirrored"
+            )
         if problems:
             raise ConfigError("\n".join(problems), problems=problems)
 

@@ -38,7 +38,7 @@ from broker.iohealth import IoHealth
 from broker.memlog import MemoryLog
 from broker.names import NAME_RE
 from broker.storage import FsyncPolicy, StoredSettingError, TopicConfig, TopicLog
-from broker.topic_settings import FIXED_AT_CREATION, STORAGES
+from broker.topic_settings import FIXED_AT_CREATION, STORAGES, TOPIC_SETTINGS
 
 TOPIC_FILE = "topic.json"
 DELETED_MARK = "~deleted"  # a topic directory being deleted: '~' is not allowed in topic names
@@ -361,16 +361,14 @@ class Store:
     @staticmethod
     def _log_refused(topic: str, path: Path, error: StoredSettingError) -> None:
         log.error(
-            "topic %s: stored setting %s = %s in %s is refused (%s); using %r instead "
-            "(fix it with: conveyor topics alter %s --set %s=VALUE)",
+            "topic %s: stored setting %s = %s in %s is refused (%s); using %r instead (%s)",
             topic,
             error.setting,
             _short(error.stored),
             path,
             error.error,
             error.used,
-            topic,
-            error.setting,
+            _fix_hint(topic, path, error.setting),
         )
 
     def _read_groups(self, topic: str, path: Path) -> dict[str, dict[str, Any]]:
@@ -804,6 +802,15 @@ def _unsettled_problem(rows: list[Any]) -> str:
 def _json_kind(value: Any) -> str:
     kinds = {dict: "an object", list: "an array", str: "a string", bool: "a boolean", int: "an integer"}
     return kinds.get(type(value), "a number" if isinstance(value, float) else "null")
+
+
+def _fix_hint(topic: str, path: Path, setting: str) -> str:
+    """How to fix a refused stored setting, naming only a command that accepts it."""
+    if setting in TOPIC_SETTINGS and setting not in FIXED_AT_CREATION:
+        return f"fix it with: conveyor topics alter {topic} --set {setting}=VALUE"
+    if setting in TOPIC_SETTINGS:
+        return f"{setting} is fixed at creation: correct it in {path} while the broker is stopped"
+    return f"{setting} is not a setting `topics alter` changes: remove it from {path} while the broker is stopped"
 
 
 def _short(value: Any) -> str:

@@ -63,15 +63,28 @@ def boolean(value: Any) -> bool:
             return True
         if lowered in FALSE_WORDS:
             return False
-    raise ValueError(f"must be true or false (or yes/no, on/off, 1/0), not {_show(value)}")
+    if isinstance(value, str):
+        raise ValueError(f"must be true or false (or yes/no, on/off, 1/0), not {_show(value)}")
+    # The words are for text (a flag, a variable, --set); a number in JSON or TOML is not a boolean.
+    what = "the number " if isinstance(value, int | float) else ""
+    raise ValueError(f"must be true or false (a boolean), not {what}{_show(value)}")
 
 
 def or_unlimited(parse: Any) -> Any:
-    """``parse``, with ``unlimited`` (and -1) meaning no limit, stored as -1."""
+    """``parse``, with ``unlimited`` (and the bare -1) meaning no limit, stored as -1.
+
+    Only those two forms: ``-1ms``, ``-1B`` or ``-0.001s`` would become -1 by
+    arithmetic, and a typo must not turn retention off.
+    """
 
     def parse_limit(value: Any) -> int:
         if isinstance(value, str) and value.strip().lower() == UNLIMITED:
             return -1
+        if isinstance(value, str) and value.strip() not in ("-1", "") and value.strip().startswith("-"):
+            parsed = int(parse(value))  # a unit, or a fraction: refused by ``parse`` with its reason
+            if parsed == -1:  # "-1.0", "- 1": only the bare -1 means no limit
+                raise ValueError(f"{value!r}: write the bare -1 or {UNLIMITED} for no limit")
+            return parsed
         return int(parse(value))
 
     parse_limit.__doc__ = f"{parse.__doc__} Or ``unlimited`` (-1)."
@@ -88,6 +101,11 @@ def _with_unit(value: Any, units: dict[str, int], what: str, hint: Any) -> int:
             ) from None
     match = _FORM.fullmatch(value)
     unit = match.group(2).lower() if match else ""
+    if match and unit and match.group(1).startswith("-"):
+        raise ValueError(
+            f"{value!r} is negative: {what} with a unit cannot be below 0 "
+            f"(where a setting allows no limit, write the bare -1 or {UNLIMITED})"
+        )
     if match and (not unit or unit in units):
         number = Fraction(match.group(1)) * units.get(unit, 1)
         if number.denominator == 1:

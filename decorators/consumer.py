@@ -94,6 +94,16 @@ def _check_options(c: Consumer) -> None:
         raise TypeError(f"ack_timeout_ms must be at most {2**31 - 1}, not {c.ack_timeout_ms}")
     if c.retry is not None and not isinstance(c.retry, RetryPolicy):
         raise TypeError("retry takes a RetryPolicy (use @retry_policy)")
+    check_dead_letter(c)
+
+
+def check_dead_letter(c: Consumer) -> None:
+    """A dead-letter topic that is the consumer's own topic would deliver each dead letter to it again."""
+    if c.retry is not None and c.retry.dead_letter == c.topic:
+        raise TypeError(
+            f"dead_letter={c.topic!r} is the consumer's own topic: dead letters would loop back to it "
+            "(name another topic, or leave it out for <topic>.dlq)"
+        )
 
 
 DEFAULT_RETRY = RetryPolicy()

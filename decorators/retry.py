@@ -9,6 +9,7 @@ a TERM into the dead-letter topic. Nothing sleeps while holding a lease.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -22,6 +23,8 @@ F = TypeVar("F")
 # The broker's bound for a policy whose stop counts no attempts (stop_after_delay, stop_never, a
 # function): the policy decides, and the bound only ends a message that kills every runner it meets.
 UNBOUNDED_DELIVERIES = 1_000_000
+# The wire's bound for a group's max_deliveries (a signed 32-bit count): the most attempts a policy may ask for.
+MAX_ATTEMPTS = 2**31 - 1
 
 
 def default_retriable(exc: BaseException) -> bool:
@@ -55,12 +58,12 @@ class RetryPolicy:
     def __post_init__(self) -> None:
         if self.backoff not in BACKOFFS:
             raise TypeError(f"backoff must be one of {', '.join(BACKOFFS)}, not {self.backoff!r}")
-        if not _is_int(self.max_attempts) or self.max_attempts < 1:
-            raise TypeError(f"max_attempts must be an int of at least 1, not {self.max_attempts!r}")
+        if not _is_int(self.max_attempts) or not 1 <= self.max_attempts <= MAX_ATTEMPTS:
+            raise TypeError(f"max_attempts must be an int from 1 to {MAX_ATTEMPTS}, not {self.max_attempts!r}")
         for name in ("initial_delay", "max_delay", "multiplier", "jitter"):
             value = getattr(self, name)
-            if not _is_number(value) or value < 0:
-                raise TypeError(f"{name} must be a number of at least 0, not {value!r}")
+            if not _is_number(value) or not math.isfinite(value) or value < 0:
+                raise TypeError(f"{name} must be a finite number of at least 0, not {value!r}")
         if self.multiplier < 1:
             raise TypeError(f"multiplier must be at least 1 (a backoff that shrinks), not {self.multiplier!r}")
         if self.max_delay < self.initial_delay:
@@ -69,6 +72,8 @@ class RetryPolicy:
             value = getattr(self, name)
             if value is not None and not callable(value):
                 raise TypeError(f"{name} takes a tenacity strategy (a callable), not {value!r}")
+            if value is not None:
+                _check_strategy(name, value)
         if not (self.dead_letter is None or isinstance(self.dead_letter, bool | str)):
             raise TypeError(f"dead_letter takes a topic name, True or False, not {self.dead_letter!r}")
         self.retry_on = _types(self.retry_on, "retry_on")
@@ -156,6 +161,27 @@ def attempt_limit(stop: Any) -> int | None:
     return None
 
 
+def _check_strategy(name: str, strategy: Any) -> None:
+    """A tenacity strategy's numbers: finite, and every ``stop_after_attempt(n)`` within ``MAX_ATTEMPTS``.
+
+    Found here, at declaration, rather than as an ``INVALID_REQUEST`` when the runner
+    subscribes, or as a wait of nan seconds (taken as 0) at the first failure.
+    """
+    if isinstance(strategy, tenacity.stop_after_attempt):
+        count = strategy.max_attempt_number
+        if not _is_int(count) or not 1 <= count <= MAX_ATTEMPTS:
+            raise TypeError(f"stop_after_attempt takes an int from 1 to {MAX_ATTEMPTS}, not {count!r}")
+        return
+    if not type(strategy).__module__.startswith("tenacity"):
+        return  # the user's own function: what it returns is checked when it runs
+    for field_name, value in getattr(strategy, "__dict__", {}).items():
+        if isinstance(value, tuple | list):
+            for inner in value:
+                _check_strategy(name, inner)
+        elif _is_number(value) and not math.isfinite(value):
+            raise TypeError(f"{name}={type(strategy).__name__}(...) takes finite numbers, not {field_name}={value!r}")
+
+
 def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
@@ -208,10 +234,11 @@ def retry_policy(**options: Any) -> Callable[[F], F]:
     policy = RetryPolicy(**options)
 
     def attach(target: F) -> F:
-        from decorators.consumer import Consumer
+        from decorators.consumer import Consumer, check_dead_letter
 
         if isinstance(target, Consumer):
             target.retry = policy
+            check_dead_letter(target)
         elif callable(target):
             setattr(target, RETRY_ATTR, policy)
         else:

@@ -188,6 +188,7 @@ def test_a_good_configuration_from_every_source_starts_the_broker(tmp_path):
         tmp_path,
         'log_level = "warning"\n[client]\nbroker = "tcp://127.0.0.1:5555"\n'
         '[broker]\nheartbeat_ms = 500\nretention_ms = "7d"\nauto_create_topics = false\nmirror = ["a*", "b*"]\n'
+        'upstream = "tcp://127.0.0.1:1"\n'
         "[run]\nconcurrency = 2\n",
     )
     data = tmp_path / "data"

@@ -48,11 +48,37 @@ def test_impossible_consumer_options_are_refused_when_declared(options):
         {"backoff": "fixed", "wait": tenacity.wait_fixed(1)},
         {"stop": 3},
         {"dead_letter": 7},
+        # Past the wire's max_deliveries (a signed 32-bit count): refused here, not at SUBSCRIBE.
+        {"max_attempts": 2**31},
+        {"stop": tenacity.stop_after_attempt(2**40)},
+        {"stop": tenacity.stop_after_attempt(0)},
+        {"stop": tenacity.stop_after_attempt(3) | tenacity.stop_after_attempt(2**31)},
+        # nan and inf delays: nan compared as neither small nor large and was taken as 0.
+        {"initial_delay": float("nan")},
+        {"max_delay": float("inf")},
+        {"multiplier": float("nan")},
+        {"jitter": float("inf")},
+        {"stop": tenacity.stop_after_delay(float("nan"))},
+        {"wait": tenacity.wait_fixed(float("inf"))},
+        {"wait": tenacity.wait_fixed(1) + tenacity.wait_random(0, float("nan"))},
     ],
 )
 def test_impossible_retry_settings_are_refused_when_declared(options):
     with pytest.raises(TypeError):
         retry_policy(**options)
+
+
+def test_the_largest_counts_the_wire_carries_are_accepted():
+    assert RetryPolicy(max_attempts=2**31 - 1).attempts_limit == 2**31 - 1
+    assert RetryPolicy(stop=tenacity.stop_after_attempt(2**31 - 1)).attempts_limit == 2**31 - 1
+
+
+def test_dead_lettering_into_the_consumers_own_topic_is_refused_either_way_round():
+    with pytest.raises(TypeError, match="own topic"):
+        consumer("orders")(retry_policy(dead_letter="orders")(handler))
+    with pytest.raises(TypeError, match="own topic"):
+        retry_policy(dead_letter="orders")(consumer("orders")(handler))
+    consumer("orders")(retry_policy(dead_letter="orders.failed")(handler))
 
 
 @pytest.mark.parametrize(

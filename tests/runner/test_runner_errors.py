@@ -65,6 +65,30 @@ def test_a_missing_dependency_of_the_module_is_not_called_a_missing_module(tmp_p
     assert f'File "{tmp_path / "app" / "deps.py"}", line 1' in result.stderr, result.stderr
 
 
+def test_a_retry_count_the_wire_cannot_carry_stops_the_runner_at_import(conveyor_broker, tmp_path):
+    """Refused where it is written, not later as an INVALID_REQUEST to the SUBSCRIBE."""
+    write_app(
+        tmp_path,
+        "counts",
+        """\
+        import tenacity
+        from decorators import consumer, retry_policy
+
+        @consumer("counts", group="g")
+        @retry_policy(stop=tenacity.stop_after_attempt(2**40))
+        def handle(message):
+            pass
+        """,
+    )
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    cmd = [sys.executable, "-m", "consumers", "app.counts", "--metrics-port", "-1", "--broker", conveyor_broker.address]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=60, cwd=tmp_path, env=env)
+    assert result.returncode == 2, result
+    assert "stop_after_attempt takes an int from 1 to 2147483647, not 1099511627776" in result.stderr, result.stderr
+    assert f'File "{tmp_path / "app" / "counts.py"}", line 5' in result.stderr, result.stderr
+    assert "INVALID_REQUEST" not in result.stderr, result.stderr
+
+
 def test_a_file_path_gets_the_dotted_name(tmp_path):
     write_app(tmp_path, "handlers", "raise SystemExit('a path must not be imported')\n")
     for spec, dotted in (

@@ -121,6 +121,26 @@ def test_sigterm_gives_back_parked_messages_without_counting_them(conveyor_broke
         second.kill()
 
 
+def test_kill_9_counts_parked_messages_once_as_the_readme_says(conveyor_broker, tmp_path):
+    """The one case where waiting counts: a dead runner's parked messages come back with attempt 2, in order.
+
+    The README once said parked messages never count "through runner crashes";
+    the broker cannot know which of a dead runner's messages ran (docs/reliability.md).
+    """
+    env = {"CONVEYOR_TEST_RETRY_DELAY": "3"}
+    first = runner(conveyor_broker.address, tmp_path / "first", "keyed_killed", env)
+    publish(conveyor_broker.address, "kk", list(range(10)), ["k0"] * 10)
+    assert wait_for(lambda: len(records(tmp_path / "first", "kk-call")) >= 1, 30)
+    first.kill()  # k0's head waits for its retry in the broker, 1..9 are parked in the runner
+    assert records(tmp_path / "first", "kk-done") == []
+    second = runner(conveyor_broker.address, tmp_path / "second", "keyed_killed", env)
+    try:
+        done = wait_records(tmp_path / "second", "kk-done", 10, timeout=60)
+        assert [(int(r[2]), int(r[3])) for r in done] == [(i, 2) for i in range(10)]
+    finally:
+        second.kill()
+
+
 def test_batch_and_async_handlers_keep_key_order_through_retries(conveyor_broker, tmp_path):
     proc = runner(conveyor_broker.address, tmp_path, "keyed_batch")
     other = runner(conveyor_broker.address, tmp_path, "keyed_async")

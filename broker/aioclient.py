@@ -21,7 +21,7 @@ import zmq
 import zmq.asyncio
 
 from broker.codec import make_record
-from broker.config import broker_address, check_address
+from broker.config import broker_address, check_address, check_producer_options
 from broker.errors import ConveyorError, RequestTimeout, buffer_full, delivery_timed_out
 from broker.protocol import Command, decode, encode, error_from_header
 from broker.record import pack_records
@@ -65,6 +65,16 @@ class AsyncProducer:
         eager: bool = False,
         retry_wait: Any = None,
     ) -> None:
+        check_producer_options(
+            linger_ms=linger_ms,
+            batch_size=batch_size,
+            max_batch_bytes=max_batch_bytes,
+            request_timeout_ms=request_timeout_ms,
+            delivery_timeout_ms=delivery_timeout_ms,
+            buffer_memory=buffer_memory,
+            max_block_ms=max_block_ms,
+            close_timeout_ms=close_timeout_ms,
+        )
         self.address = broker_address(address)
         self.close_timeout = close_timeout_ms / 1000
         self._last_settled = time.monotonic()

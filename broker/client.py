@@ -48,7 +48,7 @@ import zmq
 
 from broker.aioclient import AsyncProducer
 from broker.codec import make_record
-from broker.config import DEFAULT_BROKER, broker_address, check_address
+from broker.config import DEFAULT_BROKER, broker_address, check_address, check_producer_options
 from broker.errors import BrokerUnavailable, ConveyorError, RequestTimeout, buffer_full, delivery_timed_out
 from broker.futures import BatchState, batch_futures, new_future
 from broker.protocol import Command, decode, encode, error_from_header
@@ -202,6 +202,17 @@ class Producer:
         retry_wait: Any = None,
         context: zmq.Context[Any] | None = None,
     ) -> None:
+        check_producer_options(
+            linger_ms=linger_ms,
+            batch_size=batch_size,
+            max_batch_bytes=max_batch_bytes,
+            max_in_flight=max_in_flight,
+            request_timeout_ms=request_timeout_ms,
+            delivery_timeout_ms=delivery_timeout_ms,
+            buffer_memory=buffer_memory,
+            max_block_ms=max_block_ms,
+            close_timeout_ms=close_timeout_ms,
+        )
         self.address = broker_address(address)
         self.close_timeout = close_timeout_ms / 1000
         self.eager = eager

@@ -116,7 +116,7 @@ def handle_outcome(
         report.ok += len(offsets)
         return
     if isinstance(exc, Nack):
-        report.retried += [(o, int(exc.delay * 1000), exc.reason) for o in offsets]
+        report.retried += [(o, _delay_ms(exc.delay), exc.reason) for o in offsets]
         if _comes_again(consumer):
             gate.block(messages)
         return
@@ -127,7 +127,7 @@ def handle_outcome(
     first = min((m.first_delivered for m in messages if m.first_delivered), default=None)
     decision = consumer.policy.decide(exc, attempt, first_delivered=first)
     if decision.retry:
-        delay = int(decision.delay * 1000)
+        delay = _delay_ms(decision.delay)
         report.retried += [(o, delay, decision.reason) for o in offsets]
         if _comes_again(consumer):
             gate.block(messages)
@@ -357,3 +357,13 @@ def split(consumer: Consumer, messages: list[Message], lanes: int) -> list[list[
 
 
 __all__ = ["AsyncLane", "KeyGate", "Report", "ThreadLane", "describe", "split"]
+
+
+def _delay_ms(seconds: float) -> int:
+    """A retry delay as the wire's milliseconds: a ``wait=`` of the user's may return nan or inf."""
+    if not seconds < MAX_DELAY_MS / 1000:  # inf, or nan: not retried at once by accident of a cast
+        return MAX_DELAY_MS if seconds == seconds else 0
+    return max(0, int(seconds * 1000))
+
+
+MAX_DELAY_MS = 2**63 - 1  # the wire's signed 64-bit delay_ms

@@ -20,7 +20,8 @@ import pytest
 import zmq
 from broker_helpers import config_errors, conveyor_cli
 
-from broker.client import Admin
+from broker.aioclient import AsyncProducer
+from broker.client import Admin, Producer
 from broker.errors import ConfigError
 from broker.protocol import SIGNATURE, Command, decode
 from consumers.testing import BrokerProcess, wait_for
@@ -202,3 +203,21 @@ def test_a_stored_dead_letter_topic_equal_to_its_topic_is_replaced(conveyor_brok
     with Admin(broker.address) as admin:
         assert admin.describe_group("own", "g")["settings"]["dead_letter_topic"] == ""
     assert wait_for(lambda: "stored dead_letter_topic refused" in "".join(broker.output), 30)
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"linger_ms": float("nan")},
+        {"request_timeout_ms": float("inf")},
+        {"max_block_ms": -1},
+        {"close_timeout_ms": True},
+        {"max_in_flight": 0},
+        {"batch_size": 2.5},
+    ],
+)
+def test_a_producer_refuses_times_and_counts_that_are_no_bound(options):
+    for producer_class in (Producer, AsyncProducer) if "max_in_flight" not in options else (Producer,):
+        with pytest.raises(ConfigError) as caught:
+            producer_class("tcp://127.0.0.1:1", **options)
+        assert next(iter(options)) in caught.value.message, caught.value.message

@@ -7,6 +7,8 @@ import time
 import pytest
 import tenacity
 
+from consumers import Nack
+from consumers.lanes import _delay_ms
 from decorators import consumer, retry_policy
 from decorators.retry import UNBOUNDED_DELIVERIES, RetryPolicy
 
@@ -109,3 +111,14 @@ def test_stop_after_delay_measures_from_the_first_delivery():
     policy = RetryPolicy(stop=tenacity.stop_after_delay(5), wait=tenacity.wait_fixed(0))
     assert policy.decide(RuntimeError("x"), 2, first_delivered=time.time() - 1).retry
     assert not policy.decide(RuntimeError("x"), 2, first_delivered=time.time() - 6).retry
+
+
+@pytest.mark.parametrize("delay", [float("nan"), float("inf"), -1, True, "1"])
+def test_a_nack_delay_that_is_no_duration_is_refused_where_it_is_raised(delay):
+    with pytest.raises(TypeError, match="Nack delay"):
+        Nack(delay=delay)
+
+
+def test_a_wait_of_the_users_that_returns_nan_or_inf_never_breaks_the_runner():
+    assert (_delay_ms(float("inf")), _delay_ms(1e300), _delay_ms(float("nan"))) == (2**63 - 1, 2**63 - 1, 0)
+    assert (_delay_ms(1.5), _delay_ms(-3)) == (1500, 0)

@@ -158,8 +158,11 @@ def _decode_header(frame: bytes | memoryview) -> dict[str, Any]:
         raise MalformedFrame(f"header larger than {MAX_HEADER_BYTES} bytes", limit=MAX_HEADER_BYTES)
     try:
         header = msgpack.unpackb(frame, raw=False, strict_map_key=True, max_array_len=65536)
+    except msgpack.StackError:  # its message is empty
+        raise MalformedFrame("header is nested deeper than msgpack decodes") from None
     except Exception as exc:  # msgpack raises several unrelated types on bad input
-        raise MalformedFrame(f"header is not valid msgpack: {type(exc).__name__}") from None
+        reason = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+        raise MalformedFrame(f"header is not valid msgpack: {reason[:200]}") from None
     if not isinstance(header, dict):
         raise MalformedFrame("header must be a msgpack map")
     return header

@@ -180,6 +180,14 @@ def test_a_body_declaring_too_many_records_or_too_deep_says_so(broker, dealer, b
     assert broker.proc is not None and broker.proc.poll() is None
 
 
+def test_a_header_nested_too_deep_says_so(broker, dealer):
+    dealer.send_multipart([SIGNATURE, bytes([Command.HELLO]), b"\x91" * 5000 + b"\xc0"])
+    assert dealer.poll(30_000), "no answer in 30 s"
+    reply = decode(dealer.recv_multipart())
+    assert (reply.command, reply.get("code")) == (Command.ERROR, MALFORMED_FRAME), reply.header
+    assert "nested deeper" in reply.get("message", ""), reply.header
+
+
 def test_a_subscribe_that_dead_letters_into_its_own_topic_is_refused(broker, dealer):
     header = {"rid": 2, "sub": 1, "topic": "loop", "group": "g", "credit": 10, "dead_letter_topic": "loop"}
     reply = request(dealer, Command.SUBSCRIBE, header)

@@ -36,6 +36,7 @@ from broker.errors import (
     OffsetOutOfRange,
 )
 from broker.protocol import Command, Frame, decode, encode, error_from_header
+from broker.security import HandshakeWatch, secure_client
 
 __all__ = [
     "ARROW_SCHEMA",
@@ -116,15 +117,21 @@ class Connection:
         self._ctx = context or zmq.Context.instance()
         self._rids = itertools.count(1)
         self.reconnects = 0
+        self.watch: HandshakeWatch | None = None
         self.sock = self._open()
 
     def _open(self) -> zmq.Socket[Any]:
+        """A DEALER with the process's CURVE keys, if any; its handshakes are watched (``AUTH_FAILED``)."""
         sock = self._ctx.socket(zmq.DEALER)
+        secure_client(sock)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.RCVHWM, 1000)
         sock.setsockopt(zmq.SNDHWM, 1000)
         if not self.auto_reconnect:
             sock.setsockopt(zmq.RECONNECT_IVL, -1)
+        if self.watch is not None:
+            self.watch.close()
+        self.watch = HandshakeWatch(sock, self.address)
         sock.connect(check_address(self.address))
         return sock
 
@@ -141,10 +148,22 @@ class Connection:
         return rid
 
     def receive(self, timeout: float) -> Frame | None:
-        """The next reply of any request, or None after ``timeout`` seconds."""
-        if not self.sock.poll(max(1, int(timeout * 1000))):
+        """The next reply of any request, or None after ``timeout`` seconds; ``AUTH_FAILED`` if the broker refused."""
+        assert self.watch is not None
+        deadline = time.monotonic() + timeout
+        while True:
+            poller = zmq.Poller()
+            poller.register(self.sock, zmq.POLLIN)
+            poller.register(self.watch.socket, zmq.POLLIN)
+            events = dict(poller.poll(max(1, int((deadline - time.monotonic()) * 1000))))
+            if self.sock in events:
+                return decode(self.sock.recv_multipart())
+            if self.watch.socket in events:
+                refused = self.watch.read()
+                if refused is not None:
+                    raise refused
+                continue
             return None
-        return decode(self.sock.recv_multipart())
 
     def wait_for(self, rid: int, timeout: float | None = None) -> Frame:
         """The reply to ``rid``; raises the broker's error, or ``BrokerUnavailable``."""
@@ -166,6 +185,8 @@ class Connection:
         return self.request(Command.ADMIN, {"op": op, **args}).get("result")
 
     def close(self) -> None:
+        if self.watch is not None:
+            self.watch.close()
         self.sock.close(linger=0)
 
     def __enter__(self) -> Connection:

@@ -260,3 +260,14 @@ def test_a_broker_restart_is_not_an_auth_failure(secure_broker, keys, as_client)
                     sub.receive(timeout=0.05)  # raises AUTH_FAILED if a restart looked like a refusal
         finally:
             sub.close()
+
+
+def test_the_spark_connectors_connection_speaks_curve_and_names_a_refusal(secure_broker, keys, as_client):
+    from pipeline.wire import Connection
+
+    as_client(keys / "server" / "broker.key", keys / "clients" / "alice.key_secret")
+    with Connection(secure_broker.address, retry_for=0) as conn:
+        assert isinstance(conn.admin("list_topics"), list)
+    as_client(keys / "server" / "broker.key", keys / "strangers" / "mallory.key_secret")
+    with Connection(secure_broker.address, request_timeout=SLOW / 1000, retry_for=0) as conn, pytest.raises(AuthFailed):
+        conn.admin("list_topics")

@@ -96,6 +96,8 @@ def secure_client(sock: zmq.Socket[Any]) -> None:
 
 def check_server_options(secret_key: str, authorized_keys: str, allow_any_client: bool) -> None:
     """Refuse CURVE settings that would not do what they seem to (a ``CONFIG_ERROR``, exit 2)."""
+    if secret_key:  # the certificate first: a public key given as the secret one is the mistake to name
+        _load_server_certificate(secret_key)
     if not secret_key:
         if authorized_keys or allow_any_client:
             flag = "--curve-authorized-keys" if authorized_keys else "--curve-allow-any-client"
@@ -151,6 +153,16 @@ class _KeyRing:
         return False
 
 
+def _load_server_certificate(secret_key_file: str) -> tuple[bytes, bytes]:
+    try:
+        public, secret = zmq.auth.load_certificate(secret_key_file)
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"cannot read the broker certificate {secret_key_file}: {exc}") from None
+    if not secret:
+        raise ConfigError(f"{secret_key_file} holds no secret key: use the .key_secret file")
+    return public, secret
+
+
 class ServerSecurity:
     """The broker side: its certificate on the socket, ZAP checking client keys, refusals counted and logged."""
 
@@ -165,12 +177,7 @@ class ServerSecurity:
     ) -> None:
         """``failures``: the ``conveyor_auth_failures_total`` counter (labelled by reason)."""
         check_server_options(secret_key_file, authorized_keys, allow_any_client)
-        try:
-            self.public, self.secret = zmq.auth.load_certificate(secret_key_file)
-        except (OSError, ValueError) as exc:
-            raise ConfigError(f"cannot read the broker certificate {secret_key_file}: {exc}") from None
-        if not self.secret:
-            raise ConfigError(f"{secret_key_file} holds no secret key: use the .key_secret file")
+        self.public, self.secret = _load_server_certificate(secret_key_file)
         self.keyring = _KeyRing(set() if allow_any_client else authorized_keys_in(authorized_keys))
         self.authorized_keys = authorized_keys
         self.ctx = ctx

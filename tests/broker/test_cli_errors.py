@@ -11,10 +11,11 @@ import signal
 import socket
 import subprocess
 import sys
-import time
+import threading
 from pathlib import Path
 
 from broker.client import Admin, Producer
+from consumers.testing import wait_for
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -83,13 +84,19 @@ def test_the_runner_is_not_ready_before_the_broker_answers():
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     cmd = [sys.executable, "-m", "consumers", "examples.handlers", "--broker", address, "--metrics-port", "-1"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=REPO)
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(proc.stdout or ()), daemon=True)
+    reader.start()
     try:
-        time.sleep(4.5)  # past one liveness window (3 s): it has tried to reconnect once
+        # Past one liveness window (3 s) it has tried to reconnect once: wait for it to say so, however slow the machine
+        assert wait_for(lambda: any("broker silent; reconnecting" in line for line in lines), timeout=60), lines
         proc.send_signal(signal.SIGTERM)
-        output, _ = proc.communicate(timeout=30)
+        proc.wait(timeout=30)
+        reader.join(10)
     finally:
         if proc.poll() is None:
             proc.kill()
+    output = "".join(lines)
     assert proc.returncode == 0, output
     assert f"connecting to {address}" in output, output
     assert "runner ready" not in output, output

@@ -140,6 +140,13 @@ def test_curve_without_authorized_keys_refuses_to_start(keys, tmp_path):
     assert "CONFIG_ERROR" in output and "--curve-allow-any-client" in output, output
 
 
+def test_a_public_key_given_as_the_secret_key_is_named_first(keys, tmp_path):
+    # The public half passed where the secret one belongs: that is the mistake to name, whatever else is missing
+    code, output = run_broker(tmp_path, "--curve-secret-key", keys / "server" / "broker.key")
+    assert code == 2, output
+    assert "CONFIG_ERROR" in output and "holds no secret key" in output and ".key_secret" in output, output
+
+
 def test_curve_allow_any_client_encrypts_and_lets_any_key_in(keys, tmp_path, as_client):
     extra = ["--curve-secret-key", str(keys / "server" / "broker.key_secret"), "--curve-allow-any-client"]
     with BrokerProcess(tmp_path / "any", extra=extra) as broker:

@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from broker.errors import InvalidRequest, MalformedFrame, SegmentCorrupt
+from broker.errors import BatchTooLarge, InvalidRequest, MalformedFrame, SegmentCorrupt
 from broker.record import (
     HEADER_SIZE,
     NO_PRODUCER,
@@ -168,7 +168,7 @@ def test_validate_body_rejects_a_value_over_max_message_bytes(value):
 def test_validate_body_rejects_more_records_than_max_records():
     body = pack_records([(None, None, b"v")] * 11)
     assert validate_body(body, max_message_bytes=LIMIT, max_records=11) == 11
-    with pytest.raises(MalformedFrame):
+    with pytest.raises(BatchTooLarge, match="11 items"):  # the count it declares, not a malformed frame
         validate_body(body, max_message_bytes=LIMIT, max_records=10)
 
 

@@ -219,10 +219,12 @@ class BoundedHTTPServer(ThreadingHTTPServer):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         self._slots: dict[Any, _Slot] = {}
         self._slots_lock = threading.Lock()
+        self._room: _WaitingRoom | None = None  # a bind that fails calls server_close from inside __init__
         super().__init__(*args, **kwargs)
         self._room = _WaitingRoom(self)
 
     def process_request(self, request: Any, client_address: Any) -> None:
+        assert self._room is not None  # requests come only after __init__
         self._room.add(request, client_address)
 
     def start(self, request: socket.socket, client_address: Any, deadline: float, head: bytes) -> None:
@@ -242,7 +244,8 @@ class BoundedHTTPServer(ThreadingHTTPServer):
         super().process_request(request, client_address)
 
     def server_close(self) -> None:
-        self._room.close()
+        if self._room is not None:
+            self._room.close()
         super().server_close()
 
     def process_request_thread(self, request: Any, client_address: Any) -> None:
@@ -264,8 +267,11 @@ class BoundedHTTPServer(ThreadingHTTPServer):
     @property
     def waiting(self) -> int:
         """Sockets accepted whose request line is not in yet."""
-        with self._room.lock:
-            return len(self._room.waiting)
+        room = self._room
+        if room is None:
+            return 0
+        with room.lock:
+            return len(room.waiting)
 
 
 class BoundedHandler(BaseHTTPRequestHandler):

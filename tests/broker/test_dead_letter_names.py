@@ -120,7 +120,9 @@ def test_a_stored_dead_letter_topic_that_is_no_valid_name_does_not_lock_the_grou
             # Then the broker said what it did and dead-lettered it to the default topic
             with Admin(broker.address) as admin:
                 assert wait_for(lambda: _end(admin, "t.dlq") == 1, timeout=30)
-        assert any("stored dead_letter_topic refused" in line for line in broker.output), broker.output
+        assert wait_for(lambda: any("stored dead_letter_topic refused" in line for line in broker.output), 10), (
+            broker.output
+        )
 
 
 def test_a_dead_letter_that_cannot_be_written_is_counted_kept_and_retried_slowly(tmp_path):

@@ -175,7 +175,7 @@ def test_a_restarted_broker_moves_a_group_below_the_start_on_at_once(broker):
         start = start_of(admin, "boot")
         assert admin.describe_group("boot", "g")["skipped_by_retention"] == start > 0
     assert skipped(broker, "boot", "g") == start
-    assert any("skipped" in line and "retention" in line for line in broker.output)
+    assert wait_for(lambda: any("skipped" in line and "retention" in line for line in broker.output), 10)
 
 
 def test_reset_and_fetch_below_the_start(broker):

@@ -163,7 +163,8 @@ def test_a_batch_corrupted_under_a_running_broker_never_ends_it(brokers):
         assert health["status"] == "DEGRADED"
         recent = health["checks"]["internal_errors"]["recent"]["dispatch"]
         assert "SEGMENT_CORRUPT" in recent["error"] and recent["context"] == "topic=rot group=g offset=20"
-        assert "internal error in dispatch topic=rot group=g offset=20" in "".join(broker.output)
+        # (the output is read by another thread: the line may land a moment after the health check saw it)
+        assert wait_for(lambda: "internal error in dispatch topic=rot group=g offset=20" in "".join(broker.output), 10)
         # And a FETCH of it is answered SEGMENT_CORRUPT, never with its bytes
         with Admin(broker.address) as admin, pytest.raises(SegmentCorrupt):
             admin.fetch("rot", 25, 10)

@@ -120,7 +120,8 @@ def test_with_quarantine_a_corrupt_groups_file_is_moved_aside_and_its_groups_sta
             seen += [m.offset for m in batch]
             sub.ack(batch)
     assert sorted(seen) == list(range(100))
-    assert lines(broker, "offsets file was quarantined and this may be an old group")
+    # (the broker's output is read by another thread: the line may land a moment after the subscribe)
+    assert wait_for(lambda: lines(broker, "offsets file was quarantined and this may be an old group"), 10)
     # And the group's new offsets are written to a new, valid file, kept across a restart
     assert wait_for(lambda: committed_on_disk(broker) == 100)
     broker.restart(kill=True)

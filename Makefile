@@ -35,11 +35,18 @@ deps:
 	@command -v promtool >/dev/null || (apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends prometheus)
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check broker consumers decorators monitoring benchmarks pipeline tests
-	$(VENV)/bin/ruff format --check broker consumers decorators monitoring pipeline tests/spark
+	$(VENV)/bin/ruff check conveyor broker consumers decorators monitoring benchmarks pipeline tests examples
+	$(PY) tests/architecture/layers.py
+	$(VENV)/bin/ruff format --check conveyor broker consumers decorators monitoring pipeline benchmarks tests examples
 
+# mypy reads the package as it installs: .typecheck/conveyor links each folder under its installed name,
+# so `conveyor.broker.x` resolves to broker/x.py and a wrong import of Conveyor's own modules is an error.
+TYPECHECK := .typecheck
 typecheck: $(STAMP)
-	$(VENV)/bin/mypy broker consumers decorators monitoring pipeline
+	@rm -rf $(TYPECHECK) && mkdir -p $(TYPECHECK)/conveyor
+	@for f in conveyor/*; do ln -s $(CURDIR)/$$f $(TYPECHECK)/conveyor/; done
+	@for d in broker consumers decorators monitoring pipeline; do ln -s $(CURDIR)/$$d $(TYPECHECK)/conveyor/$$d; done
+	MYPYPATH=$(TYPECHECK) $(VENV)/bin/mypy -p conveyor
 
 unit: $(STAMP) deps
 	$(PY) -m pytest -q
@@ -52,14 +59,14 @@ soak: $(STAMP)
 
 ## Append/read throughput of the topic log under each fsync policy.
 bench-log: $(STAMP)
-	$(PY) -m benchmarks.log_bench
+	$(PY) -m conveyor.benchmarks.log_bench
 
 ## End to end: broker, 1 producer and 2 consumers as processes; throughput, latency, CPU per process.
 bench-e2e: $(STAMP)
-	$(PY) -m benchmarks.e2e_bench
+	$(PY) -m conveyor.benchmarks.e2e_bench
 
 clean:
-	rm -rf $(VENV) conveyor-data .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) conveyor-data .pytest_cache .mypy_cache .ruff_cache $(TYPECHECK)
 
 ## `conveyor bench` peers: Redis (redis-server + the redis client) always; `bench-peers` adds NATS and RabbitMQ.
 .PHONY: bench-deps bench-peers bench

@@ -9,8 +9,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from broker.cli import command
-from broker.errors import ConfigError
+from conveyor.errors import ConfigError
 
 DEFAULT_CONFIG = Path(__file__).with_name("default.json")
 
@@ -46,12 +45,18 @@ def _setup(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
 
 
-@command("bench", "run benchmark scenarios and write a report", _setup)
-def cmd_bench(args: argparse.Namespace) -> int:
-    from benchmarks.suite.report import render_html
-    from benchmarks.suite.runner import Progress, run_bench
-    from benchmarks.suite.scenario import load_config
-    from benchmarks.suite.summary import markdown_table
+HELP = "run benchmark scenarios and write a report"
+
+
+def setup(parser: argparse.ArgumentParser) -> None:
+    _setup(parser)
+
+
+def run(args: argparse.Namespace) -> int:
+    from conveyor.benchmarks.suite.report import render_html
+    from conveyor.benchmarks.suite.runner import Progress, run_bench
+    from conveyor.benchmarks.suite.scenario import load_config
+    from conveyor.benchmarks.suite.summary import markdown_table
 
     if args.repeat < 1:
         print("conveyor bench: --repeat must be at least 1", file=sys.stderr)

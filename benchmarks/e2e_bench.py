@@ -1,7 +1,7 @@
 """End-to-end throughput and latency: a real broker, one producer, two consumers.
 
-Run with ``python -m benchmarks.e2e_bench``. Every party is its own process,
-as in production: the broker (``python -m broker`` started by
+Run with ``python -m conveyor.benchmarks.e2e_bench``. Every party is its own process,
+as in production: the broker (``python -m conveyor`` started by
 ``consumers.testing.BrokerProcess`` on a free port, in a fresh data
 directory per scenario), one producer process (``broker.client.Producer``)
 and two consumer processes (low-level ``consumers.session.Subscription``,
@@ -51,8 +51,8 @@ from multiprocessing.synchronize import Event
 from pathlib import Path
 from typing import Any
 
-from benchmarks.suite.procstat import cpu_seconds, machine_busy_seconds
-from benchmarks.suite.profile import start_profilers, stop_profilers
+from conveyor.benchmarks.suite.procstat import cpu_seconds, machine_busy_seconds
+from conveyor.benchmarks.suite.profile import start_profilers, stop_profilers
 
 MESSAGE_BYTES = 100
 TOPIC = "e2e"
@@ -178,7 +178,7 @@ def consumer_main(
     results: multiprocessing.Queue[Any],
 ) -> None:
     """Receive and ack until told to stop; report what arrived and when."""
-    from consumers.session import Subscription
+    from conveyor.broker.client.subscription import Subscription
 
     sub = Subscription(TOPIC, GROUP, address=address, credit=credit)
     deadline = time.monotonic() + START_TIMEOUT
@@ -217,7 +217,7 @@ def producer_main(
     scenario: Scenario, address: str, ready: Event, go: Event, results: multiprocessing.Queue[Any]
 ) -> None:
     """Send the scenario's messages, flush, and report the times and the CPU used."""
-    from broker.client import Producer
+    from conveyor.broker.client.producer import Producer
 
     options: dict[str, Any] = {}
     if scenario.linger_ms is not None:
@@ -287,7 +287,7 @@ def paced_send(producer: Any, scenario: Scenario) -> None:
 def run_scenario(
     root: Path, scenario: Scenario, report: Callable[[str], None], profile: Path | None = None, *, gil: bool = False
 ) -> Result:
-    from consumers.testing import BrokerProcess
+    from conveyor.testing import BrokerProcess
 
     ctx: SpawnContext = multiprocessing.get_context("spawn")
     data_dir = Path(tempfile.mkdtemp(prefix=f"{scenario.kind}-{scenario.fsync}-", dir=root))
@@ -568,7 +568,7 @@ def to_json(results: Sequence[Result], checks: Sequence[TargetCheck], settings: 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     doc = __doc__ or ""
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.e2e_bench", description=doc.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m conveyor.benchmarks.e2e_bench", description=doc.splitlines()[0])
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON to PATH")
     parser.add_argument("--quick", action="store_true", help="a smaller, faster run (a smoke test, not a measurement)")
     parser.add_argument(
@@ -611,7 +611,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 
 def plan(args: argparse.Namespace) -> list[Scenario]:
-    from broker.client import Producer
+    from conveyor.broker.client.producer import Producer
 
     messages = args.messages or (50_000 if args.quick else 200_000)
     duration = args.duration or (2.0 if args.quick else 10.0)

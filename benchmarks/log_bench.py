@@ -1,6 +1,6 @@
 """Append and read throughput of the topic log, per fsync policy and batch size.
 
-Run with ``python -m benchmarks.log_bench`` (or ``make bench-log``). The
+Run with ``python -m conveyor.benchmarks.log_bench`` (or ``make bench-log``). The
 design says per-message Python work on the hot path is a defect; this is the
 number that shows it. For 100-byte messages in batches of 1, 10, 100 and
 1000, under each fsync policy, it measures:
@@ -32,9 +32,10 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from broker.filelog import FileLog
-from broker.record import pack_records
-from broker.storage import FsyncPolicy, MiB, TopicConfig
+from conveyor.broker.config.fsync import FsyncPolicy
+from conveyor.broker.log.file_log import FileLog
+from conveyor.broker.log.topic_log import MiB, TopicConfig
+from conveyor.broker.wire.record import pack_records
 
 MESSAGE_BYTES = 100
 BATCH_SIZES = (1, 10, 100, 1000)
@@ -283,7 +284,9 @@ def to_json(cells: Sequence[Cell], checks: Sequence[TargetCheck], settings: dict
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.log_bench", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m conveyor.benchmarks.log_bench", description=__doc__.splitlines()[0]
+    )
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON to PATH")
     parser.add_argument("--quick", action="store_true", help="a smaller, faster run (a smoke test, not a measurement)")
     parser.add_argument("--dir", metavar="DIR", help="where to put the temporary logs (default: the system temp dir)")

@@ -12,7 +12,7 @@ L2 and at L3, each in its own group.
   at the root (a single broker) and at L2 (one hop), from the first send to
   the last message received.
 
-    python -m benchmarks.mirror_bench [--levels 2|3] [--repeat N] [--messages 200000] [--json PATH]
+    python -m conveyor.benchmarks.mirror_bench [--levels 2|3] [--repeat N] [--messages 200000] [--json PATH]
 """
 
 from __future__ import annotations
@@ -30,10 +30,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.suite.procstat import cpu_seconds
-from broker.client import Producer
-from consumers.session import Subscription
-from consumers.testing import BrokerProcess
+from conveyor.benchmarks.suite.procstat import cpu_seconds
+from conveyor.broker.client.producer import Producer
+from conveyor.broker.client.subscription import Subscription
+
+from conveyor.testing import BrokerProcess
 
 STAMP = struct.Struct(">q")
 LEVELS = ("root", "L2", "L3")

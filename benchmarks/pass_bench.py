@@ -7,7 +7,7 @@ stime from /proc) divided by the cycles is what each small batch costs it:
 at a paced 5,000 msg/s every loop pass looks like this, and that cost, not
 throughput, decides p99 on a small machine.
 
-    python -m benchmarks.pass_bench [--cycles 5000] [--batch 5] [--fsync none]
+    python -m conveyor.benchmarks.pass_bench [--cycles 5000] [--batch 5] [--fsync none]
 """
 
 from __future__ import annotations
@@ -21,12 +21,13 @@ from pathlib import Path
 from typing import Any
 
 import zmq
+from conveyor.broker.client.admin import Admin
+from conveyor.broker.client.producer import _array_header, _record_prefix
+from conveyor.broker.client.subscription import Subscription
+from conveyor.broker.net.transport import recv_frames_blocking, send_frames
+from conveyor.broker.wire.protocol import Command, decode, encode
 
-from broker.client import Admin, _array_header, _record_prefix
-from broker.protocol import Command, decode, encode
-from broker.transport import recv_frames_blocking, send_frames
-from consumers.session import Subscription
-from consumers.testing import BrokerProcess
+from conveyor.testing import BrokerProcess
 
 
 def thread_cpu(pid: int) -> tuple[float, float]:

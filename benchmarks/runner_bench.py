@@ -7,7 +7,7 @@ processes using the low-level ``Subscription`` directly. Throughput is
 N / (time from the consumers being ready to the group's committed offset
 reaching the end), read from the broker's admin API.
 
-    python -m benchmarks.runner_bench [--messages 200000] [--json PATH]
+    python -m conveyor.benchmarks.runner_bench [--messages 200000] [--json PATH]
 """
 
 from __future__ import annotations
@@ -21,13 +21,15 @@ import tempfile
 import time
 from pathlib import Path
 
-from broker.client import Admin, Producer
-from consumers.testing import BrokerProcess
+from conveyor.broker.client.admin import Admin
+from conveyor.broker.client.producer import Producer
+
+from conveyor.testing import BrokerProcess
 
 TOPIC = "bench-runner"
 LOW_LEVEL = """
 import sys
-from consumers.session import Subscription
+from conveyor.broker.client.subscription import Subscription
 sub = Subscription(sys.argv[2], sys.argv[3], address=sys.argv[1], credit=2000)
 print("ready", flush=True)
 idle = 0
@@ -53,8 +55,9 @@ def start(kind: str, address: str, group: str) -> subprocess.Popen[str]:
         cmd = [
             sys.executable,
             "-m",
-            "consumers",
-            "benchmarks.apps.noop",
+            "conveyor",
+            "run",
+            "conveyor.benchmarks.apps.noop",
             "--broker",
             address,
             "--metrics-port",

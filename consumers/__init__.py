@@ -1,7 +1,12 @@
 """Consuming: the ``Message`` handlers receive, the ``Runner``, and handler exceptions."""
 
-from consumers.exceptions import DeadLettered, Nack, Reject
-from consumers.message import Message
+if __name__ != "conveyor.consumers":
+    raise ImportError(f"import conveyor.consumers, not {__name__} (the repository's folders install under conveyor)")
+
+
+from conveyor.broker.client.message import Message
+from conveyor.broker.client.subscription import DeadLettered
+from conveyor.decorators.exceptions import Nack, Reject
 
 __all__ = ["DeadLettered", "Message", "Nack", "Reject", "Runner", "Subscription"]
 
@@ -9,11 +14,11 @@ __all__ = ["DeadLettered", "Message", "Nack", "Reject", "Runner", "Subscription"
 def __getattr__(name: str) -> object:
     # Imported on first use: the runner pulls in threads and sockets, a Message does not.
     if name == "Runner":
-        from consumers.runner import Runner
+        from conveyor.consumers.runner import Runner
 
         return Runner
     if name == "Subscription":
-        from consumers.session import Subscription
+        from conveyor.broker.client.subscription import Subscription
 
         return Subscription
     raise AttributeError(name)

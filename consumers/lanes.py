@@ -20,10 +20,10 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from consumers.exceptions import Nack, Reject
-from consumers.message import Message
-from decorators.consumer import AckPolicy, Consumer
-from decorators.retry import describe
+from conveyor.broker.client.message import Message
+from conveyor.decorators.consumer import AckPolicy, Consumer
+from conveyor.decorators.exceptions import Nack, Reject
+from conveyor.decorators.retry import describe
 
 log = logging.getLogger("conveyor.runner")
 

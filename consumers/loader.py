@@ -15,8 +15,9 @@ from collections.abc import Iterable
 from pathlib import Path
 from types import TracebackType
 
-from broker.errors import ConfigError
-from decorators.consumer import Consumer
+from conveyor.decorators.consumer import Consumer
+
+from conveyor.errors import ConfigError
 
 
 def load_consumers(specs: Iterable[str]) -> list[Consumer]:

@@ -29,20 +29,19 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import zmq
+from conveyor.broker.client.message import Message
+from conveyor.broker.client.subscription import DeadLettered, Subscription
+from conveyor.broker.config.addresses import broker_address
+from conveyor.broker.net.wakeup import drain
+from conveyor.consumers.lanes import AsyncLane, Report, ThreadLane, split
+from conveyor.decorators.consumer import AckPolicy, Consumer
+from conveyor.monitoring.health import DEGRADED, HEALTHY, UNHEALTHY, live, loop_check, ready, report
+from conveyor.monitoring.http import MetricsServer
+from conveyor.monitoring.metrics import HealthCollector, RunnerMetrics, observe_many
 from prometheus_client import CollectorRegistry
 
-from broker import exitcodes
-from broker.config import broker_address
-from broker.errors import ConfigError
-from broker.wakeup import drain
-from consumers.exceptions import DeadLettered
-from consumers.lanes import AsyncLane, Report, ThreadLane, split
-from consumers.message import Message
-from consumers.session import Subscription
-from decorators.consumer import AckPolicy, Consumer
-from monitoring.health import DEGRADED, HEALTHY, UNHEALTHY, live, loop_check, ready, report
-from monitoring.http import MetricsServer
-from monitoring.metrics import HealthCollector, RunnerMetrics, observe_many
+from conveyor import exitcodes
+from conveyor.errors import ConfigError
 
 log = logging.getLogger("conveyor.runner")
 

@@ -1,8 +1,12 @@
 """Declare consumers: ``@consumer``, ``@retry_policy`` and ``@error_handler``."""
 
-from consumers.exceptions import Nack, Reject
-from decorators.consumer import AckPolicy, Consumer, consumer, error_handler
-from decorators.retry import Decision, RetryPolicy, retry_policy
+if __name__ != "conveyor.decorators":
+    raise ImportError(f"import conveyor.decorators, not {__name__} (the repository's folders install under conveyor)")
+
+
+from conveyor.decorators.consumer import AckPolicy, Consumer, consumer, error_handler
+from conveyor.decorators.exceptions import Nack, Reject
+from conveyor.decorators.retry import Decision, RetryPolicy, retry_policy
 
 __all__ = [
     "AckPolicy",

@@ -13,8 +13,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from broker.names import fit_name
-from decorators.retry import RETRY_ATTR, RetryPolicy
+from conveyor.decorators.retry import RETRY_ATTR, RetryPolicy
+
+from conveyor.names import fit_name
 
 
 class AckPolicy(enum.Enum):

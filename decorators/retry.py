@@ -234,7 +234,7 @@ def retry_policy(**options: Any) -> Callable[[F], F]:
     policy = RetryPolicy(**options)
 
     def attach(target: F) -> F:
-        from decorators.consumer import Consumer, check_dead_letter
+        from conveyor.decorators.consumer import Consumer, check_dead_letter
 
         if isinstance(target, Consumer):
             target.retry = policy

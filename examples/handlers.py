@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import logging
 
-from consumers import Message
-from decorators import consumer, error_handler, retry_policy
+from conveyor.consumers import Message
+from conveyor.decorators import consumer, error_handler, retry_policy
 
 log = logging.getLogger("examples")
 

@@ -13,11 +13,11 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+from conveyor.monitoring.bounded_http import BoundedHandler, BoundedHTTPServer
+from conveyor.monitoring.health import UNHEALTHY, HealthCheck, ready, safely
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
-from broker.errors import ConfigError
-from monitoring.bounded_http import BoundedHandler, BoundedHTTPServer
-from monitoring.health import UNHEALTHY, HealthCheck, ready, safely
+from conveyor.errors import ConfigError
 
 SHUTDOWN_POLL_SECONDS = 0.1
 NOT_FOUND = b"not found: try /metrics, /healthz, /livez or /readyz\n"

@@ -17,6 +17,7 @@ from collections import Counter as Counter_
 from collections.abc import Callable, Iterable
 from typing import Any
 
+from conveyor.monitoring.health import STATUS_CODES, check_statuses, safely
 from prometheus_client import (
     REGISTRY,
     CollectorRegistry,
@@ -33,14 +34,12 @@ from prometheus_client.metrics import MetricWrapperBase
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
-from monitoring.health import STATUS_CODES, check_statuses, safely
-
 LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 HANDLER_BUCKETS = (0.0005, 0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
 
 def build_info(registry: CollectorRegistry, component: str) -> Info:
-    from broker import __version__
+    from conveyor.version import __version__
 
     info = Info("conveyor_build", "Conveyor version and component", registry=registry)
     info.info({"version": __version__, "component": component})

@@ -1,6 +1,6 @@
 """Conveyor topics on Spark: the ``conveyor`` data source (batch and streaming, read and write).
 
-    import pipeline
+    from conveyor import pipeline
     pipeline.register(spark)
     df = spark.read.format("conveyor").option("broker", "tcp://host:5555").option("topic", "orders").load()
 
@@ -9,11 +9,14 @@ See docs/spark.md for the options and for running on a cluster.
 
 from __future__ import annotations
 
+if __name__ != "conveyor.pipeline":
+    raise ImportError(f"import conveyor.pipeline, not {__name__} (the repository's folders install under conveyor)")
+
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from pipeline.options import ReadOptions, WriteOptions
-from pipeline.source import SCHEMA, ConveyorDataSource
+from conveyor.pipeline.options import ReadOptions, WriteOptions
+from conveyor.pipeline.source import SCHEMA, ConveyorDataSource
 
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
@@ -29,8 +32,8 @@ SUBMODULES = frozenset(
 
 def __getattr__(name: str) -> Any:
     if name in SUBMODULES:
-        return importlib.import_module(f"pipeline.{name}")
-    raise AttributeError(f"module 'pipeline' has no attribute {name!r}")
+        return importlib.import_module(f"conveyor.pipeline.{name}")
+    raise AttributeError(f"module 'conveyor.pipeline' has no attribute {name!r}")
 
 
 PUSHDOWN_CONF = "spark.sql.python.filterPushdown.enabled"
@@ -43,7 +46,7 @@ def register(spark: SparkSession, *, pushdown: bool = True) -> SparkSession:
     pushdown, which the source uses for ``offset`` and ``timestamp`` filters;
     with it off, reads work the same, only without the pruning.
     """
-    from pipeline.sqlite_source import SQLiteDataSource
+    from conveyor.pipeline.sqlite_source import SQLiteDataSource
 
     spark.dataSource.register(ConveyorDataSource)
     spark.dataSource.register(SQLiteDataSource)

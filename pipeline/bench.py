@@ -1,7 +1,7 @@
 """Throughput and latency of the ``conveyor`` data source on this machine.
 
-    python -m pipeline.bench                 # 1M messages of 100 bytes, local[2]
-    python -m pipeline.bench --messages 200000 --stream-seconds 10
+    python -m conveyor.pipeline.bench                 # 1M messages of 100 bytes, local[2]
+    python -m conveyor.pipeline.bench --messages 200000 --stream-seconds 10
 
 Measures, against a real broker (started in a temporary directory unless
 ``--broker`` is given) and a local Spark session:
@@ -29,7 +29,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from broker.client import Producer
+from conveyor.broker.client.producer import Producer
 
 __all__ = ["main"]
 
@@ -135,7 +135,7 @@ def stream_latency(spark: Any, address: str, topic: str, seconds: float, rate: f
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m pipeline.bench", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m conveyor.pipeline.bench", description=__doc__.split("\n\n")[0])
     parser.add_argument("--messages", type=int, default=1_000_000)
     parser.add_argument("--value-bytes", type=int, default=100)
     parser.add_argument("--repeat", type=int, default=3)
@@ -145,13 +145,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--stream-rate", type=float, default=5000.0, help="messages per second while streaming")
     args = parser.parse_args(argv)
 
+    from conveyor.pipeline.session import local_session
     from pyspark.sql import functions as F
-
-    from pipeline.session import local_session
 
     broker = None
     if args.broker is None:
-        from consumers.testing import BrokerProcess
+        from conveyor.testing import BrokerProcess
 
         broker = BrokerProcess(tempfile.mkdtemp(prefix="conveyor-bench-")).start()
     address = args.broker or broker.address  # type: ignore[union-attr]

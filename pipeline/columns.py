@@ -5,7 +5,7 @@
 ``text/plain``, none for raw bytes). ``decoded_value`` turns it into a
 typed column::
 
-    from pipeline import columns
+    from conveyor.pipeline import columns
     orders = df.select("offset", columns.decoded_value("id long, total double").alias("order"))
 
 JSON is parsed by Spark itself (``from_json``); msgpack goes through a small

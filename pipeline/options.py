@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from broker.config import DEFAULT_BROKER
+from conveyor.broker.config.addresses import DEFAULT_BROKER
 
 __all__ = ["ReadOptions", "StartPosition", "WriteOptions", "parse_position"]
 

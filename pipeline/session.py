@@ -18,7 +18,7 @@ from typing import Any
 
 from pyspark.sql import SparkSession
 
-import pipeline
+from conveyor import pipeline
 
 __all__ = ["get_session", "local_session", "under_spark_submit"]
 

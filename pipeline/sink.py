@@ -37,6 +37,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import pyarrow as pa
+from conveyor.broker.wire.values import CONTENT_TYPE, TEXT
+from conveyor.pipeline.options import OptionError, WriteOptions
+from conveyor.pipeline.wire import Batcher, BatchPublisher, PublishStats, producer_id_for
 from pyspark import TaskContext
 from pyspark.sql.datasource import (
     DataSourceArrowWriter,
@@ -45,13 +48,9 @@ from pyspark.sql.datasource import (
 )
 from pyspark.sql.types import BinaryType, MapType, StringType, StructType
 
-from broker.codec import CONTENT_TYPE, TEXT
-from pipeline.options import OptionError, WriteOptions
-from pipeline.wire import Batcher, BatchPublisher, PublishStats, producer_id_for
-
 __all__ = ["ConveyorCommitMessage", "ConveyorStreamWriter", "ConveyorWriter", "WriteOptions", "check_write_schema"]
 
-log = logging.getLogger("pipeline.sink")
+log = logging.getLogger("conveyor.pipeline.sink")
 
 QUERY_ID_KEY = "sql.streaming.queryId"  # Spark's StreamExecution.QUERY_ID_KEY
 BATCH_ID_KEY = "streaming.sql.batchId"  # Spark's MicroBatchExecution.BATCH_ID_KEY

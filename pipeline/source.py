@@ -24,6 +24,16 @@ from dataclasses import dataclass
 from typing import Any
 
 import pyarrow as pa
+from conveyor.pipeline.options import ReadOptions, StartPosition
+from conveyor.pipeline.wire import (
+    Connection,
+    DataLoss,
+    TopicBounds,
+    bodies_to_arrow,
+    fetch_range,
+    offset_for_timestamp,
+    topic_bounds,
+)
 from pyspark.sql.datasource import (
     DataSource,
     DataSourceReader,
@@ -45,17 +55,6 @@ from pyspark.sql.streaming.datasource import (
     SupportsTriggerAvailableNow,
 )
 from pyspark.sql.types import StructType
-
-from pipeline.options import ReadOptions, StartPosition
-from pipeline.wire import (
-    Connection,
-    DataLoss,
-    TopicBounds,
-    bodies_to_arrow,
-    fetch_range,
-    offset_for_timestamp,
-    topic_bounds,
-)
 
 __all__ = [
     "SCHEMA",
@@ -349,11 +348,11 @@ class ConveyorDataSource(DataSource):
         return ConveyorStreamReader(ReadOptions.parse(self.options, streaming=True))
 
     def writer(self, schema: StructType, overwrite: bool) -> DataSourceWriter:
-        from pipeline.sink import ConveyorWriter, WriteOptions
+        from conveyor.pipeline.sink import ConveyorWriter, WriteOptions
 
         return ConveyorWriter(WriteOptions.parse(self.options), schema)
 
     def streamWriter(self, schema: StructType, overwrite: bool) -> DataSourceStreamWriter:
-        from pipeline.sink import ConveyorStreamWriter, WriteOptions
+        from conveyor.pipeline.sink import ConveyorStreamWriter, WriteOptions
 
         return ConveyorStreamWriter(WriteOptions.parse(self.options), schema)

@@ -27,16 +27,16 @@ from typing import Any
 import msgpack
 import pyarrow as pa
 import zmq
+from conveyor.broker.config.addresses import check_address
+from conveyor.broker.net.security import HandshakeWatch, secure_client
+from conveyor.broker.wire.protocol import Command, Frame, decode, encode, error_from_header
 
-from broker.config import check_address
-from broker.errors import (
+from conveyor.errors import (
     BrokerUnavailable,
     ConveyorError,
     DuplicateSequence,
     OffsetOutOfRange,
 )
-from broker.protocol import Command, Frame, decode, encode, error_from_header
-from broker.security import HandshakeWatch, secure_client
 
 __all__ = [
     "ARROW_SCHEMA",

@@ -1,7 +1,7 @@
 """Consumers that do nothing, to measure what the runner itself costs."""
 
-from consumers import Message
-from decorators import consumer
+from conveyor.consumers import Message
+from conveyor.decorators import consumer
 
 
 @consumer("bench-runner", group="runner", prefetch=2000)

@@ -1,6 +1,6 @@
 """Summarize ``conveyor bench --py-spy DIR`` output: where each process spent its samples.
 
-    python -m benchmarks.suite.profile DIR [--top 12] [--match NAME]
+    python -m conveyor.benchmarks.suite.profile DIR [--top 12] [--match NAME]
 
 Each file holds py-spy's raw collapsed stacks (``frame;frame;... count``). For
 each process this prints the functions with the most samples on top of the
@@ -91,7 +91,7 @@ def summarize(path: Path, top: int = 12) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.suite.profile", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m conveyor.benchmarks.suite.profile", description=__doc__)
     parser.add_argument("dir")
     parser.add_argument("--top", type=int, default=12)
     parser.add_argument("--match", default="", help="only files whose name contains this")

@@ -5,8 +5,8 @@ from __future__ import annotations
 from html import escape
 from typing import Any
 
-from benchmarks.suite.summary import by_scenario, check_targets, describe_target, observations, target_cell
-from benchmarks.suite.svg import hbars, line_chart
+from conveyor.benchmarks.suite.summary import by_scenario, check_targets, describe_target, observations, target_cell
+from conveyor.benchmarks.suite.svg import hbars, line_chart
 
 COLOURS = {
     "conveyor": "#1f5fbf",

@@ -20,13 +20,13 @@ from multiprocessing.context import SpawnContext
 from pathlib import Path
 from typing import Any
 
-from benchmarks.suite import stats
-from benchmarks.suite.procstat import cpu_seconds, machine_busy_seconds, tree_cpu_seconds
-from benchmarks.suite.profile import start_profilers, stop_profilers
-from benchmarks.suite.scenario import Config, Scenario
-from benchmarks.suite.systems import NAMES, System, system
-from benchmarks.suite.systems.base import Server, Variant
-from benchmarks.suite.workers import (
+from conveyor.benchmarks.suite import stats
+from conveyor.benchmarks.suite.procstat import cpu_seconds, machine_busy_seconds, tree_cpu_seconds
+from conveyor.benchmarks.suite.profile import start_profilers, stop_profilers
+from conveyor.benchmarks.suite.scenario import Config, Scenario
+from conveyor.benchmarks.suite.systems import NAMES, System, system
+from conveyor.benchmarks.suite.systems.base import Server, Variant
+from conveyor.benchmarks.suite.workers import (
     START_TIMEOUT,
     ConsumerReport,
     ProducerReport,

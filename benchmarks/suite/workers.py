@@ -11,9 +11,9 @@ from multiprocessing.sharedctypes import Synchronized
 from multiprocessing.synchronize import Event
 from typing import Any
 
-from benchmarks.suite import payload
-from benchmarks.suite.procstat import self_cpu_seconds
-from benchmarks.suite.scenario import Scenario
+from conveyor.benchmarks.suite import payload
+from conveyor.benchmarks.suite.procstat import self_cpu_seconds
+from conveyor.benchmarks.suite.scenario import Scenario
 
 START_TIMEOUT = 60.0
 
@@ -64,7 +64,7 @@ def producer_main(
     results: Queue[Any],
 ) -> None:
     try:
-        from benchmarks.suite.systems import module
+        from conveyor.benchmarks.suite.systems import module
 
         client = module(system).make_producer(endpoint, scenario, index)
         pad = payload.padding(scenario.message_size)
@@ -139,7 +139,7 @@ def consumer_main(
     results: Queue[Any],
 ) -> None:
     try:
-        from benchmarks.suite.systems import module
+        from conveyor.benchmarks.suite.systems import module
 
         client = module(system).make_consumer(endpoint, scenario, group, index)
         ready.set()

@@ -1,4 +1,5 @@
-"""Example jobs, each runnable with ``spark-submit pipeline/jobs/<name>.py`` or ``python -m pipeline.jobs.<name>``.
+"""Example jobs, each runnable with ``spark-submit pipeline/jobs/<name>.py`` or
+``python -m conveyor.pipeline.jobs.<name>``.
 
 * ``archive``: a topic to date-partitioned Parquet, exactly-once and resumable (streaming checkpoint).
 * ``ingest``: CSV / JSON / Parquet files or a SQLite table to a topic, with a progress line.

@@ -1,6 +1,6 @@
 """Archive a topic to Parquet, partitioned by day (and hour), exactly once.
 
-    python -m pipeline.jobs.archive --broker tcp://broker:5555 --topic orders --output /data/orders
+    python -m conveyor.pipeline.jobs.archive --broker tcp://broker:5555 --topic orders --output /data/orders
     spark-submit pipeline/jobs/archive.py --topic orders --output s3a://bucket/orders --continuous
 
 A structured-streaming query from the ``conveyor`` source to Spark's file
@@ -22,11 +22,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from conveyor.pipeline.jobs.common import job_parser, parse, session_from
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
 from pyspark.sql.streaming import StreamingQuery
-
-from pipeline.jobs.common import job_parser, parse, session_from
 
 __all__ = ["ArchiveResult", "archive", "main"]
 

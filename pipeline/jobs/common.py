@@ -6,10 +6,9 @@ import argparse
 import os
 from collections.abc import Sequence
 
+from conveyor.broker.config.addresses import DEFAULT_BROKER
+from conveyor.pipeline.session import get_session
 from pyspark.sql import SparkSession
-
-from broker.config import DEFAULT_BROKER
-from pipeline.session import get_session
 
 __all__ = ["job_parser", "session_from"]
 

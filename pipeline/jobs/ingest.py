@@ -1,8 +1,8 @@
 """Load files or a SQLite table into a topic, one message per row.
 
-    python -m pipeline.jobs.ingest --topic orders data/orders-*.csv
-    python -m pipeline.jobs.ingest --topic orders --format json events.jsonl --key-column customer
-    python -m pipeline.jobs.ingest --topic orders shop.db --table orders --value-format msgpack
+    python -m conveyor.pipeline.jobs.ingest --topic orders data/orders-*.csv
+    python -m conveyor.pipeline.jobs.ingest --topic orders --format json events.jsonl --key-column customer
+    python -m conveyor.pipeline.jobs.ingest --topic orders shop.db --table orders --value-format msgpack
 
 Each row becomes a message whose value is the row as a JSON object
 (``application/json``) or msgpack map (``application/msgpack``), keyed by
@@ -22,14 +22,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import msgpack
+from conveyor.broker.wire.values import JSON, MSGPACK
+from conveyor.pipeline.jobs.common import job_parser, parse, session_from
+from conveyor.pipeline.progress import Progress, spark_tasks
+from conveyor.pipeline.wire import Connection, topic_bounds
 from pyspark.sql import Column, DataFrame, SparkSession
 from pyspark.sql import functions as F
 from pyspark.sql.types import BinaryType
-
-from broker.codec import JSON, MSGPACK
-from pipeline.jobs.common import job_parser, parse, session_from
-from pipeline.progress import Progress, spark_tasks
-from pipeline.wire import Connection, topic_bounds
 
 __all__ = ["IngestResult", "ingest", "main", "read_input"]
 

@@ -1,6 +1,6 @@
 """Per-group lag and throughput over time, from the broker's admin API, into a table.
 
-    python -m pipeline.jobs.lag_report --broker tcp://broker:5555 --samples 12 --interval 5 --output /data/lag
+    python -m conveyor.pipeline.jobs.lag_report --broker tcp://broker:5555 --samples 12 --interval 5 --output /data/lag
 
 Samples ``list_groups`` every ``--interval`` seconds (one admin request per
 sample: committed offset, end offset and lag of every group), then lets
@@ -19,6 +19,8 @@ from collections.abc import Sequence
 from datetime import UTC, datetime
 from typing import Any
 
+from conveyor.pipeline.jobs.common import job_parser, parse, session_from
+from conveyor.pipeline.wire import Connection
 from pyspark.sql import DataFrame, SparkSession, Window
 from pyspark.sql import functions as F
 from pyspark.sql.types import (
@@ -29,9 +31,6 @@ from pyspark.sql.types import (
     StructType,
     TimestampType,
 )
-
-from pipeline.jobs.common import job_parser, parse, session_from
-from pipeline.wire import Connection
 
 __all__ = ["SAMPLE_SCHEMA", "collect_samples", "lag_table", "main", "summary"]
 

@@ -8,10 +8,9 @@ import sys
 from pathlib import Path
 
 import pytest
-
-from benchmarks.suite.scenario import Scenario, load_config
-from benchmarks.suite.stats import exactly_once, percentiles_ms
-from benchmarks.suite.summary import check_targets, markdown_table, observations
+from conveyor.benchmarks.suite.scenario import Scenario, load_config
+from conveyor.benchmarks.suite.stats import exactly_once, percentiles_ms
+from conveyor.benchmarks.suite.summary import check_targets, markdown_table, observations
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -75,7 +74,7 @@ def test_bench_runs_end_to_end(tmp_path: Path) -> None:
     path = tmp_path / "tiny.json"
     path.write_text(json.dumps(config))
     out, html = tmp_path / "out.json", tmp_path / "report.html"
-    cmd = [sys.executable, "-m", "broker", "bench", "--config", str(path), "--systems", "conveyor"]
+    cmd = [sys.executable, "-m", "conveyor", "bench", "--config", str(path), "--systems", "conveyor"]
     cmd += ["--json", str(out), "--report", str(html), "--no-progress"]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=80)
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -176,7 +175,7 @@ def _result(scenario: str, variant: str, e2e: float, p99: float) -> dict[str, ob
 
 
 def test_report_compares_with_peers_and_checks_targets() -> None:
-    from benchmarks.suite.report import render_html
+    from conveyor.benchmarks.suite.report import render_html
 
     report = {
         "generated": "now",
@@ -219,8 +218,8 @@ def test_report_compares_with_peers_and_checks_targets() -> None:
 
 
 def test_repeated_runs_are_interleaved_and_the_median_run_is_reported() -> None:
-    from benchmarks.suite.runner import median_runs, plan
-    from benchmarks.suite.systems.base import Variant
+    from conveyor.benchmarks.suite.runner import median_runs, plan
+    from conveyor.benchmarks.suite.systems.base import Variant
 
     class FakeSystem:
         def __init__(self, name: str) -> None:
@@ -249,7 +248,7 @@ def test_repeated_runs_are_interleaved_and_the_median_run_is_reported() -> None:
 
 
 def test_paced_values_are_stamped_with_their_due_time() -> None:
-    from benchmarks.suite.payload import make_scheduled_values, read_stamp
+    from conveyor.benchmarks.suite.payload import make_scheduled_values, read_stamp
 
     values = make_scheduled_values(range(10, 14), b"..", first_due_ns=1_000_000, interval_ns=200_000.0)
     assert [read_stamp(v) for v in values] == [(1_000_000, 10), (1_200_000, 11), (1_400_000, 12), (1_600_000, 13)]

@@ -13,9 +13,8 @@ import math
 from typing import Any
 
 import msgpack
+from conveyor.broker.wire.protocol import SIGNATURE, Command
 from hypothesis import strategies as st
-
-from broker.protocol import SIGNATURE, Command
 
 INVALID_REQUEST, CONFIG_ERROR = 207, 500
 I64_MIN, I64_MAX, U64_MAX = -(2**63), 2**63 - 1, 2**64 - 1

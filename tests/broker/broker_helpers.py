@@ -10,8 +10,8 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from consumers.message import Message
-from consumers.session import Subscription
+from conveyor.broker.client.message import Message
+from conveyor.broker.client.subscription import Subscription
 
 
 def drain(
@@ -63,14 +63,14 @@ REPO = Path(__file__).resolve().parents[2]
 def conveyor_cli(
     *args: str, env: dict[str, str] | None = None, timeout: float = 30, cwd: Path = REPO
 ) -> subprocess.CompletedProcess[str]:
-    """The real ``conveyor`` entry point (``python -m broker``), as a user runs it.
+    """The real ``conveyor`` entry point (``python -m conveyor``), as a user runs it.
 
     ``CONVEYOR_*`` variables of the test process are left out so a developer's
     environment cannot change the outcome; pass them in ``env``.
     """
     base = {k: v for k, v in os.environ.items() if not k.startswith("CONVEYOR_")}
     return subprocess.run(
-        [sys.executable, "-m", "broker", *args],
+        [sys.executable, "-m", "conveyor", *args],
         capture_output=True,
         text=True,
         timeout=timeout,

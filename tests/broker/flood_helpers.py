@@ -13,11 +13,10 @@ import time
 from typing import Any
 
 import zmq
-
-from broker.client import Producer
-from broker.protocol import Command, Frame, decode, encode
-from broker.transport import recv_frames, send_frames
-from consumers.session import Subscription
+from conveyor.broker.client.producer import Producer
+from conveyor.broker.client.subscription import Subscription
+from conveyor.broker.net.transport import recv_frames, send_frames
+from conveyor.broker.wire.protocol import Command, Frame, decode, encode
 
 
 class RawClient:

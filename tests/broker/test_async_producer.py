@@ -8,11 +8,12 @@ import time
 from pathlib import Path
 
 import pytest
+from conveyor.broker.client.admin import Admin
+from conveyor.broker.client.async_producer import AsyncProducer
+from conveyor.broker.log.syscalls import ENV_CONTROL
 
-from broker.client import Admin, AsyncProducer
-from broker.errors import BufferFull, RequestTimeout, StorageIOError
-from broker.fsio import ENV_CONTROL
-from consumers.testing import BrokerProcess
+from conveyor.errors import BufferFull, RequestTimeout, StorageIOError
+from conveyor.testing import BrokerProcess
 
 
 @pytest.mark.timeout(60)

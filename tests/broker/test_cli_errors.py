@@ -1,6 +1,6 @@
 """A wrong argument on the command line is one ``[CONFIG_ERROR]`` line and exit code 2, never a traceback.
 
-Every case runs the real ``conveyor`` entry point (``python -m broker``) as a
+Every case runs the real ``conveyor`` entry point (``python -m conveyor``) as a
 user would, against a real broker where one is needed.
 """
 
@@ -14,15 +14,17 @@ import sys
 import threading
 from pathlib import Path
 
-from broker.client import Admin, Producer
-from consumers.testing import wait_for
+from conveyor.broker.client.admin import Admin
+from conveyor.broker.client.producer import Producer
+
+from conveyor.testing import wait_for
 
 REPO = Path(__file__).resolve().parents[2]
 
 
 def conveyor(*args: str, timeout: float = 30) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "broker", *args], capture_output=True, text=True, timeout=timeout, cwd=REPO
+        [sys.executable, "-m", "conveyor", *args], capture_output=True, text=True, timeout=timeout, cwd=REPO
     )
 
 
@@ -82,7 +84,7 @@ def test_the_runner_is_not_ready_before_the_broker_answers():
     """`conveyor run` against an address where nothing listens: it says it is connecting, not that it is ready."""
     address = f"tcp://127.0.0.1:{free_port()}"
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    cmd = [sys.executable, "-m", "consumers", "examples.handlers", "--broker", address, "--metrics-port", "-1"]
+    cmd = [sys.executable, "-m", "conveyor", "run", "examples.handlers", "--broker", address, "--metrics-port", "-1"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=REPO)
     lines: list[str] = []
     reader = threading.Thread(target=lambda: lines.extend(proc.stdout or ()), daemon=True)
@@ -115,7 +117,7 @@ def test_tail_from_past_the_end_says_so_unless_asked_to_wait(conveyor_broker):
     at_end = conveyor("tail", "cli-past", "--from", "1", "--idle-timeout", "1", "--broker", address)
     assert at_end.returncode == 0 and at_end.stdout == "", at_end  # the end itself is where new messages come
 
-    cmd = [sys.executable, "-m", "broker", "tail", "cli-past", "--from", "3", "--wait", "--count", "1"]
+    cmd = [sys.executable, "-m", "conveyor", "tail", "cli-past", "--from", "3", "--wait", "--count", "1"]
     waiting = subprocess.Popen([*cmd, "--broker", address], stdout=subprocess.PIPE, text=True, cwd=REPO)
     try:
         assert conveyor("publish", "cli-past", "b", "c", "d", "--broker", address).returncode == 0
@@ -132,7 +134,7 @@ def test_piping_into_head_stops_quietly(conveyor_broker):
     with Producer(address, linger_ms=1) as producer:
         producer.send_many("cli-head", [b"line %d" % i for i in range(20_000)])  # far more than a pipe holds
         producer.flush(timeout=30)
-    cmd = [sys.executable, "-m", "broker", "tail", "cli-head", "--from", "earliest", "--count", "20000"]
+    cmd = [sys.executable, "-m", "conveyor", "tail", "cli-head", "--from", "earliest", "--count", "20000"]
     proc = subprocess.Popen(
         [*cmd, "--broker", address], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO
     )

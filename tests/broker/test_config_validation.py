@@ -16,8 +16,7 @@ import sys
 from pathlib import Path
 
 from broker_helpers import REPO, config_errors, conveyor_cli
-
-from broker.client import Admin
+from conveyor.broker.client.admin import Admin
 
 
 def free_port() -> int:
@@ -122,7 +121,7 @@ def test_a_per_command_variable_wins_over_the_shared_one(conveyor_broker, tmp_pa
     broker_port, shared_port = free_port(), free_port()
     env = {"CONVEYOR_METRICS_PORT": str(shared_port), "CONVEYOR_BROKER_METRICS_PORT": str(broker_port)}
     data = tmp_path / "data"
-    args = [sys.executable, "-m", "broker", "broker", "--bind", "tcp://127.0.0.1:*", "--data-dir", str(data)]
+    args = [sys.executable, "-m", "conveyor", "broker", "--bind", "tcp://127.0.0.1:*", "--data-dir", str(data)]
     line = _ready_line(args, env)
     assert f":{broker_port}/metrics" in line, line
 
@@ -136,7 +135,7 @@ def test_a_per_command_variable_wins_over_the_shared_one(conveyor_broker, tmp_pa
         "CONVEYOR_TEST_OUT": str(tmp_path / "out"),
         "PYTHONPATH": str(apps),
     }
-    line = _ready_line([sys.executable, "-m", "consumers", "app_record"], env, ready="runner ready")
+    line = _ready_line([sys.executable, "-m", "conveyor", "run", "app_record"], env, ready="runner ready")
     assert f":{run_port}/metrics" in line and conveyor_broker.address in line, line
 
 
@@ -193,7 +192,7 @@ def test_a_good_configuration_from_every_source_starts_the_broker(tmp_path):
     )
     data = tmp_path / "data"
     env = {"CONVEYOR_MAX_CREDIT": "5000", "CONVEYOR_BROKER_LIVENESS": "4", "CONVEYOR_LOG_LEVEL": "debug"}
-    cmd = [sys.executable, "-m", "broker", "broker", "--config", path, "--bind", "tcp://127.0.0.1:*"]
+    cmd = [sys.executable, "-m", "conveyor", "broker", "--config", path, "--bind", "tcp://127.0.0.1:*"]
     line = _ready_line([*cmd, "--data-dir", str(data), "--metrics-port", "0"], env)
     assert re.search(r"ready on tcp://127\.0\.0\.1:\d+ ", line), line
 

@@ -14,19 +14,20 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import conveyor.broker.server.broker as server_module
 import pytest
+from conveyor.broker.client.admin import Admin
+from conveyor.broker.client.producer import Producer
+from conveyor.broker.client.subscription import Subscription
+from conveyor.broker.config.broker import BrokerSettings
+from conveyor.broker.log.data_dir import Store
+from conveyor.broker.server import admin as admin_ops
+from conveyor.broker.server.broker import Broker
+from conveyor.broker.server.groups import Group
 from prometheus_client import CollectorRegistry
 
-import broker.server as server_module
-from broker import admin_ops
-from broker.client import Admin, Producer
-from broker.errors import ConveyorError, TopicLimit
-from broker.groups import Group
-from broker.server import Broker
-from broker.settings import BrokerSettings
-from broker.store import Store
-from consumers.session import Subscription
-from consumers.testing import wait_for
+from conveyor.errors import ConveyorError, TopicLimit
+from conveyor.testing import wait_for
 
 
 class Live:

@@ -13,14 +13,15 @@ import json
 from pathlib import Path
 
 import pytest
+from conveyor.broker.client.admin import Admin
+from conveyor.broker.client.producer import Producer
+from conveyor.broker.client.subscription import Subscription
+from conveyor.broker.log.data_dir import check_name
+from conveyor.decorators import consumer
 
-from broker.client import Admin, Producer
-from broker.errors import UnknownTopic
-from broker.names import MAX_NAME, dead_letter_topic, fit_name
-from broker.store import check_name
-from consumers.session import Subscription
-from consumers.testing import BrokerProcess, wait_for
-from decorators import consumer
+from conveyor.errors import UnknownTopic
+from conveyor.names import MAX_NAME, dead_letter_topic, fit_name
+from conveyor.testing import BrokerProcess, wait_for
 
 
 @pytest.mark.parametrize("length", [1, 100, 196, 197, 198, 199, 200])

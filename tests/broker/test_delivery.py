@@ -6,11 +6,12 @@ import collections
 import time
 
 from broker_helpers import drain, quiet
+from conveyor.broker.client.admin import Admin
+from conveyor.broker.client.producer import Producer
+from conveyor.broker.client.subscription import Subscription
 
-from broker.client import Admin, Producer
-from broker.errors import UnknownTopic
-from consumers.session import Subscription
-from consumers.testing import wait_for
+from conveyor.errors import UnknownTopic
+from conveyor.testing import wait_for
 
 
 def publish(address: str, topic: str, values: list, **kwargs) -> list[int]:

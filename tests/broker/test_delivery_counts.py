@@ -11,11 +11,12 @@ import json
 import time
 
 import pytest
+from conveyor.broker.client.admin import Admin
+from conveyor.broker.client.message import Message
+from conveyor.broker.client.producer import Producer
+from conveyor.broker.client.subscription import Subscription
 
-from broker.client import Admin, Producer
-from consumers.message import Message
-from consumers.session import Subscription
-from consumers.testing import BrokerProcess, wait_for
+from conveyor.testing import BrokerProcess, wait_for
 
 TOPIC = "counts"
 
@@ -137,7 +138,7 @@ def test_a_poison_message_gets_no_fresh_attempts_when_the_broker_is_killed(conve
 
 def test_saved_ranges_are_bounded_and_what_is_left_out_comes_again():
     """In-process: at most MAX_SAVED_RANGES rows; the saved next offset stops before the first one left out."""
-    from broker.groups import MAX_SAVED_RANGES, Group, GroupSettings, Pending
+    from conveyor.broker.server.groups import MAX_SAVED_RANGES, Group, GroupSettings, Pending
 
     clock = [100.0]
     group = Group(TOPIC, "g", GroupSettings(max_deliveries=5), next_offset=50_000, clock=lambda: clock[0])

@@ -7,15 +7,16 @@ import sys
 import textwrap
 
 from broker_helpers import drain, quiet
+from conveyor.broker.client.admin import Admin
+from conveyor.broker.client.producer import Producer
+from conveyor.broker.client.subscription import Subscription
 
-from broker.client import Admin, Producer
-from consumers.session import Subscription
-from consumers.testing import wait_for
+from conveyor.testing import wait_for
 
 HOLDER = textwrap.dedent(
     """
     import sys, time
-    from consumers.session import Subscription
+    from conveyor.broker.client.subscription import Subscription
     sub = Subscription(sys.argv[2], "g", address=sys.argv[1], credit=int(sys.argv[3]))
     held = 0
     while held < int(sys.argv[3]):

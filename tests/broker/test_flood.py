@@ -16,14 +16,15 @@ import threading
 from functools import partial
 
 import pytest
+from conveyor.broker.client.admin import Admin
+from conveyor.broker.client.producer import Producer
+from conveyor.broker.client.subscription import Subscription
+from conveyor.broker.wire.protocol import Command
 from flood_helpers import RawClient, SteadyPair, cpu_per_cycle, outcomes, wait_until_idle
 
-import consumers.testing
-from broker.client import Admin, Producer
-from broker.errors import GroupLimit, TopicLimit
-from broker.protocol import Command
-from consumers.session import Subscription
-from consumers.testing import BrokerProcess, wait_for
+import conveyor.testing
+from conveyor.errors import GroupLimit, TopicLimit
+from conveyor.testing import BrokerProcess, wait_for
 
 
 def test_a_flood_of_new_topics_is_rate_limited_and_other_clients_stay_served(conveyor_broker_factory):
@@ -98,7 +99,7 @@ def _with_descriptors(soft: int, hard: int) -> None:
 
 def _broker_with_descriptors(tmp_path, monkeypatch, soft: int, hard: int, extra: list[str]) -> BrokerProcess:
     monkeypatch.setattr(
-        consumers.testing.subprocess,
+        conveyor.testing.subprocess,
         "Popen",
         partial(subprocess.Popen, preexec_fn=partial(_with_descriptors, soft, hard)),
     )
@@ -140,14 +141,14 @@ def test_the_broker_raises_its_descriptor_limit_and_caps_topics_by_it(tmp_path, 
 
 @pytest.mark.parametrize("fsync", ["batch", "none", "interval:1"])
 def test_a_new_topic_confirms_nothing_until_its_creation_is_durable(tmp_path, monkeypatch, fsync):
-    # Given a store that creates topics in the background, whose creator is held back
-    from broker import creator
-    from broker.record import pack_records
-    from broker.store import Store
+    # Given a store that creates topics in the background, whose topic_creator is held back
+    from conveyor.broker.log import topic_creator
+    from conveyor.broker.log.data_dir import Store
+    from conveyor.broker.wire.record import pack_records
 
     gate = threading.Event()
-    write = creator.atomic_write
-    monkeypatch.setattr(creator, "atomic_write", lambda path, data: (gate.wait(30), write(path, data)))
+    write = topic_creator.atomic_write
+    monkeypatch.setattr(topic_creator, "atomic_write", lambda path, data: (gate.wait(30), write(path, data)))
     store = Store(tmp_path / "data", fsync=fsync, create_in_background=True)
     try:
         # When a topic is created (no fsync on the caller's thread) and takes a batch
@@ -157,7 +158,7 @@ def test_a_new_topic_confirms_nothing_until_its_creation_is_durable(tmp_path, mo
         # Then nothing of it is durable, so nothing would be confirmed, delivered or served
         assert log.durable_offset == 0
         assert not (tmp_path / "data" / "topics" / "fresh" / "topic.json").exists()
-        # When the creator has made the topic durable
+        # When the topic_creator has made the topic durable
         gate.set()
         released: list[str] = []
         assert wait_for(lambda: released.extend(store.finish_creations()) or released == ["fresh"], timeout=30)
@@ -180,12 +181,11 @@ def test_running_out_of_descriptors_is_a_retriable_error_and_counted(tmp_path, m
     import errno
     import os as os_module
 
+    from conveyor.broker.config.broker import BrokerSettings
+    from conveyor.broker.log import segment
+    from conveyor.broker.server.broker import Broker
+    from conveyor.broker.wire.record import pack_records
     from prometheus_client import CollectorRegistry
-
-    from broker import segment
-    from broker.record import pack_records
-    from broker.server import Broker
-    from broker.settings import BrokerSettings
 
     real_open = os_module.open
 

@@ -9,15 +9,17 @@ import msgpack
 import pytest
 import zmq
 from bad_fields import ADMIN_OPS, COMMANDS, one_bad_field
+from conveyor.broker.client.admin import Admin
+from conveyor.broker.client.producer import Producer
+from conveyor.broker.client.subscription import Subscription
+from conveyor.broker.server import admin as admin_ops
+from conveyor.broker.wire import schema
+from conveyor.broker.wire.protocol import SIGNATURE, Command, decode
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from broker import admin_ops, wire_schema
-from broker.client import Admin, Producer
-from broker.errors import ConveyorError, InvalidRequest
-from broker.protocol import SIGNATURE, Command, decode
-from consumers.session import Subscription
-from consumers.testing import BrokerProcess, wait_for
+from conveyor.errors import ConveyorError, InvalidRequest
+from conveyor.testing import BrokerProcess, wait_for
 
 SILENT = {
     Command.HEARTBEAT,
@@ -180,9 +182,9 @@ def test_every_command_and_admin_op_is_covered_by_the_bad_field_cases():
     client_commands = {c for c in Command if c < Command.HEARTBEAT} | {Command.HEARTBEAT, Command.BYE}
     assert set(COMMANDS) | {Command.ADMIN} == client_commands
     assert set(ADMIN_OPS) == set(admin_ops.OPS)
-    assert set(ADMIN_OPS) == set(wire_schema.ADMIN_OPS)
+    assert set(ADMIN_OPS) == set(schema.ADMIN_OPS)
     for command, (_base, fields) in COMMANDS.items():
-        assert set(fields) | {"rid"} == set(wire_schema.COMMANDS[command.name]), command
+        assert set(fields) | {"rid"} == set(schema.COMMANDS[command.name]), command
 
 
 REPORTED = [

@@ -5,9 +5,9 @@ from __future__ import annotations
 import copy
 import pickle
 
-from broker.record import pack_records
-from consumers.message import Message, messages_from_entries
-from consumers.session import offset_ranges
+from conveyor.broker.client.message import Message, messages_from_entries
+from conveyor.broker.client.subscription import offset_ranges
+from conveyor.broker.wire.record import pack_records
 
 
 def _body(n: int, base_value: int = 0) -> bytes:

@@ -17,14 +17,14 @@ from typing import Any
 import msgpack
 import pytest
 import zmq
+from conveyor.broker.client.admin import Admin
+from conveyor.broker.client.message import Message
+from conveyor.broker.client.subscription import Subscription
+from conveyor.broker.log.data_dir import Store
+from conveyor.broker.wire.protocol import SIGNATURE, Command, decode
+from conveyor.broker.wire.record import unpack_records
 
-from broker.client import Admin
-from broker.protocol import SIGNATURE, Command, decode
-from broker.record import unpack_records
-from broker.store import Store
-from consumers.message import Message
-from consumers.session import Subscription
-from consumers.testing import BrokerProcess, wait_for
+from conveyor.testing import BrokerProcess, wait_for
 
 INVALID_REQUEST = 207
 COUNT = 40  # over 16 records, so a member with a credit of 5 gets slices re-encoded from it

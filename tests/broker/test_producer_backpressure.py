@@ -14,10 +14,11 @@ import time
 from pathlib import Path
 
 import pytest
+from conveyor.broker.client.admin import Admin
+from conveyor.broker.client.producer import Producer, _encode_record
 
-from broker.client import Admin, Producer, _encode_record
-from broker.errors import BufferFull
-from consumers.testing import BrokerProcess
+from conveyor.errors import BufferFull
+from conveyor.testing import BrokerProcess
 
 VALUE = b"v" * 100
 RECORD = len(_encode_record(VALUE, None, None))  # what one send() holds: the value and its msgpack framing

@@ -14,9 +14,11 @@ import time
 from pathlib import Path
 
 import pytest
+from conveyor.broker.client.admin import Admin
+from conveyor.broker.client.async_producer import AsyncProducer
+from conveyor.broker.client.producer import Producer
 
-from broker.client import Admin, AsyncProducer, Producer
-from consumers.testing import BrokerProcess, wait_for
+from conveyor.testing import BrokerProcess, wait_for
 
 LONG_LINGER_MS = 3000
 

@@ -13,11 +13,12 @@ from pathlib import Path
 
 import pytest
 import tenacity
+from conveyor.broker.client.admin import Admin
+from conveyor.broker.client.producer import Producer
+from conveyor.broker.log.syscalls import ENV_CONTROL
 
-from broker.client import Admin, Producer
-from broker.errors import RequestTimeout, StorageFull, StorageIOError
-from broker.fsio import ENV_CONTROL
-from consumers.testing import BrokerProcess, wait_for
+from conveyor.errors import RequestTimeout, StorageFull, StorageIOError
+from conveyor.testing import BrokerProcess, wait_for
 
 
 def refused_send(address: str, topic: str) -> BaseException | None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 import random
 
-from broker.ranges import count, intersect, normalize, subtract, to_ranges, window
+from conveyor.broker.wire.ranges import count, intersect, normalize, subtract, to_ranges, window
 
 
 def offsets(ranges) -> set[int]:

@@ -17,11 +17,12 @@ import threading
 import time
 
 import pytest
+from conveyor.broker.client.admin import Admin
+from conveyor.broker.client.producer import Producer
+from conveyor.broker.client.subscription import Subscription
 
-from broker.client import Admin, Producer
-from broker.errors import OffsetOutOfRange
-from consumers.session import Subscription
-from consumers.testing import BrokerProcess, wait_for
+from conveyor.errors import OffsetOutOfRange
+from conveyor.testing import BrokerProcess, wait_for
 
 # Members idle while a test publishes (seconds on a busy machine) must not be evicted meanwhile.
 HEARTBEAT_MS = 5000
@@ -224,7 +225,7 @@ def test_retention_passing_the_durable_offset_under_interval_fsync(conveyor_brok
 
 
 def _fetch_frame(topic: str, offset: int, *, wait_ms: int) -> list[bytes]:
-    from broker.protocol import Command, encode
+    from conveyor.broker.wire.protocol import Command, encode
 
     return encode(Command.FETCH, {"rid": 1, "topic": topic, "offset": offset, "wait_ms": wait_ms})
 
@@ -234,7 +235,7 @@ def test_tail_overtaken_by_retention_goes_on_from_the_start(broker):
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     options = ["--broker", broker.address, "--from", "earliest", "--format", "json", "--idle-timeout", "3"]
     tail = subprocess.Popen(
-        [sys.executable, "-m", "broker.cli", "tail", "tl", *options],
+        [sys.executable, "-m", "conveyor", "tail", "tl", *options],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,

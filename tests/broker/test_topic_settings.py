@@ -15,11 +15,12 @@ from typing import Any
 
 import pytest
 from broker_helpers import config_errors, conveyor_cli, drain
+from conveyor.broker.client.admin import Admin
+from conveyor.broker.client.producer import Producer
+from conveyor.broker.client.subscription import Subscription
 
-from broker.client import Admin, Producer
-from broker.errors import ConfigError, ReadOnlyTopic, UnknownTopic
-from consumers.session import Subscription
-from consumers.testing import BrokerProcess, wait_for
+from conveyor.errors import ConfigError, ReadOnlyTopic, UnknownTopic
+from conveyor.testing import BrokerProcess, wait_for
 
 
 @pytest.fixture(scope="module")

@@ -19,12 +19,13 @@ import msgpack
 import pytest
 import zmq
 from broker_helpers import config_errors, conveyor_cli
+from conveyor.broker.client.admin import Admin
+from conveyor.broker.client.async_producer import AsyncProducer
+from conveyor.broker.client.producer import Producer
+from conveyor.broker.wire.protocol import SIGNATURE, Command, decode
 
-from broker.aioclient import AsyncProducer
-from broker.client import Admin, Producer
-from broker.errors import ConfigError
-from broker.protocol import SIGNATURE, Command, decode
-from consumers.testing import BrokerProcess, wait_for
+from conveyor.errors import ConfigError
+from conveyor.testing import BrokerProcess, wait_for
 
 BATCH_TOO_LARGE, MALFORMED_FRAME, INVALID_REQUEST = 205, 201, 207
 

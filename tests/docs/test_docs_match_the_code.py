@@ -106,7 +106,7 @@ def shell_lines(block: Block) -> Iterator[str]:
 
 @cache
 def parser() -> argparse.ArgumentParser:
-    from broker.cli import build_parser
+    from conveyor.broker.cli.main import build_parser
 
     built = build_parser()
     for each in [built, *_subparsers_of(built).values()]:
@@ -234,9 +234,8 @@ SUFFIXES = {
 
 @cache
 def exposed_metrics() -> frozenset[str]:
+    from conveyor.monitoring.metrics import BrokerMetrics, RunnerMetrics, StateCollector
     from prometheus_client import CollectorRegistry
-
-    from monitoring.metrics import BrokerMetrics, RunnerMetrics, StateCollector
 
     broker, runner = CollectorRegistry(), CollectorRegistry()
     BrokerMetrics(broker)
@@ -252,7 +251,7 @@ def exposed_metrics() -> frozenset[str]:
 
 
 def test_every_metric_the_docs_name_exists():
-    from consumers import pytest_plugin
+    from conveyor import pytest_plugin
 
     fixtures = {name for name in vars(pytest_plugin) if name.startswith("conveyor_")}
     missing = set()
@@ -329,9 +328,12 @@ def test_every_python_module_the_docs_run_exists():
 
 @cache
 def client_classes() -> dict[str, type]:
-    from broker.client import Admin, AsyncProducer, Producer
-    from consumers import Message, Runner, Subscription
-    from consumers.testing import BrokerProcess
+    from conveyor.broker.client.admin import Admin
+    from conveyor.broker.client.async_producer import AsyncProducer
+    from conveyor.broker.client.producer import Producer
+    from conveyor.consumers import Message, Runner, Subscription
+
+    from conveyor.testing import BrokerProcess
 
     return {
         "Producer": Producer,
@@ -603,7 +605,7 @@ PROTOCOL = REPO / "docs" / "protocol.md"
 
 
 def test_the_protocol_lists_every_command_with_its_code():
-    from broker.protocol import Command
+    from conveyor.broker.wire.protocol import Command
 
     rows = re.findall(r"^\| (0x[0-9A-Fa-f]{2}) \| (\w+) \|", section(PROTOCOL, "Commands"), re.M)
     documented = {name: int(code, 16) for code, name in rows}
@@ -611,14 +613,14 @@ def test_the_protocol_lists_every_command_with_its_code():
 
 
 def test_the_protocol_lists_every_admin_op():
-    from broker.admin_ops import OPS
+    from conveyor.broker.server.admin import OPS
 
     documented = re.findall(r"^\| `(\w+)` \|", section(PROTOCOL, "ADMIN operations"), re.M)
     assert sorted(documented) == sorted(OPS), "docs/protocol.md's ADMIN table and broker/admin_ops.py OPS differ"
 
 
 def test_the_protocol_lists_every_error_code_with_its_name_and_retriable_flag():
-    from broker.errors import ALL_ERRORS
+    from conveyor.errors import ALL_ERRORS
 
     rows = re.findall(r"^\| (\d+) \| ([A-Z_]+) \| (yes|no) \|", section(PROTOCOL, "Errors"), re.M)
     documented = {(int(code), name, retriable == "yes") for code, name, retriable in rows}
@@ -632,7 +634,7 @@ def test_the_readme_links_every_doc():
 
 
 def test_the_readme_exit_codes_are_the_codes_of_broker_exitcodes():
-    from broker import exitcodes
+    from conveyor import exitcodes
 
     codes = {v for k, v in vars(exitcodes).items() if k.isupper() and isinstance(v, int)}
     rows = {int(c) for c in re.findall(r"^\| (\d+) \|", section(REPO / "README.md", "Exit codes"), re.M)}

@@ -22,11 +22,12 @@ from pathlib import Path
 from typing import Any
 
 import tenacity
+from conveyor.broker.client.admin import Admin
+from conveyor.broker.client.producer import Producer
+from conveyor.broker.client.subscription import Subscription
 
-from broker.client import Admin, Producer
-from broker.errors import ConveyorError
-from consumers.session import Subscription
-from consumers.testing import BrokerProcess, wait_for
+from conveyor.errors import ConveyorError
+from conveyor.testing import BrokerProcess, wait_for
 
 REPORT = Path(os.environ.get("CONVEYOR_FAULT_REPORT", "/tmp/conveyor-fault-report.jsonl"))
 

@@ -6,14 +6,13 @@ import errno
 import os
 
 import pytest
-
-from broker import fsio
+from conveyor.broker.log import syscalls
 
 
 def dirsync(path) -> None:
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
     try:
-        fsio.fsync(fd)
+        syscalls.fsync(fd)
     finally:
         os.close(fd)
 
@@ -22,31 +21,31 @@ def dirsync(path) -> None:
 def layer(tmp_path):
     journal = tmp_path / "journal"
     control = tmp_path / "control"
-    fsio.configure(journal=str(journal), control=str(control))
+    syscalls.configure(journal=str(journal), control=str(control))
     yield journal, control
-    fsio.configure()
+    syscalls.configure()
 
 
 def test_specs_parse_counts_skips_matches_and_comments():
-    plan = fsio.FaultPlan.parse("fsync_eio_after=2, write_eio=1,match=.log # the log only\nrename_eio")
+    plan = syscalls.FaultPlan.parse("fsync_eio_after=2, write_eio=1,match=.log # the log only\nrename_eio")
     assert plan.match == ".log"
-    assert plan.faults["fsync_eio"] == fsio.Fault(remaining=fsio.ALWAYS, skip=2)
-    assert plan.faults["write_eio"] == fsio.Fault(remaining=1)
+    assert plan.faults["fsync_eio"] == syscalls.Fault(remaining=syscalls.ALWAYS, skip=2)
+    assert plan.faults["write_eio"] == syscalls.Fault(remaining=1)
     assert [plan.fire("fsync_eio", "a.log") for _ in range(4)] == [False, False, True, True]
     assert not plan.fire("write_eio", "groups.json")
     assert [plan.fire("write_eio", "a.log") for _ in range(2)] == [True, False]
     with pytest.raises(ValueError):
-        fsio.FaultPlan.parse("fsync_sometimes")
+        syscalls.FaultPlan.parse("fsync_sometimes")
 
 
 def test_without_test_aids_the_calls_are_the_os_calls(tmp_path, monkeypatch):
-    fsio.configure()
+    syscalls.configure()
     calls = []
     monkeypatch.setattr(os, "fdatasync", lambda fd: calls.append(fd))  # looked up at call time
     fd = os.open(tmp_path / "f", os.O_RDWR | os.O_CREAT)
     try:
-        assert fsio.writev(fd, [b"ab", b"c"]) == 3
-        fsio.fdatasync(fd)
+        assert syscalls.writev(fd, [b"ab", b"c"]) == 3
+        syscalls.fdatasync(fd)
         assert calls == [fd]
     finally:
         os.close(fd)
@@ -58,17 +57,17 @@ def test_the_control_file_switches_faults_at_runtime(tmp_path, layer):
     try:
         control.write_text("torn_write=1,match=data.log")
         with pytest.raises(OSError) as failed:
-            fsio.writev(fd, [b"x" * 10])
+            syscalls.writev(fd, [b"x" * 10])
         assert failed.value.errno == errno.EIO
         assert os.fstat(fd).st_size == 5  # half of it reached the file
-        assert fsio.write(fd, b"y" * 4) == 4  # the fault was for one call
+        assert syscalls.write(fd, b"y" * 4) == 4  # the fault was for one call
         control.write_text("short_write")
-        assert fsio.write(fd, b"z" * 8) == 4
+        assert syscalls.write(fd, b"z" * 8) == 4
         control.write_text("")
-        assert fsio.write(fd, b"z" * 8) == 8
+        assert syscalls.write(fd, b"z" * 8) == 8
     finally:
         os.close(fd)
-    assert fsio.injected() == {"torn_write": 1, "short_write": 1}
+    assert syscalls.injected() == {"torn_write": 1, "short_write": 1}
 
 
 def test_power_loss_keeps_what_was_synced_and_drops_the_rest(tmp_path, layer):
@@ -77,32 +76,32 @@ def test_power_loss_keeps_what_was_synced_and_drops_the_rest(tmp_path, layer):
     root.mkdir()
     # a file synced at 6 bytes, then appended to
     fd = os.open(root / "seg.log", os.O_RDWR | os.O_CREAT | os.O_APPEND)
-    fsio.write(fd, b"synced")
+    syscalls.write(fd, b"synced")
     dirsync(root)  # its name is durable
-    fsio.fdatasync(fd)
-    fsio.write(fd, b"+lost")
+    syscalls.fdatasync(fd)
+    syscalls.write(fd, b"+lost")
     # a file whose fsync failed: the range is in doubt, and a later sync does not bring it back
     bad = os.open(root / "bad.log", os.O_RDWR | os.O_CREAT | os.O_APPEND)
     dirsync(root)
-    fsio.write(bad, b"AAAA")
-    fsio.fdatasync(bad)
-    fsio.write(bad, b"BBBB")
-    fsio.configure(journal=str(journal), faults="fsync_eio=1")
+    syscalls.write(bad, b"AAAA")
+    syscalls.fdatasync(bad)
+    syscalls.write(bad, b"BBBB")
+    syscalls.configure(journal=str(journal), faults="fsync_eio=1")
     with pytest.raises(OSError):
-        fsio.fdatasync(bad)
-    fsio.configure(journal=str(journal))
-    fsio.write(bad, b"CCCC")
-    fsio.fdatasync(bad)
+        syscalls.fdatasync(bad)
+    syscalls.configure(journal=str(journal))
+    syscalls.write(bad, b"CCCC")
+    syscalls.fdatasync(bad)
     # an offsets file replaced by a rename the directory never saw, and a file created after the last dir sync
     (root / "groups.json").write_text("old")
     dirsync(root)
     (root / ".groups.json.tmp").write_text("new")
-    fsio.replace(root / ".groups.json.tmp", root / "groups.json")
+    syscalls.replace(root / ".groups.json.tmp", root / "groups.json")
     (root / "late.log").write_bytes(b"never durable")
     os.close(fd)
     os.close(bad)
 
-    loss = fsio.simulate_power_loss(root, journal)
+    loss = syscalls.simulate_power_loss(root, journal)
 
     assert (root / "seg.log").read_bytes() == b"synced"
     assert (root / "bad.log").read_bytes() == b"AAAA" + bytes(4) + b"CCCC"
@@ -119,18 +118,18 @@ def test_a_cut_after_a_failed_fsync_removes_the_doubt(tmp_path, layer):
     (tmp_path / "d").mkdir()
     path = tmp_path / "d" / "seg.log"
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_APPEND)
-    fsio.write(fd, b"good")
-    fsio.fdatasync(fd)
-    fsio.write(fd, b"doubt")
-    fsio.configure(journal=str(journal), faults="fsync_eio=1")
+    syscalls.write(fd, b"good")
+    syscalls.fdatasync(fd)
+    syscalls.write(fd, b"doubt")
+    syscalls.configure(journal=str(journal), faults="fsync_eio=1")
     with pytest.raises(OSError):
-        fsio.fdatasync(fd)
-    fsio.configure(journal=str(journal))
-    fsio.ftruncate(fd, 4)  # what the broker does: cut back to the durable size
-    fsio.write(fd, b"again")
-    fsio.fdatasync(fd)
+        syscalls.fdatasync(fd)
+    syscalls.configure(journal=str(journal))
+    syscalls.ftruncate(fd, 4)  # what the broker does: cut back to the durable size
+    syscalls.write(fd, b"again")
+    syscalls.fdatasync(fd)
     os.close(fd)
-    loss = fsio.simulate_power_loss(tmp_path / "d", journal)
+    loss = syscalls.simulate_power_loss(tmp_path / "d", journal)
     assert path.read_bytes() == b"goodagain"
     assert not loss.holes
 
@@ -142,19 +141,19 @@ def test_what_is_known_of_a_deleted_file_does_not_stick_to_its_inode(tmp_path, l
     for _ in range(3):  # the kernel tends to hand a freed inode to the next file
         fd = os.open(root / "seg.log", os.O_RDWR | os.O_CREAT | os.O_APPEND)
         dirsync(root)
-        fsio.write(fd, b"x" * 10)
-        fsio.configure(journal=str(journal), faults="fsync_eio=1")
+        syscalls.write(fd, b"x" * 10)
+        syscalls.configure(journal=str(journal), faults="fsync_eio=1")
         with pytest.raises(OSError):
-            fsio.fdatasync(fd)
-        fsio.configure(journal=str(journal))
+            syscalls.fdatasync(fd)
+        syscalls.configure(journal=str(journal))
         os.close(fd)
-        fsio.unlink(root / "seg.log")
+        syscalls.unlink(root / "seg.log")
         dirsync(root)
     fd = os.open(root / "seg.log", os.O_RDWR | os.O_CREAT | os.O_APPEND)
     dirsync(root)
-    fsio.write(fd, b"fresh")
-    fsio.fdatasync(fd)
+    syscalls.write(fd, b"fresh")
+    syscalls.fdatasync(fd)
     os.close(fd)
-    loss = fsio.simulate_power_loss(root, journal)
+    loss = syscalls.simulate_power_loss(root, journal)
     assert (root / "seg.log").read_bytes() == b"fresh"
     assert not loss.holes

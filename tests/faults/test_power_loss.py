@@ -19,6 +19,8 @@ import random
 import time
 
 import pytest
+from conveyor.broker.client.producer import Producer
+from conveyor.broker.log.syscalls import ENV_JOURNAL, simulate_power_loss
 from fault_helpers import (
     Load,
     consumers,
@@ -30,9 +32,6 @@ from fault_helpers import (
     soak_seconds,
     wait_for,
 )
-
-from broker.client import Producer
-from broker.fsio import ENV_JOURNAL, simulate_power_loss
 
 TOPIC = "power"
 

@@ -18,6 +18,8 @@ import time
 
 import msgpack
 import zmq
+from conveyor.broker.client.producer import Producer
+from conveyor.broker.wire.protocol import Command, decode, encode
 from fault_helpers import (
     ConsumerThread,
     Load,
@@ -29,9 +31,6 @@ from fault_helpers import (
     report,
     wait_for,
 )
-
-from broker.client import Producer
-from broker.protocol import Command, decode, encode
 
 
 def test_a_frozen_broker_stores_every_resent_batch_once(brokers):
@@ -79,7 +78,7 @@ def test_a_frozen_broker_stores_every_resent_batch_once(brokers):
 CONSUMER = textwrap.dedent(
     """
     import sys, time
-    from consumers.session import Subscription
+    from conveyor.broker.client.subscription import Subscription
     sub = Subscription(sys.argv[2], "g", address=sys.argv[1], credit=100, batch_size=20, heartbeat_ms=300, liveness=3)
     while not sub.subscribed:
         sub.receive(timeout=0.1)

@@ -10,9 +10,8 @@ import time
 
 import msgpack
 import zmq
-
-from broker.client import Admin
-from broker.protocol import SIGNATURE, Command
+from conveyor.broker.client.admin import Admin
+from conveyor.broker.wire.protocol import SIGNATURE, Command
 
 TOPICS = 16
 RETENTION_MS = 12345

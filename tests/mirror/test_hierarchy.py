@@ -12,11 +12,12 @@ import urllib.error
 import urllib.request
 
 import pytest
+from conveyor.broker.client.admin import Admin
+from conveyor.broker.client.producer import Producer
+from conveyor.broker.client.subscription import Subscription
 
-from broker.client import Admin, Producer
-from broker.errors import ReadOnlyTopic
-from consumers.session import Subscription
-from consumers.testing import BrokerProcess, wait_for
+from conveyor.errors import ReadOnlyTopic
+from conveyor.testing import BrokerProcess, wait_for
 
 
 @pytest.fixture
@@ -221,7 +222,7 @@ def test_groups_reset_refresh_on_a_child_without_that_group_succeeds(tmp_path):
     try:
         publish(root.address, "orders", ["a", "b"])
         assert len(read_all(child.address, "orders", 2)) == 2
-        cmd = [sys.executable, "-m", "broker", "groups", "reset", "orders", "nobody", "--refresh"]
+        cmd = [sys.executable, "-m", "conveyor", "groups", "reset", "orders", "nobody", "--refresh"]
         result = subprocess.run([*cmd, "--broker", child.address], capture_output=True, text=True, timeout=60)
         assert result.returncode == 0, result.stderr
         assert "Traceback" not in result.stderr

@@ -9,7 +9,7 @@ import time
 
 from test_hierarchy import publish, read_all
 
-from consumers.testing import BrokerProcess
+from conveyor.testing import BrokerProcess
 
 
 def test_child_follows_a_parent_change_without_losing_offsets(tmp_path):
@@ -18,7 +18,7 @@ def test_child_follows_a_parent_change_without_losing_offsets(tmp_path):
     topology = tmp_path / "topology.json"
     topology.write_text(json.dumps({"nodes": {"leaf": {"role": "L3", "parent": l2.address}}}))
     registry = subprocess.Popen(
-        [sys.executable, "-m", "broker", "registry", "--topology", str(topology), "--port", "0"],
+        [sys.executable, "-m", "conveyor", "registry", "--topology", str(topology), "--port", "0"],
         stdout=subprocess.PIPE,
         text=True,
     )

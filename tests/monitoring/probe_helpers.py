@@ -20,7 +20,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from consumers.testing import scrape_metric
+from conveyor.testing import scrape_metric
 
 APPS = Path(__file__).parent / "apps"
 PHASE = 45.0  # every phase of a probe test gets this long: CI runs on 2 busy cores
@@ -93,7 +93,7 @@ class ProbedRunner:
     """
 
     def __init__(self, broker: str, *, args: list[str] | None = None) -> None:
-        cmd = [sys.executable, "-m", "consumers", "app_probe", "--broker", broker, "--metrics-port", "0"]
+        cmd = [sys.executable, "-m", "conveyor", "run", "app_probe", "--broker", broker, "--metrics-port", "0"]
         env = {**os.environ, "PYTHONPATH": f"{APPS}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
         env["PYTHONUNBUFFERED"] = "1"
         self.proc = subprocess.Popen(

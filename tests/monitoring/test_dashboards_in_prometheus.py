@@ -15,6 +15,10 @@ from pathlib import Path
 from typing import Any
 
 import zmq
+from conveyor.broker.client.producer import Producer
+from conveyor.broker.wire.protocol import Command, Frame, decode, encode
+from conveyor.broker.wire.record import pack_records
+from conveyor.broker.wire.values import make_record
 from dashboard_helpers import (
     all_queries,
     label_values_query,
@@ -25,11 +29,7 @@ from dashboard_helpers import (
 )
 from monitoring_helpers import PrometheusServer, publish, runner_metrics_url, sample_value, scrape, wait_for
 
-from broker.client import Producer
-from broker.codec import make_record
-from broker.protocol import Command, Frame, decode, encode
-from broker.record import pack_records
-from consumers.testing import BrokerProcess
+from conveyor.testing import BrokerProcess
 
 TRAFFIC_SECONDS = 8.0
 VALUES = {

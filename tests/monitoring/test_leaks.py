@@ -15,13 +15,14 @@ import urllib.error
 import urllib.request
 
 import pytest
+from conveyor.broker.client.admin import Admin
+from conveyor.broker.client.producer import Producer
+from conveyor.broker.client.subscription import Subscription
+from conveyor.monitoring.bounded_http import MAX_CONNECTIONS, PROBE_SLOTS
 from monitoring_helpers import runner_metrics_url
 
-from broker.client import Admin, Producer
-from broker.errors import UnknownTopic
-from consumers.session import Subscription
-from consumers.testing import wait_for
-from monitoring.bounded_http import MAX_CONNECTIONS, PROBE_SLOTS
+from conveyor.errors import UnknownTopic
+from conveyor.testing import wait_for
 
 TOPICS = 12
 

@@ -6,6 +6,10 @@ import signal
 from pathlib import Path
 from typing import Any
 
+from conveyor.broker.client.admin import Admin
+from conveyor.consumers.runner import Runner
+from conveyor.decorators import consumer
+from conveyor.monitoring.metrics import STATE_GAUGES
 from monitoring_helpers import (
     health,
     label_sets,
@@ -18,11 +22,6 @@ from monitoring_helpers import (
 )
 from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
-
-from broker.client import Admin
-from consumers.runner import Runner
-from decorators import consumer
-from monitoring.metrics import STATE_GAUGES
 
 GATED = {"topic": "gated", "group": "gatekeepers"}
 HOLD = {"handler": "app_monitored.hold", **GATED}

@@ -11,14 +11,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from monitoring_helpers import http_get, registered_families
-from prometheus_client import CollectorRegistry, generate_latest
-from prometheus_client.parser import text_string_to_metric_families
-
-from broker.server import Broker
-from broker.settings import BrokerSettings
-from monitoring.http import MetricsServer
-from monitoring.metrics import (
+from conveyor.broker.config.broker import BrokerSettings
+from conveyor.broker.server.broker import Broker
+from conveyor.monitoring.http import MetricsServer
+from conveyor.monitoring.metrics import (
     HANDLER_BUCKETS,
     LATENCY_BUCKETS,
     STATE_GAUGES,
@@ -26,8 +22,11 @@ from monitoring.metrics import (
     RunnerMetrics,
     StateCollector,
 )
+from monitoring_helpers import http_get, registered_families
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
 
-DOCS = Path(__file__).resolve().parents[2] / "docs" / "monitoring.md"
+DOCS = Path(__file__).resolve().parents[2] / "docs" / "conveyor.monitoring.md"
 TOPIC, GROUP = ("topic",), ("topic", "group")
 HANDLER = ("handler", "topic", "group")
 
@@ -166,7 +165,7 @@ def test_runner_metric(attribute: str) -> None:
 
 
 def test_build_info_names_the_component() -> None:
-    from broker import __version__
+    from conveyor.version import __version__
 
     for component, build in (("broker", BrokerMetrics), ("runner", RunnerMetrics)):
         registry = CollectorRegistry()
@@ -196,9 +195,8 @@ def test_process_metrics_have_values_on_an_injected_registry() -> None:
 
 
 def test_the_global_registry_is_not_given_the_process_collectors_twice() -> None:
+    from conveyor.monitoring.metrics import register_runtime_collectors
     from prometheus_client import REGISTRY
-
-    from monitoring.metrics import register_runtime_collectors
 
     register_runtime_collectors(REGISTRY)  # would raise "Duplicated timeseries" if it registered again
 

@@ -25,7 +25,18 @@ class RunnerProcess:
     ) -> None:
         self.out = out
         out.mkdir(parents=True, exist_ok=True)
-        cmd = [sys.executable, "-m", "consumers", module, "--broker", broker, "--metrics-port", "0", *(args or [])]
+        cmd = [
+            sys.executable,
+            "-m",
+            "conveyor",
+            "run",
+            module,
+            "--broker",
+            broker,
+            "--metrics-port",
+            "0",
+            *(args or []),
+        ]
         full_env = {
             **os.environ,
             "PYTHONPATH": f"{APPS}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",

@@ -6,11 +6,10 @@ import time
 
 import pytest
 import tenacity
-
-from consumers import Nack
-from consumers.lanes import _delay_ms
-from decorators import consumer, retry_policy
-from decorators.retry import UNBOUNDED_DELIVERIES, RetryPolicy
+from conveyor.consumers import Nack
+from conveyor.consumers.lanes import _delay_ms
+from conveyor.decorators import consumer, retry_policy
+from conveyor.decorators.retry import UNBOUNDED_DELIVERIES, RetryPolicy
 
 
 def handler(message):

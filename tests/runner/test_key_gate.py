@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import threading
 
-from consumers.exceptions import DeadLettered, Nack
-from consumers.lanes import KeyGate, Report, Work
-from consumers.message import Message
-from decorators.consumer import consumer
+from conveyor.broker.client.message import Message
+from conveyor.broker.client.subscription import DeadLettered
+from conveyor.consumers.lanes import KeyGate, Report, Work
+from conveyor.decorators.consumer import consumer
+from conveyor.decorators.exceptions import Nack
 
 
 def msg(offset: int, key: str, attempt: int = 1) -> Message:

@@ -16,10 +16,10 @@ import time
 from pathlib import Path
 
 import pytest
+from conveyor.broker.client.producer import Producer
+from conveyor.consumers import Subscription
 
-from broker.client import Producer
-from consumers import Subscription
-from consumers.testing import wait_for
+from conveyor.testing import wait_for
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -33,7 +33,7 @@ def write_app(root: Path, name: str, source: str) -> None:
 
 def run(cwd: Path, *args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    cmd = [sys.executable, "-m", "consumers", *args, "--metrics-port", "-1", "--broker", "tcp://127.0.0.1:1"]
+    cmd = [sys.executable, "-m", "conveyor", "run", *args, "--metrics-port", "-1", "--broker", "tcp://127.0.0.1:1"]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=cwd, env=env)
 
 
@@ -42,7 +42,7 @@ def test_a_module_that_raises_at_import_shows_its_own_traceback(tmp_path):
         tmp_path,
         "handlers",
         """\
-        from decorators import consumer
+        from conveyor.decorators import consumer
 
         SETTINGS = {}
         TIMEOUT = SETTINGS["timeout"]
@@ -72,7 +72,8 @@ def test_a_retry_count_the_wire_cannot_carry_stops_the_runner_at_import(conveyor
         "counts",
         """\
         import tenacity
-        from decorators import consumer, retry_policy
+        from conveyor.decorators import consumer
+        from conveyor.decorators import retry_policy
 
         @consumer("counts", group="g")
         @retry_policy(stop=tenacity.stop_after_attempt(2**40))
@@ -81,7 +82,17 @@ def test_a_retry_count_the_wire_cannot_carry_stops_the_runner_at_import(conveyor
         """,
     )
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    cmd = [sys.executable, "-m", "consumers", "app.counts", "--metrics-port", "-1", "--broker", conveyor_broker.address]
+    cmd = [
+        sys.executable,
+        "-m",
+        "conveyor",
+        "run",
+        "app.counts",
+        "--metrics-port",
+        "-1",
+        "--broker",
+        conveyor_broker.address,
+    ]
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=60, cwd=tmp_path, env=env)
     assert result.returncode == 2, result
     assert "stop_after_attempt takes an int from 1 to 2147483647, not 1099511627776" in result.stderr, result.stderr
@@ -120,7 +131,7 @@ def test_handlers_that_outrun_the_graceful_timeout_are_given_back_and_exit_3(con
         producer.send_many(topic, [b"a", b"b", b"c", b"d", b"e"])
         producer.flush(timeout=30)
     env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"}
-    cmd = [sys.executable, "-m", "consumers", "app.slow", "--broker", conveyor_broker.address]
+    cmd = [sys.executable, "-m", "conveyor", "run", "app.slow", "--broker", conveyor_broker.address]
     cmd += ["--metrics-port", "-1", "--graceful-timeout", "1"]
     proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:

@@ -9,11 +9,12 @@ from __future__ import annotations
 import collections
 import re
 
+from conveyor.broker.client.admin import Admin
+from conveyor.broker.client.producer import Producer
 from runner_helpers import RunnerProcess, records, wait_records
 
-from broker.client import Admin, Producer
-from broker.errors import ConveyorError
-from consumers.testing import scrape_metric, wait_for
+from conveyor.errors import ConveyorError
+from conveyor.testing import scrape_metric, wait_for
 
 
 def publish(address: str, topic: str, values: list, keys: list | None = None) -> None:

@@ -13,9 +13,8 @@ import pytest
 pytest.importorskip("pyspark")
 pytest.importorskip("pyarrow")
 
+from conveyor.pipeline.session import local_session
 from pyspark.sql import SparkSession
-
-from pipeline.session import local_session
 
 
 @pytest.fixture(scope="session")

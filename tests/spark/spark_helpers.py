@@ -8,10 +8,10 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
+from conveyor.broker.client.producer import Producer
 from pyspark.sql import DataFrame, SparkSession
 
-from broker.client import Producer
-from broker.errors import DuplicateSequence
+from conveyor.errors import DuplicateSequence
 
 
 def value_of(i: int) -> bytes:

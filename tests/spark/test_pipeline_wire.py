@@ -10,11 +10,10 @@ from __future__ import annotations
 import threading
 
 import pytest
-
-from broker.client import Producer
-from pipeline.options import OptionError, ReadOptions, WriteOptions, parse_position
-from pipeline.source import split_range
-from pipeline.wire import (
+from conveyor.broker.client.producer import Producer
+from conveyor.pipeline.options import OptionError, ReadOptions, WriteOptions, parse_position
+from conveyor.pipeline.source import split_range
+from conveyor.pipeline.wire import (
     ARROW_SCHEMA,
     Batcher,
     BatchPublisher,

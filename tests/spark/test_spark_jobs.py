@@ -7,10 +7,9 @@ import json
 import sqlite3
 
 import pytest
+from conveyor.broker.client.admin import Admin
+from conveyor.pipeline.jobs import archive, ingest, lag_report
 from spark_helpers import publish, read
-
-from broker.client import Admin
-from pipeline.jobs import archive, ingest, lag_report
 
 pytestmark = pytest.mark.spark
 

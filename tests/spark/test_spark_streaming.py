@@ -5,9 +5,8 @@ from __future__ import annotations
 import json
 
 import pytest
+from conveyor.broker.client.admin import Admin
 from spark_helpers import BackgroundProducer, read, wait_for
-
-from broker.client import Admin
 
 pytestmark = pytest.mark.spark
 

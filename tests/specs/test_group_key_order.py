@@ -12,11 +12,11 @@ from __future__ import annotations
 import random
 
 import pytest
-
-from broker.groups import Group, GroupSettings, Member
-from broker.memlog import MemoryLog
-from broker.record import pack_records
-from broker.storage import FsyncPolicy, TopicConfig
+from conveyor.broker.config.fsync import FsyncPolicy
+from conveyor.broker.log.memory_log import MemoryLog
+from conveyor.broker.log.topic_log import TopicConfig
+from conveyor.broker.server.groups import Group, GroupSettings, Member
+from conveyor.broker.wire.record import pack_records
 
 KEYS = [b"a", b"b", b"c", None]
 

@@ -9,9 +9,10 @@ from __future__ import annotations
 import random
 import sys
 
-from broker.filelog import FileLog
-from broker.record import pack_records
-from broker.storage import FsyncPolicy, TopicConfig
+from conveyor.broker.config.fsync import FsyncPolicy
+from conveyor.broker.log.file_log import FileLog
+from conveyor.broker.log.topic_log import TopicConfig
+from conveyor.broker.wire.record import pack_records
 
 CONFIG = TopicConfig(segment_bytes=64 * 1024, index_interval_bytes=1024)
 SYNC_EVERY = 3

@@ -7,10 +7,11 @@ import random
 from dataclasses import dataclass
 from pathlib import Path
 
-from broker.filelog import FileLog
-from broker.record import HEADER_SIZE, pack_records
-from broker.storage import FsyncPolicy, TopicConfig, TopicLog
-from broker.store import Store
+from conveyor.broker.config.fsync import FsyncPolicy
+from conveyor.broker.log.data_dir import Store
+from conveyor.broker.log.file_log import FileLog
+from conveyor.broker.log.topic_log import TopicConfig, TopicLog
+from conveyor.broker.wire.record import HEADER_SIZE, pack_records
 
 
 class FakeClock:

@@ -11,17 +11,18 @@ import sys
 from pathlib import Path
 
 import pytest
+from conveyor.broker.client.admin import Admin
+from conveyor.broker.client.producer import Producer
+from conveyor.broker.log.data_dir import Store
+from conveyor.broker.log.data_dir_lock import LOCK_FILE, DataDirLock
 
-from broker.client import Admin, Producer
-from broker.datadir_lock import LOCK_FILE, DataDirLock
-from broker.errors import DataDirLocked
-from broker.store import Store
-from consumers.testing import BrokerProcess
+from conveyor.errors import DataDirLocked
+from conveyor.testing import BrokerProcess
 
 
 def second_broker(data_dir: Path) -> subprocess.CompletedProcess[str]:
     """``conveyor broker`` on ``data_dir``, as a user would start it; it must not keep running."""
-    cmd = [sys.executable, "-m", "broker", "--bind", "tcp://127.0.0.1:*", "--metrics-port", "-1"]
+    cmd = [sys.executable, "-m", "conveyor", "--bind", "tcp://127.0.0.1:*", "--metrics-port", "-1"]
     return subprocess.run(
         [*cmd, "--data-dir", str(data_dir)], capture_output=True, text=True, timeout=60, env=os.environ
     )

@@ -8,13 +8,13 @@ import random
 import shutil
 
 import pytest
+from conveyor.broker.log import durable
+from conveyor.broker.log.data_dir import GROUPS_FILE, TOPIC_FILE, Store, check_name
+from conveyor.broker.log.file_log import FileLog
+from conveyor.broker.log.memory_log import MemoryLog
 from storage_helpers import crash_store, random_body
 
-from broker import fsutil
-from broker.errors import ConfigError, InvalidName, StorageIOError, TopicExists, UnknownTopic
-from broker.filelog import FileLog
-from broker.memlog import MemoryLog
-from broker.store import GROUPS_FILE, TOPIC_FILE, Store, check_name
+from conveyor.errors import ConfigError, InvalidName, StorageIOError, TopicExists, UnknownTopic
 
 
 @pytest.fixture
@@ -175,7 +175,7 @@ def test_atomic_write_fsyncs_the_file_and_the_directory(tmp_path, monkeypatch):
     real_fsync = os.fsync
     monkeypatch.setattr(os, "fsync", lambda fd: (synced.append(os.readlink(f"/proc/self/fd/{fd}")), real_fsync(fd)))
 
-    fsutil.atomic_write(tmp_path / "f.json", b"{}")
+    durable.atomic_write(tmp_path / "f.json", b"{}")
 
     assert (tmp_path / "f.json").read_bytes() == b"{}"
     assert len(synced) == 2 and synced[1] == str(tmp_path)

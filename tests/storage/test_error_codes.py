@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from broker import errors
-from broker.errors import (
+from conveyor import errors
+from conveyor.errors import (
     ALL_ERRORS,
     ConveyorError,
     InvalidName,

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import pytest
+from conveyor.broker.wire.record import HEADER_SIZE, pack_records
 from storage_helpers import file_log, segment_files
 
-from broker.errors import OffsetOutOfRange
-from broker.record import HEADER_SIZE, pack_records
+from conveyor.errors import OffsetOutOfRange
 
 BODY = pack_records([(None, None, b"v" * 400)])  # three batches fill a 1500-byte segment
 SIZE = HEADER_SIZE + len(BODY)

@@ -6,11 +6,12 @@ import os
 import random
 
 import pytest
+from conveyor.broker.config.fsync import FsyncPolicy
+from conveyor.broker.log.memory_log import MemoryLog
+from conveyor.broker.log.topic_log import TopicConfig
 from storage_helpers import FakeClock, file_log, random_body
 
-from broker.errors import ConfigError
-from broker.memlog import MemoryLog
-from broker.storage import FsyncPolicy, TopicConfig
+from conveyor.errors import ConfigError
 
 
 @pytest.mark.parametrize(

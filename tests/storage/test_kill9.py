@@ -12,11 +12,10 @@ import time
 from pathlib import Path
 
 import pytest
+from conveyor.broker.config.fsync import FsyncPolicy
+from conveyor.broker.log.file_log import FileLog
+from conveyor.broker.wire.record import unpack_records
 from crash_writer import CONFIG, value_for
-
-from broker.filelog import FileLog
-from broker.record import unpack_records
-from broker.storage import FsyncPolicy
 
 REPO = Path(__file__).resolve().parents[2]
 WRITER = Path(__file__).with_name("crash_writer.py")

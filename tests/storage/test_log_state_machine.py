@@ -14,17 +14,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+from conveyor.broker.config.fsync import FsyncPolicy
+from conveyor.broker.log.file_log import FileLog
+from conveyor.broker.log.idempotence import WINDOW
+from conveyor.broker.log.memory_log import MemoryLog
+from conveyor.broker.log.topic_log import TopicConfig
+from conveyor.broker.wire.record import HEADER_SIZE, NO_PRODUCER, pack_records
 from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 from storage_helpers import FakeClock, crash
 
-from broker.errors import DuplicateSequence, OffsetOutOfRange
-from broker.filelog import FileLog
-from broker.memlog import MemoryLog
-from broker.producers import WINDOW
-from broker.record import HEADER_SIZE, NO_PRODUCER, pack_records
-from broker.storage import FsyncPolicy, TopicConfig
+from conveyor.errors import DuplicateSequence, OffsetOutOfRange
 
 SEGMENT_BYTES = 1024
 PRODUCERS = [11, 22, 33]

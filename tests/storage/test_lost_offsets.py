@@ -5,11 +5,11 @@ from __future__ import annotations
 import random
 from pathlib import Path
 
+from conveyor.broker.config.fsync import FsyncPolicy
+from conveyor.broker.log.file_log import FileLog
+from conveyor.broker.log.topic_log import TopicConfig
+from conveyor.broker.wire.record import HEADER_SIZE
 from storage_helpers import append_random, file_log, segment_files
-
-from broker.filelog import FileLog
-from broker.record import HEADER_SIZE
-from broker.storage import FsyncPolicy, TopicConfig
 
 
 def reopen(directory: Path, committed: dict[str, int] | None = None, **config: object) -> FileLog:

@@ -10,21 +10,21 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from conveyor.broker.log import data_dir as store_module
+from conveyor.broker.log import syscalls
+from conveyor.broker.log.data_dir import GROUPS_FILE, OffsetWriter, Store
 
-from broker import fsio
-from broker import store as store_module
-from broker.errors import ConveyorError, MetadataCorrupt, StorageFull, StorageIOError
-from broker.store import GROUPS_FILE, OffsetWriter, Store
-from consumers.testing import wait_for
+from conveyor.errors import ConveyorError, MetadataCorrupt, StorageFull, StorageIOError
+from conveyor.testing import wait_for
 
 
 @pytest.fixture
 def faults(tmp_path: Path) -> Iterator[Path]:
-    """A control file for ``broker/fsio.py``: write a fault spec into it to switch faults on."""
+    """A control file for ``broker/syscalls.py``: write a fault spec into it to switch faults on."""
     control = tmp_path / "faults"
-    fsio.configure(control=str(control))
+    syscalls.configure(control=str(control))
     yield control
-    fsio.configure()
+    syscalls.configure()
 
 
 class Errors:

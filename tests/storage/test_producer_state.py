@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import pytest
+from conveyor.broker.log.idempotence import ProducerState
 
-from broker.errors import DuplicateSequence
-from broker.producers import ProducerState
+from conveyor.errors import DuplicateSequence
 
 
 def state_with(pid: int, sequences: range, *, count: int = 3, window: int = 8) -> ProducerState:

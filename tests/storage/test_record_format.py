@@ -4,11 +4,7 @@ from __future__ import annotations
 
 import msgpack
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
-
-from broker.errors import BatchTooLarge, InvalidRequest, MalformedFrame, SegmentCorrupt
-from broker.record import (
+from conveyor.broker.wire.record import (
     HEADER_SIZE,
     NO_PRODUCER,
     Batch,
@@ -21,6 +17,10 @@ from broker.record import (
     unpack_records,
     validate_body,
 )
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from conveyor.errors import BatchTooLarge, InvalidRequest, MalformedFrame, SegmentCorrupt
 
 LIMIT = 1024
 

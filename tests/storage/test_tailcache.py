@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from broker.record import Batch
-from broker.tailcache import TailCache
+from conveyor.broker.log.tail_cache import TailCache
+from conveyor.broker.wire.record import Batch
 
 
 def batch(base: int, count: int = 2, size: int = 10) -> Batch:

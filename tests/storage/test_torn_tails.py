@@ -9,6 +9,8 @@ import struct
 from pathlib import Path
 
 import pytest
+from conveyor.broker.log.segment import INDEX_ENTRY
+from conveyor.broker.wire.record import HEADER_SIZE, Batch, encode_batch, encode_header, pack_records
 from storage_helpers import (
     Expected,
     append_random,
@@ -19,9 +21,7 @@ from storage_helpers import (
     segment_files,
 )
 
-from broker.errors import SegmentCorrupt
-from broker.record import HEADER_SIZE, Batch, encode_batch, encode_header, pack_records
-from broker.segment import INDEX_ENTRY
+from conveyor.errors import SegmentCorrupt
 
 CONFIG = {"segment_bytes": 2048, "index_interval_bytes": 256}
 

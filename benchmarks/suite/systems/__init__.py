@@ -10,14 +10,14 @@ from __future__ import annotations
 import importlib
 from types import ModuleType
 
-from benchmarks.suite.systems.base import System
+from conveyor.benchmarks.suite.systems.base import System
 
 NAMES = ("conveyor", "redis", "nats", "rabbitmq")
 MODULES = {
-    "conveyor": "benchmarks.suite.systems.conveyor",
-    "redis": "benchmarks.suite.systems.redis_streams",
-    "nats": "benchmarks.suite.systems.nats_jetstream",
-    "rabbitmq": "benchmarks.suite.systems.rabbitmq",
+    "conveyor": "conveyor.benchmarks.suite.systems.conveyor",
+    "redis": "conveyor.benchmarks.suite.systems.redis_streams",
+    "nats": "conveyor.benchmarks.suite.systems.nats_jetstream",
+    "rabbitmq": "conveyor.benchmarks.suite.systems.rabbitmq",
 }
 
 

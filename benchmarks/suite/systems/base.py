@@ -11,8 +11,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from benchmarks.suite.procstat import tree
-from benchmarks.suite.scenario import Scenario
+from conveyor.benchmarks.suite.procstat import tree
+from conveyor.benchmarks.suite.scenario import Scenario
 
 
 @dataclass(frozen=True, slots=True)

@@ -12,15 +12,15 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.suite.scenario import Scenario
-from benchmarks.suite.systems import base
+from conveyor.benchmarks.suite.scenario import Scenario
+from conveyor.benchmarks.suite.systems import base
 
 TITLE = "Conveyor"
 
 
 class ConveyorServer(base.Server):
     def __init__(self, workdir: Path | None, fsync: str, address: str = "") -> None:
-        from consumers.testing import BrokerProcess
+        from conveyor.testing import BrokerProcess
 
         self.broker: Any = None
         if address:
@@ -35,7 +35,7 @@ class ConveyorServer(base.Server):
         self._admin: Any = None
 
     def admin(self) -> Any:
-        from broker.client import Admin
+        from conveyor.broker.client.admin import Admin
 
         if self._admin is None:
             self._admin = Admin(self.address, timeout_ms=2000)
@@ -120,7 +120,7 @@ class Producer(base.ProducerClient):
     api = "Producer.send_many()"
 
     def __init__(self, endpoint: dict[str, Any], scenario: Scenario) -> None:
-        from broker.client import Producer as ConveyorProducer
+        from conveyor.broker.client.producer import Producer as ConveyorProducer
 
         self.topic = endpoint["topic"]
         self.producer = ConveyorProducer(
@@ -154,7 +154,7 @@ class Producer(base.ProducerClient):
 
 class Consumer(base.ConsumerClient):
     def __init__(self, endpoint: dict[str, Any], scenario: Scenario, group: int, index: int) -> None:
-        from consumers.session import Subscription
+        from conveyor.broker.client.subscription import Subscription
 
         self.sub = Subscription(
             endpoint["topic"],

@@ -24,8 +24,8 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from benchmarks.suite.scenario import Scenario
-from benchmarks.suite.systems import base
+from conveyor.benchmarks.suite.scenario import Scenario
+from conveyor.benchmarks.suite.systems import base
 
 TITLE = "NATS JetStream"
 DURABILITY = {

@@ -30,9 +30,9 @@ from collections import deque
 from pathlib import Path
 from typing import Any
 
-from benchmarks.suite.procstat import tree
-from benchmarks.suite.scenario import Scenario
-from benchmarks.suite.systems import base
+from conveyor.benchmarks.suite.procstat import tree
+from conveyor.benchmarks.suite.scenario import Scenario
+from conveyor.benchmarks.suite.systems import base
 
 TITLE = "RabbitMQ"
 DURABILITY = {

@@ -22,8 +22,8 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
-from benchmarks.suite.scenario import Scenario
-from benchmarks.suite.systems import base
+from conveyor.benchmarks.suite.scenario import Scenario
+from conveyor.benchmarks.suite.systems import base
 
 TITLE = "Redis Streams"
 DURABILITY = {

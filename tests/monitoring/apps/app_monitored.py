@@ -9,8 +9,8 @@ from __future__ import annotations
 import os
 import time
 
-from consumers import Message
-from decorators import consumer, retry_policy
+from conveyor.consumers import Message
+from conveyor.decorators import consumer, retry_policy
 
 GATE = os.environ.get("CONVEYOR_TEST_GATE", "")
 

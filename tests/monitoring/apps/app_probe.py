@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from consumers import Message
-from decorators import consumer
+from conveyor.consumers import Message
+from conveyor.decorators import consumer
 
 
 @consumer("probed", group="probes", prefetch=10)

@@ -1,0 +1,529 @@
+"""The ``conveyor`` command: broker, publish, tail, topics, groups, run, bench.
+
+Every option in an ``Option`` list (the broker's settings, ``--broker``, the
+runner's) also comes from ``CONVEYOR_<OPTION>`` and from a TOML file named by
+``--config``; a command's own arguments (a topic, ``--format``) are flags
+only. Client commands take ``--broker ADDR``. A wrong argument is a
+``CONFIG_ERROR`` with exit code 2, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import logging
+import math
+import os
+import sys
+from collections.abc import Callable, Sequence
+from datetime import datetime
+from typing import Any
+
+from conveyor.broker.config.addresses import DEFAULT_BROKER, check_address, endpoint
+from conveyor.broker.config.broker import BrokerSettings, broker_options
+from conveyor.broker.config.options import Option
+from conveyor.broker.config.sources import add_options, resolve
+from conveyor.broker.config.topics import TOPIC_SETTINGS, check_topic_settings
+
+from conveyor import exitcodes
+from conveyor.errors import ConfigError, ConveyorError, OffsetOutOfRange, UnknownGroup
+
+CLIENT_OPTIONS = [
+    Option("broker", DEFAULT_BROKER, "broker address", endpoint),
+    Option("curve-server-key", "", "the broker's CURVE public key (40 characters, or its .key file)"),
+    Option("curve-key", "", "this client's CURVE certificate (.key_secret file)"),
+]
+
+
+def client_options(args: argparse.Namespace, command: str, options: list[Option] | None = None) -> dict[str, Any]:
+    """Resolve a client command's options and apply its CURVE keys, if any."""
+    from conveyor.broker.net import security
+
+    opts = resolve(args, options or CLIENT_OPTIONS, command)
+    check_address(opts["broker"])  # the clients check it too; here it fails before `run` imports any handler
+    if opts.get("curve_server_key") or opts.get("curve_key"):
+        if not (opts.get("curve_server_key") and opts.get("curve_key")):
+            raise ConfigError("CURVE needs both --curve-server-key and --curve-key")
+        security.configure(server_key=opts["curve_server_key"], client_key_file=opts["curve_key"])
+    return opts
+
+
+Handler = Callable[[argparse.Namespace], int]
+COMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Handler]] = {}
+
+
+def command(
+    name: str, help_text: str, setup: Callable[[argparse.ArgumentParser], None]
+) -> Callable[[Handler], Handler]:
+    def register(handler: Handler) -> Handler:
+        COMMANDS[name] = (help_text, setup, handler)
+        return handler
+
+    return register
+
+
+# --- broker ---------------------------------------------------------------------------
+
+
+def _broker_setup(parser: argparse.ArgumentParser) -> None:
+    add_options(parser, broker_options())
+
+
+@command("broker", "start a broker", _broker_setup)
+def cmd_broker(args: argparse.Namespace) -> int:
+    from conveyor.broker.server.broker import Broker
+
+    values = resolve(args, broker_options(), "broker")
+    settings = BrokerSettings(**values)
+    logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    broker = Broker(settings)
+    endpoint = broker.bind()
+    metrics = f"http://{settings.metrics_bind}:{broker.metrics_server.port}/metrics" if broker.metrics_server else "off"
+
+    def ready(_: Broker) -> None:
+        print(
+            f"conveyor broker ready on {endpoint} (data {settings.data_dir}, fsync {settings.fsync}, "
+            f"metrics {metrics})",
+            flush=True,
+        )
+
+    broker.serve_forever(ready=ready)
+    print("conveyor broker stopped cleanly", flush=True)
+    return 0
+
+
+# --- publish ----------------------------------------------------------------------------
+
+
+def _publish_setup(parser: argparse.ArgumentParser) -> None:
+    add_options(parser, CLIENT_OPTIONS)
+    parser.add_argument("topic")
+    parser.add_argument("messages", nargs="*", help="values to send; one per stdin line when none are given")
+    parser.add_argument("--key", help="key for every message")
+    parser.add_argument("--header", action="append", default=[], metavar="K=V", help="a header (repeatable)")
+    parser.add_argument(
+        "--format",
+        choices=["text", "json", "bytes"],
+        default="text",
+        help="text: UTF-8 strings; json: parse each value and send it as an object; bytes: raw",
+    )
+    parser.add_argument("--quiet", action="store_true", help="do not print offsets")
+
+
+@command("publish", "publish messages to a topic", _publish_setup)
+def cmd_publish(args: argparse.Namespace) -> int:
+    from conveyor.broker.client.admin import Admin
+    from conveyor.broker.client.producer import Producer
+
+    opts = client_options(args, "publish")
+    headers = dict(_pair(h) for h in args.header) or None
+    raws = args.messages or (line.rstrip("\n") for line in sys.stdin)
+    values = [_parse_value(raw, args.format, number) for number, raw in enumerate(raws, 1)]  # all valid, or none sent
+    with Admin(opts["broker"]) as admin:
+        admin.hello()  # no broker there: the same error, after the same wait, as every other command
+    futures = []
+    with Producer(opts["broker"], request_timeout_ms=5000, delivery_timeout_ms=30_000) as producer:
+        for value in values:
+            futures.append(producer.send(args.topic, value, key=args.key, headers=headers))
+        producer.flush(timeout=60)
+    offsets = [f.result() for f in futures]
+    if not args.quiet:
+        for offset in offsets:
+            print(offset)
+    print(f"published {len(offsets)} message(s) to {args.topic}", file=sys.stderr)
+    return 0
+
+
+def _parse_value(raw: str, fmt: str, number: int) -> Any:
+    if fmt == "json":
+        try:
+            return json.loads(raw)
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"message {number} is not JSON ({exc}): {raw[:80]!r}") from None
+    if fmt == "bytes":
+        return raw.encode()
+    return raw
+
+
+def _pair(text: str) -> tuple[str, str]:
+    key, sep, value = text.partition("=")
+    if not sep:
+        raise ConfigError(f"expected K=V, got {text!r}")
+    return key, value
+
+
+# --- tail ---------------------------------------------------------------------------------
+
+
+def _tail_setup(parser: argparse.ArgumentParser) -> None:
+    add_options(parser, CLIENT_OPTIONS)
+    parser.add_argument("topic")
+    parser.add_argument(
+        "--from",
+        dest="start",
+        default="latest",
+        help="earliest, latest, an offset, or an ISO time (2026-11-26T10:00:00)",
+    )
+    parser.add_argument("--count", type=int, default=0, help="exit after N messages (0: follow forever)")
+    parser.add_argument("--format", choices=["json", "text"], default="text")
+    parser.add_argument(
+        "--idle-timeout",
+        type=float,
+        default=0,
+        help="exit when no message arrives for this many seconds (0: wait forever)",
+    )
+    parser.add_argument(
+        "--wait",
+        action="store_true",
+        help="with --from past the end of the topic: wait for that offset instead of exiting with OFFSET_OUT_OF_RANGE",
+    )
+
+
+@command("tail", "print messages of a topic", _tail_setup)
+def cmd_tail(args: argparse.Namespace) -> int:
+    import time
+
+    from conveyor.broker.client.admin import Admin
+
+    opts = client_options(args, "tail")
+    _check_tail_limits(args)
+    printed = 0
+    with Admin(opts["broker"]) as admin:
+        offset = _start_offset(admin, args.topic, args.start, wait=args.wait)
+        last_data = time.monotonic()
+        while args.count <= 0 or printed < args.count:
+            want = 1000 if args.count <= 0 else min(1000, args.count - printed)
+            try:
+                messages, header = admin.fetch_batch(args.topic, offset, want, wait_ms=1000)
+            except OffsetOutOfRange as exc:
+                start = int(exc.fields.get("start_offset", -1))
+                if not offset < start:
+                    raise
+                messages, header = [], {"start_offset": start}
+            if offset < header["start_offset"]:
+                offset = _overtaken(args.topic, offset, header["start_offset"])
+            for message in messages:
+                _print_message(message, args.format)
+            printed += len(messages)
+            if messages:
+                offset = messages[-1].offset + 1
+                last_data = time.monotonic()
+            elif args.idle_timeout and time.monotonic() - last_data >= args.idle_timeout:
+                break
+    return 0
+
+
+def _check_tail_limits(args: argparse.Namespace) -> None:
+    """``--count -1`` or ``--idle-timeout nan`` would follow forever where the user asked for a bound."""
+    if args.count < 0:
+        raise ConfigError(f"--count takes 0 (follow forever) or a number of messages, not {args.count}")
+    if not math.isfinite(args.idle_timeout) or args.idle_timeout < 0:
+        raise ConfigError(
+            f"--idle-timeout takes 0 (wait forever) or a finite number of seconds, not {args.idle_timeout}"
+        )
+
+
+def _overtaken(topic: str, offset: int, start: int) -> int:
+    """Retention deleted what the tail was about to read: say so and go on from the log start."""
+    print(
+        f"conveyor tail: retention deleted offsets {offset} to {start - 1} of {topic} before they were read; "
+        f"going on from {start}",
+        file=sys.stderr,
+        flush=True,
+    )
+    return start
+
+
+def _start_offset(admin: Any, topic: str, start: str, *, wait: bool = False) -> int:
+    info = admin.describe_topic(topic)
+    first, end = int(info["start_offset"]), int(info["end_offset"])
+    if start == "earliest":
+        return first
+    if start == "latest":
+        return end
+    if start.lstrip("-").isdigit():
+        return _checked_offset(topic, int(start), first, end, wait)
+    return _offset_for_time(admin, topic, _timestamp_ms(start, "--from"), info)
+
+
+def _checked_offset(topic: str, offset: int, first: int, end: int, wait: bool) -> int:
+    """An offset ``--from`` may start at: below the log start is clamped (with a note), past the end is an error.
+
+    Printing nothing and exiting 0 for an offset the topic has not reached
+    would look like an empty range; ``--wait`` is the way to ask for it.
+    """
+    if offset < 0:
+        raise ConfigError(f"--from takes earliest, latest, an offset of 0 or more, or an ISO time, not {offset}")
+    if offset < first:
+        print(f"conveyor tail: offset {offset} was removed by retention; starting at {first}", file=sys.stderr)
+        return first
+    if offset > end and not wait:
+        raise OffsetOutOfRange(
+            f"--from {offset} is past the end of {topic} (its next message gets offset {end}); "
+            f"use --from latest, or --wait to wait for offset {offset}",
+            topic=topic,
+            offset=offset,
+            end_offset=end,
+        )
+    return offset
+
+
+def _timestamp_ms(text: str, option: str) -> int:
+    try:
+        when = datetime.fromisoformat(text)
+    except ValueError:
+        raise ConfigError(
+            f"{option} takes earliest, latest, an offset or an ISO time (2026-11-26T10:00:00), not {text!r}"
+        ) from None
+    try:
+        return int(when.timestamp() * 1000)
+    except (ValueError, OverflowError, OSError) as exc:  # year 1 in a zone east of UTC, year 9999 west of it
+        raise ConfigError(f"{option} {text}: the time is out of range ({exc})") from None
+
+
+def _offset_for_time(admin: Any, topic: str, ts_ms: int, info: dict[str, Any]) -> int:
+    low, high = int(info["start_offset"]), int(info["end_offset"])
+    while low < high:  # timestamps grow with offsets: bisect with FETCH
+        mid = (low + high) // 2
+        messages = admin.fetch(topic, mid, 1)
+        if not messages or messages[0].timestamp * 1000 >= ts_ms:
+            high = mid
+        else:
+            low = mid + 1
+    return low
+
+
+def _print_message(message: Any, fmt: str) -> None:
+    if fmt == "json":
+        print(json.dumps(message.to_dict(), default=_json_default, ensure_ascii=False), flush=True)
+    else:
+        data = message.to_dict()
+        print(f"{data['offset']}\t{data['key'] or ''}\t{data['value']}", flush=True)
+
+
+def _json_default(value: Any) -> Any:
+    if isinstance(value, bytes):
+        return value.decode("utf-8", errors="replace")
+    return str(value)
+
+
+# --- topics and groups ----------------------------------------------------------------------
+
+
+def _topics_setup(parser: argparse.ArgumentParser) -> None:
+    add_options(parser, CLIENT_OPTIONS)
+    parser.add_argument(
+        "action",
+        choices=["list", "create", "alter", "describe", "delete", "refresh"],
+        nargs="?",
+        default="list",
+        help="alter: change settings live; refresh: on a child broker, drop and re-mirror a topic from the parent",
+    )
+    parser.add_argument("name", nargs="?")
+    parser.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="K=V",
+        help="a topic setting for create or alter: "
+        + ", ".join(f"{name} ({setting.help})" for name, setting in TOPIC_SETTINGS.items())
+        + "; sizes take KB/MB/GB or KiB/MiB/GiB, durations ms/s/m/h/d/w",
+    )
+    parser.add_argument("--format", choices=["table", "json"], default="table")
+
+
+@command("topics", "list, create, describe, delete or refresh topics", _topics_setup)
+def cmd_topics(args: argparse.Namespace) -> int:
+    from conveyor.broker.client.admin import Admin
+
+    opts = client_options(args, "topics")
+    with Admin(opts["broker"]) as admin:
+        if args.action == "list":
+            result: Any = admin.list_topics()
+        else:
+            if not args.name:
+                raise ConfigError(f"topics {args.action} needs a topic name")
+            config = dict(_pair(s) for s in args.set)  # sent as typed: the broker's settings table parses them
+            check_topic_settings({k: v for k, v in config.items() if k != "storage"})  # the same table, no broker
+            if args.action == "create":
+                result = admin.create_topic(args.name, **config)
+            elif args.action == "alter":
+                if not config:
+                    raise ConfigError("topics alter needs at least one --set K=V")
+                result = admin.alter_topic(args.name, **config)
+            elif args.action == "describe":
+                result = admin.describe_topic(args.name)
+            elif args.action == "refresh":
+                result = admin.refresh_topic(args.name)
+            else:
+                result = admin.delete_topic(args.name)
+    _show(result, args.format, ["name", "start_offset", "end_offset", "segments", "size_bytes"])
+    return 0
+
+
+def _groups_setup(parser: argparse.ArgumentParser) -> None:
+    add_options(parser, CLIENT_OPTIONS)
+    parser.add_argument("action", choices=["list", "describe", "reset", "delete"], nargs="?", default="list")
+    parser.add_argument("topic", nargs="?")
+    parser.add_argument("group", nargs="?")
+    parser.add_argument("--to", help="reset target: earliest, latest, an offset, or an ISO time")
+    parser.add_argument(
+        "--refresh",
+        action="store_true",
+        help="on a child broker: first drop and re-mirror the topic from the parent's start",
+    )
+    parser.add_argument("--format", choices=["table", "json"], default="table")
+
+
+@command("groups", "list, describe, reset or delete consumer groups", _groups_setup)
+def cmd_groups(args: argparse.Namespace) -> int:
+    from conveyor.broker.client.admin import Admin
+
+    opts = client_options(args, "groups")
+    with Admin(opts["broker"]) as admin:
+        if args.action == "list":
+            result: Any = admin.list_groups(args.topic)
+        else:
+            if not (args.topic and args.group):
+                raise ConfigError(f"groups {args.action} needs TOPIC GROUP")
+            if args.action == "describe":
+                result = admin.describe_group(args.topic, args.group)
+            elif args.action == "delete":
+                result = admin.delete_group(args.topic, args.group)
+            else:
+                if args.refresh:
+                    result = admin.refresh_topic(args.topic)  # the topic's groups restart at the parent's start
+                    with contextlib.suppress(UnknownGroup):  # no such group here yet: the refresh is the result
+                        result = admin.describe_group(args.topic, args.group)
+                elif not args.to:
+                    raise ConfigError("groups reset needs --to earliest|latest|OFFSET|ISO-TIME, or --refresh")
+                else:
+                    result = admin.reset_offsets(args.topic, args.group, _reset_target(args.to))
+    _show(result, args.format, ["topic", "group", "committed_offset", "end_offset", "lag", "in_flight"])
+    return 0
+
+
+def _reset_target(text: str) -> Any:
+    if text in ("earliest", "latest"):
+        return text
+    if text.lstrip("-").isdigit():
+        return int(text)
+    return {"timestamp": _timestamp_ms(text, "--to")}
+
+
+def _show(result: Any, fmt: str, columns: list[str]) -> None:
+    if fmt == "json" or not isinstance(result, list):
+        print(json.dumps(result, indent=None if isinstance(result, list) else 2, default=str))
+        return
+    rows = [[str(item.get(c, "")) for c in columns] for item in result]
+    widths = [max(len(c), *(len(r[i]) for r in rows)) if rows else len(c) for i, c in enumerate(columns)]
+    print("  ".join(c.upper().ljust(w) for c, w in zip(columns, widths, strict=True)))
+    for row in rows:
+        print("  ".join(v.ljust(w) for v, w in zip(row, widths, strict=True)))
+
+
+def _registry_setup(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--topology", required=True, help='JSON file: {"nodes": {NAME: {"parent": ADDR, ...}}}')
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8500, help="0: any free port")
+
+
+@command("registry", "serve a topology registry for --registry discovery", _registry_setup)
+def cmd_registry(args: argparse.Namespace) -> int:
+    from conveyor.broker.server.topology import serve
+
+    if not 0 <= args.port <= 65535:  # the socket layer would raise OverflowError, or wrap it
+        raise ConfigError(f"--port {args.port}: must be a port, 0-65535 (0: any free port)")
+    server = serve(args.topology, host=args.host, port=args.port)
+    print(f"conveyor registry ready on http://{args.host}:{server.server_address[1]} ({args.topology})", flush=True)
+    try:
+        server.serve_forever()
+    finally:
+        server.server_close()
+    return 0
+
+
+def _keys_setup(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("action", choices=["generate", "show"])
+    parser.add_argument("name", help="generate: a name for the pair; show: a .key or .key_secret file")
+    parser.add_argument("--dir", default=".", help="where generate writes NAME.key and NAME.key_secret")
+
+
+@command("keys", "generate or show CURVE certificates for encryption and authentication", _keys_setup)
+def cmd_keys(args: argparse.Namespace) -> int:
+    import zmq.auth
+    from conveyor.broker.net import security
+
+    if args.action == "generate":
+        public, secret = security.generate(args.dir, args.name)
+        print(f"public key file (share it): {public}")
+        print(f"secret key file (keep it):  {secret}")
+        print(f"public key: {zmq.auth.load_certificate(str(public))[0].decode()}")
+    else:
+        try:
+            key = zmq.auth.load_certificate(args.name)[0]
+        except (OSError, ValueError) as exc:
+            raise ConfigError(f"{args.name}: not a readable CURVE certificate ({exc})") from None
+        print(key.decode())
+    return 0
+
+
+# --- entry point ----------------------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    _load_plugins()
+    parser = argparse.ArgumentParser(prog="conveyor", description="Conveyor message broker")
+    parser.add_argument("--version", action="version", version=f"conveyor {_version()}")
+    subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name, (help_text, setup, handler) in COMMANDS.items():
+        sub = subparsers.add_parser(name, help=help_text, description=help_text)
+        setup(sub)
+        sub.set_defaults(handler=handler)
+    return parser
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("conveyor")
+    except PackageNotFoundError:
+        return "(not installed)"
+
+
+def _load_plugins() -> None:
+    """``run`` registers itself on import; ``bench`` comes from the benchmarks package, which the CLI alone may use."""
+    import importlib
+
+    importlib.import_module("conveyor.broker.cli.run")
+    bench = importlib.import_module("conveyor.benchmarks.cli")
+    COMMANDS.setdefault("bench", (bench.HELP, bench.setup, bench.run))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.handler(args))
+    except ConveyorError as exc:
+        for line in exc.message.splitlines() or [""]:  # one line per problem, each with its code
+            print(f"conveyor {args.command}: [{exc.name}] {line}", file=sys.stderr)
+        return exitcodes.ERROR
+    except KeyboardInterrupt:
+        return exitcodes.INTERRUPTED
+    except BrokenPipeError:
+        _silence_stdout()
+        return exitcodes.BROKEN_PIPE
+
+
+def _silence_stdout() -> None:
+    """The reader went away: point stdout at /dev/null so that the interpreter's final flush stays quiet too."""
+    with contextlib.suppress(OSError, ValueError):
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,156 @@
+"""``Admin``: topics, groups and offsets, and ``fetch`` to read a range without a group."""
+
+from __future__ import annotations
+
+import itertools
+import os
+import threading
+import time
+from typing import Any
+
+import zmq
+from conveyor.broker.client.message import Message, messages_from_entries
+from conveyor.broker.config.addresses import broker_address
+from conveyor.broker.net.connection import new_dealer
+from conveyor.broker.wire.protocol import Command, decode, encode, error_from_header
+
+from conveyor.errors import BrokerUnavailable
+
+
+class Admin:
+    """Topics, groups and offsets; also ``fetch`` to read a range without a group."""
+
+    def __init__(
+        self, address: str | None = None, *, timeout_ms: int = 10_000, context: zmq.Context[Any] | None = None
+    ) -> None:
+        self.address = broker_address(address)  # CONVEYOR_BROKER when not given, as the command line
+        self.timeout = timeout_ms / 1000
+        self._ctx = context or zmq.Context.instance()
+        self._lock = threading.Lock()
+        self._rids = itertools.count(1)
+        self._sock, self._watch = new_dealer(self._ctx, self.address)
+
+    def request(self, command: Command, header: dict[str, Any], *, timeout: float | None = None) -> Any:
+        """One request, one reply; raises the broker's error as its own class."""
+        with self._lock:
+            rid = next(self._rids)
+            self._sock.send_multipart(encode(command, {**header, "rid": rid}))
+            deadline = time.monotonic() + (timeout if timeout is not None else self.timeout)
+            while True:
+                remaining = deadline - time.monotonic()
+                ready = self._wait(remaining)
+                if ready is self._watch.socket:
+                    refused = self._watch.read()
+                    if refused is None:
+                        continue
+                    self._reset_socket()
+                    raise refused
+                if ready is None:
+                    self._reset_socket()
+                    raise BrokerUnavailable(
+                        f"no answer from {self.address} in time (is a broker running there? "
+                        "one that requires CURVE answers only clients that have its public key)"
+                    )
+                reply = decode(self._sock.recv_multipart())
+                if reply.get("rid") != rid:
+                    continue  # a late answer to an abandoned request
+                if reply.command is Command.ERROR:
+                    raise error_from_header(reply.header)
+                return reply
+
+    def _wait(self, remaining: float) -> Any:
+        """The socket that became readable first (the reply's, or the handshake watch's), or None at the deadline."""
+        if remaining <= 0:
+            return None
+        poller = zmq.Poller()
+        poller.register(self._sock, zmq.POLLIN)
+        poller.register(self._watch.socket, zmq.POLLIN)
+        events = dict(poller.poll(int(remaining * 1000) + 1))
+        if self._sock in events:
+            return self._sock
+        return self._watch.socket if self._watch.socket in events else None
+
+    def _reset_socket(self) -> None:
+        self._watch.close()
+        self._sock.close(linger=0)
+        self._sock, self._watch = new_dealer(self._ctx, self.address)
+
+    def _admin(self, op: str, **args: Any) -> Any:
+        return self.request(Command.ADMIN, {"op": op, **args}).get("result")
+
+    def create_topic(self, name: str, **config: Any) -> dict[str, Any]:
+        return self._admin("create_topic", topic=name, config=config)
+
+    def alter_topic(self, name: str, **config: Any) -> dict[str, Any]:
+        """Change a topic's settings live (``retention_ms="7d"``, ``read_only=True``, ...); its description after.
+
+        Each setting is checked as in ``create_topic``: a bad one is a ``ConfigError`` and nothing changes.
+        """
+        return self._admin("alter_topic", topic=name, config=config)
+
+    def delete_topic(self, name: str) -> dict[str, Any]:
+        return self._admin("delete_topic", topic=name)
+
+    def list_topics(self) -> list[dict[str, Any]]:
+        return self._admin("list_topics")
+
+    def describe_topic(self, name: str) -> dict[str, Any]:
+        return self._admin("describe_topic", topic=name)
+
+    def list_groups(self, topic: str | None = None) -> list[dict[str, Any]]:
+        return self._admin("list_groups", **({"topic": topic} if topic else {}))
+
+    def describe_group(self, topic: str, group: str) -> dict[str, Any]:
+        return self._admin("describe_group", topic=topic, group=group)
+
+    def reset_offsets(self, topic: str, group: str, to: str | int | dict[str, int]) -> dict[str, Any]:
+        """``to``: ``"earliest"``, ``"latest"``, an offset, or ``{"timestamp": ms}``."""
+        return self._admin("reset_offsets", topic=topic, group=group, to=to)
+
+    def delete_group(self, topic: str, group: str) -> dict[str, Any]:
+        return self._admin("delete_group", topic=topic, group=group)
+
+    def refresh_topic(self, topic: str) -> dict[str, Any]:
+        """On a child broker: drop the topic and mirror it again from the parent's start.
+
+        Subscribers get a RESET event, re-read from the start, then a READY event.
+        """
+        return self._admin("refresh_topic", topic=topic)
+
+    def mirror_status(self) -> dict[str, Any] | None:
+        """The upstream link of a child broker (None on a broker that mirrors nothing)."""
+        return self._admin("mirror_status")
+
+    def hello(self) -> dict[str, Any]:
+        return self.request(Command.HELLO, {"client": f"conveyor-admin/{os.getpid()}"}).header
+
+    def fetch(
+        self, topic: str, offset: int, max_messages: int = 1000, *, wait_ms: int = 0, max_bytes: int = 1 << 20
+    ) -> list[Message]:
+        """Read up to ``max_messages`` from ``offset`` without a group (FETCH)."""
+        return self.fetch_batch(topic, offset, max_messages, wait_ms=wait_ms, max_bytes=max_bytes)[0]
+
+    def fetch_batch(
+        self, topic: str, offset: int, max_messages: int = 1000, *, wait_ms: int = 0, max_bytes: int = 1 << 20
+    ) -> tuple[list[Message], dict[str, Any]]:
+        """Messages and the reply header (``start_offset``, ``end_offset``)."""
+        header = {
+            "topic": topic,
+            "offset": offset,
+            "max_messages": max_messages,
+            "wait_ms": wait_ms,
+            "max_bytes": max_bytes,
+        }
+        reply = self.request(Command.FETCH, header, timeout=self.timeout + wait_ms / 1000)
+        messages = messages_from_entries(topic, reply.get("entries", []), [bytes(b) for b in reply.payload])
+        return messages[:max_messages], reply.header
+
+    def close(self) -> None:
+        self._watch.close()
+        self._sock.close(linger=0)
+
+    def __enter__(self) -> Admin:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

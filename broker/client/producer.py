@@ -1,0 +1,647 @@
+"""Producer and Admin clients.
+
+``Producer`` batches by linger and size in the caller's thread and does all
+socket work in one background I/O thread. Every batch carries the
+producer's id and a per-topic sequence, so after a timeout it can
+reconnect and resend everything unconfirmed: the broker stores each batch
+once and answers a resend with the original offsets.
+
+Per message, ``send()`` appends the record's bytes to the open batch and
+returns a light future; ``send_many()`` does the same for a whole list at a
+fraction of the cost. While ``max_in_flight`` batches of a topic await their
+confirms, that topic's open batch keeps filling (up to ``batch_size``)
+instead of queueing up small batches behind them.
+
+When to send a batch that is not full: by default when ``linger_ms`` ends
+(Kafka's ``linger.ms``). With ``eager=True``, at once if no batch of its
+topic is in flight, else when a confirm comes back or ``linger_ms`` ends,
+whichever is first (Nagle's rule, as NATS clients flush): an idle producer
+adds no wait and a busy one batches by itself. It sends more, smaller
+batches, so it pays where a broker pass is cheap: at 5,000 msg/s it cut the
+p99 from 3.6 to 2.8 ms with ``fsync=none``, and raised it from 3.7 to 8.0 ms
+with ``fsync=batch``, where every extra batch costs the broker an fsync.
+"""
+
+from __future__ import annotations
+
+import bisect
+import contextlib
+import functools
+import itertools
+import logging
+import math
+import random
+import socket
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass
+from operator import add
+from typing import Any
+
+import msgpack
+import tenacity
+import zmq
+from conveyor.broker.client.futures import BatchState, batch_futures, new_future
+from conveyor.broker.client.options import check_producer_options
+from conveyor.broker.config.addresses import broker_address
+from conveyor.broker.net.connection import backoff_seconds, new_dealer
+from conveyor.broker.net.transport import NOBLOCK, recv_frames, send_frames
+from conveyor.broker.wire.protocol import Command, decode, encode, error_from_header
+from conveyor.broker.wire.values import make_record
+
+from conveyor.errors import ConveyorError, RequestTimeout, buffer_full, delivery_timed_out
+
+__all__ = ["Producer"]
+
+log = logging.getLogger("conveyor.client")
+
+
+# --- batch bodies, built as messages arrive -----------------------------------------------
+#
+# A batch body is a msgpack array of ``[key, headers, value]`` records (see
+# ``broker.record``). The producer appends each record's encoding to one
+# ``bytearray`` as it is sent and adds the array header when the batch goes
+# out, so a queued message costs two byte copies and no Python objects.
+
+_packb = msgpack.Packer(use_bin_type=True).pack
+_POLL_SLACK = 0.0002  # a poll that wakes this early for a linger deadline counts as on time
+
+
+def _bin_header(n: int) -> bytes:
+    if n < 0x100:
+        return b"\xc4" + n.to_bytes(1, "big")
+    if n < 0x10000:
+        return b"\xc5" + n.to_bytes(2, "big")
+    return b"\xc6" + n.to_bytes(4, "big")
+
+
+def _record_prefix(n: int) -> bytes:
+    """The encoding of ``[nil, nil, bin(n)]`` up to the value's bytes."""
+    return b"\x93\xc0\xc0" + _bin_header(n)
+
+
+_RECORD_PREFIX = {n: _record_prefix(n) for n in range(1024)}  # a plain dict: the fastest lookup
+
+
+def _record_prefixes(values: Sequence[bytes]) -> list[bytes]:
+    lengths = list(map(len, values))
+    if max(lengths, default=0) < 1024:
+        return list(map(_RECORD_PREFIX.__getitem__, lengths))
+    return [_RECORD_PREFIX.get(n) or _record_prefix(n) for n in lengths]
+
+
+def _array_header(n: int) -> bytes:
+    if n < 16:
+        return (0x90 | n).to_bytes(1, "big")
+    if n < 0x10000:
+        return b"\xdc" + n.to_bytes(2, "big")
+    return b"\xdd" + n.to_bytes(4, "big")
+
+
+def _encode_record(value: Any, key: str | bytes | None, headers: dict[str, str] | None) -> bytes:
+    """One record's msgpack encoding, as ``pack_records`` would write it inside the array."""
+    if type(value) is bytes and key is None and headers is None:
+        return (_RECORD_PREFIX.get(len(value)) or _record_prefix(len(value))) + value
+    return _packb(make_record(value, key, headers))
+
+
+class _Buffer:
+    """The batch being filled for one topic."""
+
+    __slots__ = ("batch", "body", "count", "opened")
+
+    def __init__(self, opened: float, explain_timeout: Callable[[float | None], BaseException]) -> None:
+        self.body = bytearray()
+        self.count = 0
+        self.batch = BatchState(explain_timeout)
+        self.opened = opened
+
+
+@dataclass(slots=True)
+class _InFlight:
+    rid: int
+    topic: str
+    seq: int
+    body: bytes
+    count: int
+    futures: BatchState
+    sent_at: float
+    first_sent: float
+    attempts: int = 1
+    last_error: ConveyorError | None = None  # the last retriable error the broker answered
+    held: int = 0  # record bytes counted against the producer's buffer_memory until settled
+
+
+class Producer:
+    """A thread-safe, batching, idempotent producer with publisher confirms.
+
+    ``send()`` returns a ``concurrent.futures.Future`` of the message's offset,
+    resolved when the broker confirms the batch as durable. ``address``
+    defaults to ``CONVEYOR_BROKER``, else ``tcp://127.0.0.1:5555``.
+
+    ``close()`` (and leaving a ``with`` block) waits for outstanding confirms
+    while the broker keeps confirming, and gives up after ``close_timeout_ms``
+    without one: a broker that is down costs 5 s, not the delivery timeout.
+    Every wait that runs out raises ``RequestTimeout`` (a ``TimeoutError``)
+    naming the broker.
+    """
+
+    def __init__(
+        self,
+        address: str | None = None,
+        *,
+        linger_ms: float = 5.0,
+        batch_size: int = 1000,
+        max_batch_bytes: int = 1 << 20,
+        max_in_flight: int = 8,
+        request_timeout_ms: int = 5000,
+        delivery_timeout_ms: int = 120_000,
+        buffer_memory: int = 32 << 20,
+        max_block_ms: float = 60_000,
+        close_timeout_ms: float = 5000,
+        eager: bool = False,
+        retry_wait: Any = None,
+        context: zmq.Context[Any] | None = None,
+    ) -> None:
+        check_producer_options(
+            linger_ms=linger_ms,
+            batch_size=batch_size,
+            max_batch_bytes=max_batch_bytes,
+            max_in_flight=max_in_flight,
+            request_timeout_ms=request_timeout_ms,
+            delivery_timeout_ms=delivery_timeout_ms,
+            buffer_memory=buffer_memory,
+            max_block_ms=max_block_ms,
+            close_timeout_ms=close_timeout_ms,
+        )
+        self.address = broker_address(address)
+        self.close_timeout = close_timeout_ms / 1000
+        self.eager = eager
+        self.buffer_memory = buffer_memory
+        self.max_block = max_block_ms / 1000
+        self.linger = linger_ms / 1000
+        self.batch_size = batch_size
+        self.max_batch_bytes = max_batch_bytes
+        self.max_in_flight = max_in_flight
+        self.request_timeout = request_timeout_ms / 1000
+        self.delivery_timeout = delivery_timeout_ms / 1000
+        self.retry_wait = retry_wait or tenacity.wait_random_exponential(multiplier=0.05, max=2.0)
+        self.producer_id = random.getrandbits(62) or 1
+        self._ctx = context or zmq.Context.instance()
+        self._lock = threading.Lock()
+        self._idle = threading.Condition(self._lock)
+        self._room = threading.Condition(self._lock)
+        self._buffers: dict[str, _Buffer] = {}
+        self._outstanding = 0
+        self._held = 0  # bytes of records sent but not yet confirmed or failed
+        self._closed = False
+        self._abort: RequestTimeout | None = None  # set by close() when it gives up: the I/O thread fails the rest
+        self._last_settled = time.monotonic()
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_r.setblocking(False)
+        self._wake_w.setblocking(False)
+        self._woken = False
+        self._io = _ProducerIO(self)
+        self._thread = threading.Thread(target=self._io.run, name="conveyor-producer", daemon=True)
+        self._thread.start()
+
+    # --- the caller's side ----------------------------------------------------------
+
+    def send(
+        self,
+        topic: str,
+        value: Any,
+        *,
+        key: str | bytes | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> Future[int]:
+        """Queue one message; the future resolves to its offset once durable."""
+        if type(value) is bytes and key is None and headers is None:  # the fast path: nothing to encode
+            try:
+                record = _RECORD_PREFIX[len(value)] + value
+            except KeyError:
+                record = _record_prefix(len(value)) + value
+        else:
+            record = _encode_record(value, key, headers)
+        lock = self._lock
+        lock.acquire()  # not ``with``: half the cost, and this runs once per message
+        try:
+            if self._held + len(record) > self.buffer_memory and self._held:
+                self._wait_for_room(len(record))
+            self._held += len(record)
+            buf = self._buffers.get(topic)
+            if buf is None or len(buf.body) + len(record) > self.max_batch_bytes:
+                buf = self._open_buffer(topic, buf)
+            buf.body += record
+            index = buf.count
+            buf.count = index + 1
+            if index + 1 >= self.batch_size:
+                self._hand_off(topic)
+            batch = buf.batch
+        finally:
+            lock.release()
+        return new_future(batch, index)
+
+    def send_many(
+        self,
+        topic: str,
+        values: Iterable[Any],
+        *,
+        key: str | bytes | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> list[Future[int]]:
+        """Queue many messages at once (same key and headers); one future per message, in order.
+
+        The same as calling ``send()`` for each value, at a fraction of the cost
+        per message: encoding and queueing work on the whole list.
+        """
+        if not isinstance(values, list | tuple):
+            values = list(values)  # a generator would be used up by the first pass
+        if key is None and headers is None and all(type(v) is bytes for v in values):
+            records = list(map(add, _record_prefixes(values), values))
+        else:
+            records = [_encode_record(v, key, headers) for v in values]
+        size = sum(map(len, records))
+        with self._lock:
+            if self._held + size > self.buffer_memory and self._held:
+                self._wait_for_room(size)
+            self._held += size  # all or nothing: the whole call is queued, or BufferFull and none of it
+        futures: list[Future[int]] = []
+        done = 0
+        total = len(records)
+        while done < total:
+            with self._lock:
+                buf = self._buffers.get(topic)
+                if buf is None or len(buf.body) + len(records[done]) > self.max_batch_bytes:
+                    buf = self._open_buffer(topic, buf)
+                take = min(total - done, self.batch_size - buf.count)
+                chunk = records[done : done + take]
+                if len(buf.body) + sum(map(len, chunk)) > self.max_batch_bytes:
+                    # Cut at the byte limit; at least one record, since the buffer had room for the first.
+                    sizes = list(itertools.accumulate(map(len, chunk), initial=len(buf.body)))
+                    take = max(1, bisect.bisect_right(sizes, self.max_batch_bytes) - 1)
+                    chunk = chunk[:take]
+                buf.body += b"".join(chunk)
+                first = buf.count
+                buf.count = first + take
+                batch = buf.batch
+                if done + take < total or buf.count >= self.batch_size:
+                    self._hand_off(topic)
+            futures += batch_futures(batch, first, take)
+            done += take
+        return futures
+
+    def _wait_for_room(self, size: int) -> None:
+        """Under the lock: block until ``size`` more bytes fit in ``buffer_memory`` (or nothing is held).
+
+        Back-pressure, as Kafka's ``buffer.memory`` and ``max.block.ms``: a caller
+        sending faster than the broker confirms waits here instead of growing the
+        buffer without bound.
+        """
+        deadline = time.monotonic() + self.max_block
+        while self._held and self._held + size > self.buffer_memory:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise buffer_full(self._held, self.buffer_memory, self.max_block)
+            for topic in list(self._buffers):  # what lingers would wait for its linger: send it now
+                self._hand_off(topic)
+            self._room.wait(remaining)
+
+    def _open_buffer(self, topic: str, full: _Buffer | None) -> _Buffer:
+        """Under the lock: a fresh buffer for ``topic``, handing off the full one."""
+        if self._closed:
+            raise RuntimeError("producer is closed")
+        if full is not None:
+            self._hand_off(topic)
+        buf = self._buffers[topic] = _Buffer(time.monotonic(), functools.partial(self._result_timed_out, topic))
+        if not self._woken:  # the I/O thread starts the linger clock
+            self._woken = True
+            self._wake()
+        return buf
+
+    def _hand_off(self, topic: str, *, wake: bool = True) -> None:
+        """Under the lock: the topic's buffer goes to the I/O thread; its messages now count as outstanding."""
+        buf = self._buffers.pop(topic)
+        self._outstanding += buf.count
+        self._io.ready.append((topic, buf))
+        if wake and not self._woken:
+            self._woken = True
+            self._wake()
+
+    def _wake(self) -> None:
+        with contextlib.suppress(BlockingIOError):
+            self._wake_w.send(b"\0")
+
+    def flush(self, timeout: float | None = None) -> None:
+        """Send everything now and wait until every message is confirmed or failed.
+
+        Past ``timeout`` seconds: ``RequestTimeout`` (a ``TimeoutError``) naming the broker.
+        """
+        self._wait_settled(timeout, None)
+
+    def _wait_settled(self, timeout: float | None, silence: float | None) -> None:
+        """Hand off every buffer and wait for their confirms: up to ``timeout`` in all,
+        or until ``silence`` seconds pass without any batch settling."""
+        started = time.monotonic()
+        deadline = None if timeout is None else started + timeout
+        with self._lock:
+            self._woken = True
+            self._wake()
+            while True:
+                for topic in list(self._buffers):  # also what other threads queued meanwhile
+                    self._hand_off(topic)
+                if not self._outstanding:
+                    return
+                now = time.monotonic()
+                limit = deadline
+                if silence is not None:
+                    quiet_until = max(self._last_settled, started) + silence
+                    limit = quiet_until if limit is None else min(limit, quiet_until)
+                if limit is not None and now >= limit:
+                    raise self._unconfirmed(self._outstanding, now - started)
+                self._idle.wait(1.0 if limit is None else min(1.0, limit - now))
+
+    def _unconfirmed(self, count: int, waited: float) -> RequestTimeout:
+        return RequestTimeout(
+            f"{count} message(s) not confirmed by {self.address} after {waited:.1f} s; {self._io.heard()}",
+            address=self.address,
+            unconfirmed=count,
+        )
+
+    def _result_timed_out(self, topic: str, timeout: float | None) -> RequestTimeout:
+        """What ``future.result(timeout)`` raises when the caller's wait ran out (the message may still go)."""
+        return RequestTimeout(
+            f"no confirm from {self.address} for a message to {topic!r} within {timeout or 0:g} s "
+            f"(the producer keeps trying for delivery_timeout_ms); {self._io.heard()}",
+            address=self.address,
+            topic=topic,
+        )
+
+    def close(self, timeout: float | None = None) -> None:
+        """Send what is queued, wait for its confirms, and stop the I/O thread.
+
+        With ``timeout``, waits at most that long in all. Without, waits while
+        the broker keeps confirming and gives up after ``close_timeout_ms``
+        without a confirm. What is unconfirmed then fails its futures, and
+        ``close`` raises, with a ``RequestTimeout`` naming the broker.
+        """
+        if self._closed:
+            return
+        silence = self.close_timeout if timeout is None else None
+        try:
+            self._wait_settled(timeout, silence)
+        except RequestTimeout as exc:
+            self._abort = exc
+            raise
+        finally:
+            with self._lock:
+                self._closed = True
+                self._wake()
+            self._thread.join(timeout=5)
+            if not self._thread.is_alive():
+                self._wake_r.close()
+                self._wake_w.close()
+
+    def __enter__(self) -> Producer:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, *_: object) -> None:
+        try:
+            self.close()
+        except RequestTimeout as error:
+            if exc_type is None:
+                raise
+            log.warning("%s", error)  # do not hide the exception that is already leaving the block
+
+    def _settled(self, count: int, held: int) -> None:
+        with self._lock:
+            self._last_settled = time.monotonic()
+            self._outstanding -= count
+            self._held -= held
+            self._room.notify_all()
+            if self._outstanding <= 0:
+                self._idle.notify_all()
+
+
+class _ProducerIO:
+    """Everything the I/O thread owns: the socket, in-flight batches, resends."""
+
+    def __init__(self, producer: Producer) -> None:
+        self.p = producer
+        self.ready: deque[tuple[str, _Buffer]] = deque()  # appended under the producer's lock
+        self.queued: deque[tuple[str, _Buffer]] = deque()  # waiting for an in-flight slot
+        self.in_flight: dict[int, _InFlight] = {}
+        self.per_topic: dict[str, int] = {}
+        self.seqs: dict[str, int] = {}
+        self.rids = itertools.count(1)
+        self.retry_at: dict[int, float] = {}
+        self.reconnects = 0
+        self.last_heard: float | None = None  # when the broker last answered anything
+        self.sock, self.watch = new_dealer(producer._ctx, producer.address, auto_reconnect=False)
+
+    def heard(self) -> str:
+        """When the broker last answered, for error messages."""
+        if self.last_heard is None:
+            return "nothing was ever heard from that address: is a broker running there?"
+        return f"its last answer came {time.monotonic() - self.last_heard:.1f} s ago"
+
+    def run(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self.sock, zmq.POLLIN)
+        poller.register(self.watch.socket, zmq.POLLIN)
+        poller.register(self.p._wake_r.fileno(), zmq.POLLIN)
+        while True:
+            timeout = self._timeout_ms()
+            events = dict(poller.poll(timeout))
+            if self.p._wake_r.fileno() in events:
+                self._drain_wake()
+            if self.sock in events:
+                self._read_replies()
+            if self.watch.socket in events:
+                self._check_handshakes(poller)
+            self._collect_lingering()
+            self._send_queued()
+            self._check_timeouts(poller)
+            if self.p._abort is not None:
+                self._fail_everything(self.p._abort)
+                break
+            if self.p._closed and not self.in_flight and not self.queued and not self.ready:
+                break
+        self.watch.close()
+        self.sock.close(linger=0)
+
+    def _check_handshakes(self, poller: zmq.Poller) -> None:
+        """The broker refused this producer: every batch in flight fails with AUTH_FAILED now, not at a timeout.
+
+        Then a new socket for what comes next (this one does not reconnect by
+        itself): if the broker still refuses, those batches fail the same way.
+        """
+        silent = self.watch.silent
+        refused = self.watch.read()
+        if refused is None:
+            if self.watch.silent > silent:  # a handshake ended without a reason: this socket will not retry it
+                self._reconnect(poller)
+            return
+        for flight in list(self.in_flight.values()):
+            self._finish(flight)
+            flight.futures.fail(refused)
+        self._reconnect(poller)
+
+    def _fail_everything(self, error: RequestTimeout) -> None:
+        """``close()`` gave up: every unconfirmed message fails now instead of at its delivery timeout."""
+        for flight in list(self.in_flight.values()):
+            self._finish(flight)
+            flight.futures.fail(error if flight.last_error is None else self._timed_out(flight))
+        with self.p._lock:
+            for topic in list(self.p._buffers):
+                self.p._hand_off(topic, wake=False)
+            self.queued.extend(self.ready)
+            self.ready.clear()
+        for _topic, buf in self.queued:
+            buf.batch.fail(error)
+            self.p._settled(buf.count, len(buf.body))
+        self.queued.clear()
+
+    def _drain_wake(self) -> None:
+        try:
+            while self.p._wake_r.recv(4096):
+                pass
+        except BlockingIOError:
+            pass
+        with self.p._lock:
+            self.p._woken = False
+
+    def _timeout_ms(self) -> int:
+        now = time.monotonic()
+        deadlines = [now + 1.0]
+        with self.p._lock:
+            deadlines += [b.opened + self._linger(t) for t, b in self.p._buffers.items() if not self._blocked(t)]
+        deadlines += [f.sent_at + self.p.request_timeout for f in self.in_flight.values()]
+        deadlines += list(self.retry_at.values())
+        return max(0, math.ceil((min(deadlines) - now) * 1000))  # not a whole extra ms past the linger
+
+    def _blocked(self, topic: str) -> bool:
+        return self.per_topic.get(topic, 0) >= self.p.max_in_flight
+
+    def _linger(self, topic: str) -> float:
+        """How long a topic's open batch waits: nothing when eager and none of its batches is in flight."""
+        return 0.0 if self.p.eager and not self.per_topic.get(topic) else self.p.linger
+
+    def _collect_lingering(self) -> None:
+        """Hand off buffers whose linger is over, except where ``max_in_flight`` batches await a confirm.
+
+        Those keep filling until a confirm frees a slot (or they are full): under
+        back-pressure batches grow instead of queueing up small.
+        """
+        now = time.monotonic()
+        with self.p._lock:
+            for topic, buf in list(self.p._buffers.items()):
+                if now - buf.opened >= self._linger(topic) - _POLL_SLACK and not self._blocked(topic):
+                    self.p._hand_off(topic, wake=False)  # this is the I/O thread
+            while self.ready:
+                self.queued.append(self.ready.popleft())
+
+    def _send_queued(self) -> None:
+        blocked: deque[tuple[str, _Buffer]] = deque()
+        while self.queued:
+            topic, buf = self.queued.popleft()
+            if self.per_topic.get(topic, 0) >= self.p.max_in_flight or any(t == topic for t, _ in blocked):
+                blocked.append((topic, buf))  # keep per-topic order
+                continue
+            self._publish(topic, buf)
+        self.queued = blocked
+
+    def _publish(self, topic: str, buf: _Buffer) -> None:
+        seq = self.seqs.get(topic, 0)
+        self.seqs[topic] = seq + 1
+        now = time.monotonic()
+        body = _array_header(buf.count) + buf.body
+        flight = _InFlight(next(self.rids), topic, seq, body, buf.count, buf.batch, now, now, held=len(buf.body))
+        self.in_flight[flight.rid] = flight
+        self.per_topic[topic] = self.per_topic.get(topic, 0) + 1
+        self._transmit(flight)
+
+    def _transmit(self, flight: _InFlight) -> None:
+        header = {"rid": flight.rid, "topic": flight.topic, "pid": self.p.producer_id, "seq": flight.seq}
+        flight.sent_at = time.monotonic()
+        try:
+            send_frames(self.sock, encode(Command.PUBLISH, header, flight.body), NOBLOCK)
+        except zmq.Again:
+            # No connection (the socket does not reconnect by itself): start over on a new one now.
+            flight.sent_at = -self.p.request_timeout
+
+    def _read_replies(self) -> None:
+        while True:
+            frames = recv_frames(self.sock)
+            if frames is None:
+                return
+            self.last_heard = time.monotonic()
+            try:
+                reply = decode(frames)
+            except ConveyorError:
+                continue
+            flight = self.in_flight.get(reply.get("rid"))
+            if flight is None:
+                continue  # an answer to a batch already settled (a resend's twin)
+            if reply.command is Command.PUBLISHED:
+                self._finish(flight)
+                flight.futures.resolve(int(reply.get("base_offset")))
+            elif reply.command is Command.ERROR:
+                self._on_error(flight, error_from_header(reply.header))
+
+    def _on_error(self, flight: _InFlight, exc: ConveyorError) -> None:
+        if exc.retriable:
+            flight.last_error = exc
+            if time.monotonic() - flight.first_sent < self.p.delivery_timeout:
+                flight.attempts += 1
+                self.retry_at[flight.rid] = time.monotonic() + backoff_seconds(self.p.retry_wait, flight.attempts)
+                flight.sent_at = float("inf")  # not waiting for an answer until resent
+                return
+            exc = self._timed_out(flight)
+        self._finish(flight)
+        flight.futures.fail(exc)
+
+    def _timed_out(self, flight: _InFlight) -> ConveyorError:
+        sent = flight.attempts - (flight.rid in self.retry_at)  # a resend scheduled but never made
+        return delivery_timed_out(self.p.address, flight.topic, flight.last_error, sent)
+
+    def _finish(self, flight: _InFlight) -> None:
+        del self.in_flight[flight.rid]
+        self.retry_at.pop(flight.rid, None)
+        self.per_topic[flight.topic] -= 1
+        self.p._settled(flight.count, flight.held)
+
+    def _check_timeouts(self, poller: zmq.Poller) -> None:
+        now = time.monotonic()
+        for rid, when in list(self.retry_at.items()):
+            if when <= now:
+                del self.retry_at[rid]
+                self._transmit(self.in_flight[rid])
+        expired = [f for f in self.in_flight.values() if now - f.first_sent >= self.p.delivery_timeout]
+        for flight in expired:
+            error = self._timed_out(flight)
+            self._finish(flight)
+            flight.futures.fail(error)
+        if any(now - f.sent_at >= self.p.request_timeout for f in self.in_flight.values()):
+            self._reconnect(poller)
+
+    def _reconnect(self, poller: zmq.Poller) -> None:
+        """A fresh socket, then every unconfirmed batch again, in order."""
+        self.reconnects += 1
+        poller.unregister(self.sock)
+        poller.unregister(self.watch.socket)
+        self.watch.close()
+        self.sock.close(linger=0)
+        time.sleep(backoff_seconds(self.p.retry_wait, min(self.reconnects, 10)))
+        silent = self.watch.silent  # handshakes that ended without a reason count across sockets
+        self.sock, self.watch = new_dealer(self.p._ctx, self.p.address, auto_reconnect=False)
+        self.watch.silent = silent
+        poller.register(self.sock, zmq.POLLIN)
+        poller.register(self.watch.socket, zmq.POLLIN)
+        for flight in sorted(self.in_flight.values(), key=lambda f: (f.topic, f.seq)):
+            flight.attempts += 1
+            self.retry_at.pop(flight.rid, None)
+            self._transmit(flight)

@@ -1,0 +1,351 @@
+"""The low-level consumer: one DEALER socket, one subscription.
+
+It subscribes with credit, hands out delivered batches as ``Message``
+lists, settles them (ack, nack with delay, in-progress, terminate) and
+keeps the connection alive with heartbeats. When the broker goes quiet for
+longer than its liveness window, or says BYE, it starts over on a new
+socket and subscribes again; what it held unacked is redelivered by the
+broker, so nothing is lost (at-least-once).
+
+Not thread-safe: one thread calls ``receive`` and the settle methods. The
+runner keeps that thread free and runs handlers elsewhere.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import time
+from collections.abc import Callable, Iterable
+from operator import attrgetter
+from typing import Any
+
+import zmq
+from conveyor.broker.client.message import Message, messages_from_entries
+from conveyor.broker.config.addresses import broker_address, check_address
+from conveyor.broker.net.security import HandshakeWatch, secure_client
+from conveyor.broker.net.transport import NOBLOCK, recv_frames, send_frames
+from conveyor.broker.wire.protocol import Command, Frame, decode, encode, error_from_header
+from conveyor.broker.wire.ranges import to_ranges
+
+from conveyor.errors import ConveyorError
+
+log = logging.getLogger("conveyor.consumer")
+
+
+_offset_of = attrgetter("offset")
+MAX_RANGES_PER_FRAME = 2048  # at most 19 bytes each: an ACK stays well under the broker's 64 KiB header limit
+
+
+def offset_ranges(messages: Iterable[Message | int]) -> list[list[int]]:
+    """``[[start, end), ...]`` for messages or offsets; one range in the common case."""
+    items = messages if isinstance(messages, list) else list(messages)
+    if not items:
+        return []
+    if isinstance(items[0], int):
+        offsets: list[int] = items  # type: ignore[assignment]  # a list of ints (the runner's acks) as it is
+    else:
+        try:
+            offsets = list(map(_offset_of, items))  # a C loop over a delivered batch of messages
+        except AttributeError:
+            offsets = [m.offset if isinstance(m, Message) else int(m) for m in items]
+    first, last = offsets[0], offsets[-1]
+    if last - first + 1 == len(offsets) and offsets == list(range(first, last + 1)):
+        return [[first, last + 1]]  # contiguous and in order: the common case
+    return [list(r) for r in to_ranges(sorted(set(offsets)))]
+
+
+class DeadLettered(Exception):
+    """Given to ``@error_handler`` hooks for a message the broker dead-lettered itself.
+
+    That is past the group's ``max_deliveries``: every attempt was nacked
+    (``Nack``), or runners died or hung holding it. ``reason`` is the last
+    error the broker kept, ``deliveries`` how often it was delivered.
+    """
+
+    def __init__(self, reason: str, deliveries: int, dead_letter_topic: str = "") -> None:
+        super().__init__(f"dead-lettered by the broker after {deliveries} deliveries: {reason}")
+        self.reason = reason
+        self.deliveries = deliveries
+        self.dead_letter_topic = dead_letter_topic
+
+
+class Subscription:
+    def __init__(
+        self,
+        topic: str,
+        group: str,
+        *,
+        address: str | None = None,
+        credit: int = 1000,
+        batch_size: int | None = None,
+        start: str | int | dict[str, int] = "earliest",
+        key_affinity: bool = False,
+        max_deliveries: int | None = None,
+        ack_timeout_ms: int | None = None,
+        dead_letter_topic: str | None = None,
+        heartbeat_ms: int = 1000,
+        liveness: int = 3,
+        context: zmq.Context[Any] | None = None,
+        on_event: Callable[[str, int], None] | None = None,
+        on_dead_letter: Callable[[list[Message], DeadLettered], None] | None = None,
+    ) -> None:
+        self.topic = topic
+        self.on_event = on_event
+        self.on_dead_letter = on_dead_letter  # EVENT DEAD_LETTERED: messages the broker dead-lettered itself
+        self.events: list[tuple[str, int]] = []  # (RESET | READY, offset), as the broker announced them
+        self.group = group
+        self.address = broker_address(address)  # CONVEYOR_BROKER when not given
+        self.credit = credit
+        self.batch_size = batch_size or credit
+        self.options: dict[str, Any] = {"start": start, "key_affinity": key_affinity}
+        for name, value in (
+            ("max_deliveries", max_deliveries),
+            ("ack_timeout_ms", ack_timeout_ms),
+            ("dead_letter_topic", dead_letter_topic),
+        ):
+            if value is not None:
+                self.options[name] = value
+        self.heartbeat = heartbeat_ms / 1000
+        self.liveness = liveness
+        self.reconnects = 0
+        self.subscribed = False
+        # Since when this subscription has been without its broker (None while subscribed): from the start
+        # until the first SUBSCRIBED, and from each reconnect until the next; reconnecting does not reset it.
+        self.down_since: float | None = time.monotonic()
+        self._resubscribe_at = 0.0  # a SUBSCRIBE refused for now (RATE_LIMITED...): when to send it again
+        self._ctx = context or zmq.Context.instance()
+        self._rids = itertools.count(1)
+        self._sock: zmq.Socket[Any] | None = None
+        self._watch: HandshakeWatch | None = None
+        self._last_heard = self._last_sent = time.monotonic()
+        self._connect()
+
+    # --- connection -----------------------------------------------------------------
+
+    def _connect(self) -> None:
+        check_address(self.address)
+        sock = self._ctx.socket(zmq.DEALER)
+        secure_client(sock)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.RCVHWM, 0)  # credit bounds what can arrive
+        self._watch = HandshakeWatch(sock, self.address)
+        sock.connect(self.address)
+        self._sock = sock
+        self._send(Command.HELLO, {"rid": next(self._rids), "client": f"conveyor-consumer/{os.getpid()}"})
+        self._send(
+            Command.SUBSCRIBE,
+            {
+                "rid": next(self._rids),
+                "sub": 1,
+                "topic": self.topic,
+                "group": self.group,
+                "credit": self.credit,
+                "batch_size": self.batch_size,
+                **self.options,
+            },
+        )
+        self._last_heard = time.monotonic()
+        self.subscribed = False
+        if self.down_since is None:
+            self.down_since = self._last_heard
+
+    def _reconnect(self, why: str) -> None:
+        log.warning("consumer %s/%s: %s; reconnecting to %s", self.topic, self.group, why, self.address)
+        self.reconnects += 1
+        if self._watch is not None:
+            self._watch.close()
+        if self._sock is not None:
+            self._sock.close(linger=0)
+        self._connect()
+
+    def _send(self, command: Command, header: dict[str, Any]) -> None:
+        assert self._sock is not None
+        send_frames(self._sock, encode(command, header))
+        self._last_sent = time.monotonic()
+
+    # --- receiving --------------------------------------------------------------------
+
+    def receive(self, timeout: float | None = None) -> list[Message]:
+        """The next delivered batch, or ``[]`` when ``timeout`` passes first.
+
+        Heartbeats and reconnects happen inside, so keep calling it.
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            now = time.monotonic()
+            wait = self._next_tick(now)
+            if deadline is not None:
+                wait = min(wait, max(0.0, deadline - now))
+            assert self._sock is not None
+            if self._sock.poll(int(wait * 1000) + 1):
+                messages = self._read()
+                if messages:
+                    return messages
+            self._tick()
+            if deadline is not None and time.monotonic() >= deadline:
+                return []
+
+    # --- for event loops that poll many subscriptions (the runner) ----------------
+
+    def down_seconds(self, now: float | None = None) -> float:
+        """How long this subscription has been without its broker (0 while subscribed)."""
+        since = self.down_since
+        return 0.0 if since is None else max(0.0, (time.monotonic() if now is None else now) - since)
+
+    @property
+    def socket(self) -> zmq.Socket[Any]:
+        assert self._sock is not None
+        return self._sock
+
+    def read_ready(self) -> list[Message]:
+        """Messages already waiting on the socket; never blocks."""
+        return self._read()
+
+    def tick(self) -> float:
+        """Heartbeat or reconnect if due; return seconds until the next tick."""
+        self._tick()
+        return self._next_tick(time.monotonic())
+
+    def _next_tick(self, now: float) -> float:
+        due = min(self._last_sent + self.heartbeat, self._last_heard + self.heartbeat * self.liveness)
+        if self._resubscribe_at:
+            due = min(due, self._resubscribe_at)
+        return max(0.0, due - now)
+
+    def _tick(self) -> None:
+        """Heartbeat or reconnect if due; raise ``AUTH_FAILED`` when the broker refused this client's handshake."""
+        if self._watch is not None:
+            refused = self._watch.read()
+            if refused is not None:
+                raise refused
+        now = time.monotonic()
+        if self._resubscribe_at and now >= self._resubscribe_at:
+            self._resubscribe_at = 0.0
+            self._reconnect("subscribing again after a retriable refusal")
+        elif now - self._last_heard > self.heartbeat * self.liveness:
+            self._reconnect("broker silent")
+        elif now - self._last_sent >= self.heartbeat:
+            assert self._sock is not None
+            try:  # never blocks: without a connection there is no one to tell, and the silence check reconnects
+                send_frames(self._sock, encode(Command.HEARTBEAT, {}), NOBLOCK)
+            except zmq.Again:
+                pass
+            self._last_sent = now
+
+    def _read(self) -> list[Message]:
+        assert self._sock is not None
+        messages: list[Message] = []
+        while True:
+            frames = recv_frames(self._sock)
+            if frames is None:
+                return messages
+            self._last_heard = time.monotonic()
+            try:
+                frame = decode(frames)
+            except ConveyorError as exc:
+                log.error("undecodable message from the broker: %s", exc)
+                continue
+            messages += self._on_frame(frame)
+
+    def _on_frame(self, frame: Frame) -> list[Message]:
+        if frame.command is Command.DELIVER:
+            return messages_from_entries(self.topic, frame.get("entries", []), [bytes(b) for b in frame.payload])
+        if frame.command is Command.SUBSCRIBED:
+            self.subscribed = True
+            self.down_since = None
+        elif frame.command is Command.BYE:
+            self._reconnect(str(frame.get("reason") or "broker said goodbye"))
+        elif frame.command is Command.EVENT:
+            event = (str(frame.get("event")), int(frame.get("offset", 0)))
+            if event[0] == "DEAD_LETTERED":  # may be frequent: handed on, not kept in ``events``
+                self._dead_lettered(frame)
+                return []
+            self.events.append(event)
+            log.info("consumer %s/%s: %s at offset %d", self.topic, self.group, *event)
+            if self.on_event is not None:
+                self.on_event(*event)
+        elif frame.command is Command.ERROR:
+            exc = error_from_header(frame.header)
+            if exc.name == "NOT_SUBSCRIBED":
+                self._reconnect("broker forgot this subscription")
+            elif exc.retriable and not self.subscribed:
+                # The SUBSCRIBE itself was refused for now (RATE_LIMITED auto-creating its topic, say): again later.
+                wait_ms = exc.fields.get("retry_after_ms")
+                delay = max(0.05, min(5.0, wait_ms / 1000)) if isinstance(wait_ms, int | float) else 0.5
+                log.info("consumer %s/%s: %s; subscribing again in %.2f s", self.topic, self.group, exc, delay)
+                self._resubscribe_at = time.monotonic() + delay
+            else:
+                raise exc
+        return []
+
+    def _dead_lettered(self, frame: Frame) -> None:
+        messages = messages_from_entries(self.topic, frame.get("entries", []), [bytes(b) for b in frame.payload])
+        exc = DeadLettered(
+            str(frame.get("reason") or ""), int(frame.get("deliveries", 0)), str(frame.get("dead_letter_topic") or "")
+        )
+        log.warning(
+            "consumer %s/%s: the broker dead-lettered %d message(s) from offset %d: %s",
+            self.topic,
+            self.group,
+            len(messages),
+            int(frame.get("offset", 0)),
+            exc,
+        )
+        if self.on_dead_letter is not None and messages:
+            self.on_dead_letter(messages, exc)
+
+    # --- settling --------------------------------------------------------------------------
+
+    def ack(self, messages: Iterable[Message | int]) -> None:
+        self._settle(Command.ACK, messages)
+
+    def nack(
+        self, messages: Iterable[Message | int], *, delay_ms: int = 0, error: str = "", release: bool = False
+    ) -> None:
+        """Give messages back; ``release`` for ones never tried (not counted as a delivery)."""
+        extra: dict[str, Any] = {"delay_ms": int(delay_ms), "error": error[:4096]}
+        if release:
+            extra["release"] = True
+        self._settle(Command.NACK, messages, **extra)
+
+    def in_progress(self, messages: Iterable[Message | int]) -> None:
+        self._settle(Command.IN_PROGRESS, messages)
+
+    def term(self, messages: Iterable[Message | int], *, reason: str = "") -> None:
+        self._settle(Command.TERM, messages, reason=reason[:4096])
+
+    def _settle(self, command: Command, messages: Iterable[Message | int], **extra: Any) -> None:
+        ranges = offset_ranges(messages)
+        for start in range(0, len(ranges), MAX_RANGES_PER_FRAME):  # scattered offsets: several frames
+            self._send(command, {"sub": 1, "ranges": ranges[start : start + MAX_RANGES_PER_FRAME], **extra})
+
+    def set_credit(self, credit: int, batch_size: int | None = None) -> None:
+        self.credit = credit
+        self.batch_size = batch_size or credit
+        self._send(Command.CREDIT, {"sub": 1, "credit": credit, "batch_size": self.batch_size})
+
+    # --- lifecycle ----------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Say goodbye so the broker redelivers anything unacked at once."""
+        if self._sock is None:
+            return
+        try:
+            # Never blocks: with no connection (the broker is down, or refused this client) there is no one to tell.
+            send_frames(self._sock, encode(Command.BYE, {}), NOBLOCK)
+        except zmq.Again:
+            pass
+        finally:
+            if self._watch is not None:
+                self._watch.close()
+                self._watch = None
+            self._sock.close(linger=200)
+            self._sock = None
+
+    def __enter__(self) -> Subscription:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,85 @@
+"""Broker addresses: what a client may connect to and a broker may bind, and where a client finds its broker."""
+
+from __future__ import annotations
+
+import os
+import re
+from typing import Any
+
+from conveyor.broker.config.options import text
+
+from conveyor.errors import ConfigError
+
+DEFAULT_BROKER = "tcp://127.0.0.1:5555"
+
+
+BROKER_ENV = "CONVEYOR_BROKER"
+
+
+_ENDPOINT = re.compile(r"^tcp://(?P<host>[^\s/]+):(?P<port>\*|[0-9]+)$|^(ipc|inproc)://\S+$")
+
+
+def endpoint(value: Any, *, bind: bool = False) -> str:
+    """``tcp://HOST:PORT`` (port 1-65535; ``*`` or 0 for any free port when binding) or ``ipc://PATH``."""
+    address = text(value)
+    match = _ENDPOINT.match(address)
+    if not match:
+        raise ValueError(
+            f"{address!r} is not a broker address: use tcp://HOST:PORT (like {DEFAULT_BROKER}) or ipc://PATH"
+        )
+    port = match.group("port")
+    if port is not None and port != "*":
+        low = 0 if bind else 1
+        if not low <= int(port) <= 65535:
+            raise ValueError(f"port {port} in {address!r} is out of range ({low}-65535{', or *' if bind else ''})")
+    elif port == "*" and not bind:
+        raise ValueError(f"{address!r}: a client needs the broker's port, not *")
+    return address
+
+
+def bind_endpoint(value: Any) -> str:
+    """An endpoint to bind: ``tcp://HOST:PORT``, port ``*`` for any free one."""
+    return endpoint(value, bind=True)
+
+
+def optional_endpoint(value: Any) -> str:
+    """An endpoint to connect to, or empty for none."""
+    return "" if text(value) == "" else endpoint(value)
+
+
+def optional_url(value: Any) -> str:
+    """``http://HOST:PORT[/PATH]``, or empty for none."""
+    url = text(value)
+    if url and not re.fullmatch(r"https?://[^\s/:]+(:[0-9]{1,5})?(/\S*)?", url):
+        raise ValueError(f"{url!r} is not an http:// URL (like http://127.0.0.1:8500)")
+    return url
+
+
+def check_address(address: str) -> str:
+    """``address`` if it is an endpoint a client can connect to; else a ``ConfigError`` that says what is.
+
+    ZeroMQ would raise a bare EINVAL ("Invalid argument") for ``127.0.0.1:5555``,
+    and would wrap a port over 65535 to another one.
+    """
+    try:
+        return endpoint(address)
+    except ValueError as exc:
+        raise ConfigError(str(exc), address=str(address)) from None
+
+
+def broker_address(address: str | None = None) -> str:
+    """The address a client connects to: ``address`` when given, else ``CONVEYOR_BROKER``, else the default.
+
+    Every client (``Producer``, ``AsyncProducer``, ``Admin``, ``Subscription``,
+    ``Runner``) resolves its address here, as the command line does, so one
+    variable points a whole deployment at its broker.
+    """
+    if address is not None:
+        return check_address(address)
+    from_env = os.environ.get(BROKER_ENV)
+    if not from_env:
+        return DEFAULT_BROKER
+    try:
+        return check_address(from_env)
+    except ConfigError as exc:
+        raise ConfigError(f"{BROKER_ENV}: {exc.message}", address=from_env, variable=BROKER_ENV) from None

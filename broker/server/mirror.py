@@ -1,0 +1,371 @@
+"""Mirroring topics from a parent broker, with the same offsets.
+
+A child broker runs a ``Mirror`` inside its event loop: one DEALER socket to
+the parent, one long-poll FETCH in flight per mirrored topic, each answer
+appended locally at the offsets it has upstream, then the next FETCH. The
+child's log is the only state: after a restart (its own or the parent's)
+it fetches again from its durable end, so no offset is skipped or stored
+twice. Mirrored topics are read-only for local producers. Several levels
+chain: a child is a parent for the next level.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import itertools
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import tenacity
+import zmq
+from conveyor.broker.net.connection import backoff_seconds
+from conveyor.broker.net.security import HandshakeWatch, secure_client
+from conveyor.broker.wire.protocol import Command, Frame, decode, encode, error_from_header
+from conveyor.broker.wire.record import Batch, pack_records, unpack_records
+from conveyor.monitoring.health import DEGRADED, HEALTHY, UNHEALTHY
+
+from conveyor.errors import ConveyorError
+
+if TYPE_CHECKING:
+    from conveyor.broker.server.broker import Broker
+
+log = logging.getLogger("conveyor.mirror")
+
+
+@dataclass(frozen=True)
+class MirrorSettings:
+    upstream: str
+    patterns: tuple[str, ...]
+    gap_policy: str = "resync"  # or "stop"
+    lag_threshold: int = 10_000  # messages behind the parent before DEGRADED
+    unreachable_after: float = 30.0  # seconds without the parent before UNHEALTHY
+    fetch_wait_ms: int = 1000
+    fetch_max_bytes: int = 4 << 20
+    discover_every: float = 1.0
+
+
+@dataclass
+class TopicMirror:
+    topic: str
+    rid: int | None = None  # the FETCH in flight
+    sent_at: float = 0.0
+    parent_end: int = 0
+    parent_start: int = 0
+    last_append_ms: int = 0  # parent timestamp of the newest batch copied
+    stopped: str = ""  # why mirroring stopped (gap policy "stop")
+    refresh_target: int | None = None  # a refresh completes when the local end reaches it
+    fetched_bytes: int = 0
+    fetched_messages: int = 0
+
+
+@dataclass
+class Mirror:
+    broker: Broker
+    settings: MirrorSettings
+    clock: Callable[[], float] = time.monotonic
+    topics: dict[str, TopicMirror] = field(default_factory=dict)
+    reconnects: int = 0
+    socket: zmq.Socket[Any] | None = None
+    watch: HandshakeWatch | None = None
+    refused: str = ""  # the parent refused this broker's handshake (AUTH_FAILED), until it answers again
+    connected_since: float | None = None
+    last_reply: float = 0.0
+    down_since: float | None = None
+    _rids: Any = field(default_factory=lambda: itertools.count(1))
+    _list_rid: int | None = None
+    _next_discovery: float = 0.0
+    _next_connect: float = 0.0
+    _wait: Any = field(default_factory=lambda: tenacity.wait_random_exponential(multiplier=0.1, max=5.0))
+
+    # --- connection ---------------------------------------------------------------------
+
+    def connect(self) -> None:
+        sock = self.broker.ctx.socket(zmq.DEALER)
+        secure_client(sock)  # the parent may require CURVE: this broker is its client
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.RCVHWM, 0)
+        self.watch = HandshakeWatch(sock, self.settings.upstream)
+        sock.connect(self.settings.upstream)
+        self.socket = sock
+        now = self.clock()
+        self.last_reply = now
+        self._next_discovery = now
+        self._list_rid = None  # answers to the old socket's requests never come
+        for mirror in self.topics.values():
+            mirror.rid = None
+        log.info("mirroring %s from %s", ", ".join(self.settings.patterns), self.settings.upstream)
+
+    def _reconnect(self, why: str) -> None:
+        self.reconnects += 1
+        self.broker.metrics.mirror_reconnects.labels(self.settings.upstream).inc()
+        if self.down_since is None:
+            self.down_since = self.last_reply
+        log.warning("upstream %s: %s; reconnecting", self.settings.upstream, why)
+        if self.watch is not None:
+            self.watch.close()
+            self.watch = None
+        if self.socket is not None:
+            self.broker.poller.unregister(self.socket)
+            self.socket.close(linger=0)
+        delay = backoff_seconds(self._wait, min(self.reconnects, 10))
+        self._next_connect = self.clock() + delay
+        self.socket = None
+
+    def close(self) -> None:
+        """Close the link to the parent (the broker is stopping)."""
+        if self.watch is not None:
+            self.watch.close()
+            self.watch = None
+        if self.socket is not None:
+            self.socket.close(linger=0)
+
+    def change_upstream(self, address: str) -> None:
+        """Follow a new parent (registry discovery); offsets carry over unchanged."""
+        if address == self.settings.upstream:
+            return
+        log.info("upstream changes from %s to %s", self.settings.upstream, address)
+        self.settings = MirrorSettings(**{**self.settings.__dict__, "upstream": address})
+        self._reconnect("parent changed")
+        self._next_connect = self.clock()
+
+    # --- the loop's hooks -------------------------------------------------------------------
+
+    def tick(self, now: float) -> float:
+        """Housekeeping; returns when it wants to run again (clock seconds)."""
+        if self.socket is None:
+            if now < self._next_connect:
+                return self._next_connect
+            self.connect()
+            assert self.socket is not None
+            self.broker.poller.register(self.socket, zmq.POLLIN)
+        self._check_handshakes()
+        silent = now - self.last_reply
+        if silent > self.settings.fetch_wait_ms / 1000 + 2.0:
+            self._reconnect(f"no answer for {silent:.1f} s")
+            return now + 0.05
+        if now >= self._next_discovery and self._list_rid is None:
+            self._list_rid = self._request(Command.ADMIN, {"op": "list_topics"})
+            self._next_discovery = now + self.settings.discover_every
+        for mirror in self.topics.values():
+            if mirror.rid is None and not mirror.stopped:
+                self._fetch(mirror)
+        # Never a time in the past: the loop would spin instead of sleeping.
+        return max(now + 0.01, min(self._next_discovery, now + 0.5))
+
+    def _check_handshakes(self) -> None:
+        """A parent that refuses this broker's handshake is named (AUTH_FAILED), not just silent."""
+        refused = self.watch.read() if self.watch is not None else None
+        if refused is not None and not self.refused:
+            self.refused = f"{refused.name}: {refused.message}"
+            log.error("upstream %s refused this broker: %s", self.settings.upstream, refused.message)
+
+    def on_readable(self) -> None:
+        assert self.socket is not None
+        while self.socket is not None:
+            try:
+                frames = self.socket.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            try:
+                reply = decode(frames, max_batch_bytes=self.broker.settings.max_batch_bytes)
+            except ConveyorError as exc:
+                log.error("undecodable answer from upstream: %s", exc)
+                continue
+            self._on_reply(reply)
+
+    def _on_reply(self, reply: Frame) -> None:
+        now = self.clock()
+        self.last_reply = now
+        self.refused = ""
+        if self.down_since is not None and not _is_shutting_down(reply):
+            log.info("upstream %s is back", self.settings.upstream)
+            self.down_since = None
+        rid = reply.get("rid")
+        if rid is not None and rid == self._list_rid:
+            self._list_rid = None
+            if reply.command is Command.RESULT:
+                self._discover(reply.get("result") or [])
+            return
+        mirror = next((m for m in self.topics.values() if m.rid == rid), None)
+        if mirror is None:
+            return  # an answer to a request from before a reconnect
+        mirror.rid = None
+        if reply.command is Command.FETCHED:
+            self._apply(mirror, reply)
+        elif reply.command is Command.ERROR:
+            self._on_error(mirror, error_from_header(reply.header))
+        if not mirror.stopped:
+            self._fetch(mirror)
+
+    # --- topics -------------------------------------------------------------------------------
+
+    def _discover(self, described: list[dict[str, Any]]) -> None:
+        for info in described:
+            name = str(info.get("name", ""))
+            if name in self.topics or not any(fnmatch.fnmatchcase(name, p) for p in self.settings.patterns):
+                continue
+            self._adopt(name, int(info.get("start_offset", 0)), int(info.get("end_offset", 0)))
+
+    def _adopt(self, name: str, parent_start: int, parent_end: int) -> None:
+        store = self.broker.store
+        if name not in store.logs:
+            store.create_topic(name, read_only=True, extra={"mirror_of": self.settings.upstream})
+        log_ = store.topic(name)
+        if not log_.config.read_only:
+            store.alter_topic(name, read_only=True, extra={"mirror_of": self.settings.upstream})
+        if log_.end_offset == 0 and parent_start > 0:
+            log_.reset_to(parent_start)  # the parent's retention already moved its start
+        mirror = TopicMirror(name, parent_end=parent_end, parent_start=parent_start)
+        self.topics[name] = mirror
+        log.info("mirroring topic %s from offset %d (parent end %d)", name, log_.end_offset, parent_end)
+        self._fetch(mirror)
+
+    def _fetch(self, mirror: TopicMirror) -> None:
+        if self.socket is None:
+            return
+        log_ = self.broker.store.logs.get(mirror.topic)
+        if log_ is None:
+            return
+        header = {
+            "topic": mirror.topic,
+            "offset": log_.end_offset,
+            "max_messages": 1_000_000,
+            "max_bytes": self.settings.fetch_max_bytes,
+            "wait_ms": self.settings.fetch_wait_ms,
+        }
+        mirror.rid = self._request(Command.FETCH, header)
+        mirror.sent_at = self.clock()
+
+    def _request(self, command: Command, header: dict[str, Any]) -> int:
+        assert self.socket is not None
+        rid = next(self._rids)
+        try:  # never blocks the broker's loop: a socket without a connection (a refused handshake) has no pipe
+            self.socket.send_multipart(encode(command, {**header, "rid": rid}), zmq.NOBLOCK)
+        except zmq.Again:
+            pass  # no answer will come: the silence check reconnects
+        return rid
+
+    def _apply(self, mirror: TopicMirror, reply: Frame) -> None:
+        """Append what the parent sent, at the parent's offsets."""
+        log_ = self.broker.store.topic(mirror.topic)
+        mirror.parent_end = int(reply.get("end_offset", mirror.parent_end))
+        mirror.parent_start = int(reply.get("start_offset", mirror.parent_start))
+        entries = reply.get("entries") or []
+        appended = 0
+        for entry, body in zip(entries, reply.payload, strict=False):
+            stored = Batch(int(entry["b"]), int(entry["n"]), int(entry["t"]), bytes(body))
+            batch = _from(stored, log_.end_offset)
+            if batch is None:
+                continue
+            if batch.base_offset != log_.end_offset:
+                self._gap(mirror, log_.end_offset, batch.base_offset)
+                return
+            log_.append(batch.body, batch.count, timestamp_ms=batch.timestamp_ms, base_offset=batch.base_offset)
+            mirror.last_append_ms = batch.timestamp_ms
+            mirror.fetched_bytes += len(batch.body)
+            mirror.fetched_messages += batch.count
+            self.broker.metrics.mirror_fetched_bytes.labels(mirror.topic).inc(len(batch.body))
+            self.broker.metrics.mirror_fetched_messages.labels(mirror.topic).inc(batch.count)
+            appended += 1
+        if appended:
+            self.broker.appended.add(mirror.topic)
+        if not entries and log_.end_offset < mirror.parent_start:
+            self._gap(mirror, log_.end_offset, mirror.parent_start)
+        self._check_refresh(mirror, log_.end_offset)
+
+    def _on_error(self, mirror: TopicMirror, exc: ConveyorError) -> None:
+        if exc.name == "OFFSET_OUT_OF_RANGE":
+            start = int(exc.fields.get("start_offset", mirror.parent_start))
+            log_ = self.broker.store.topic(mirror.topic)
+            self._gap(mirror, log_.end_offset, start)
+        elif exc.name == "SHUTTING_DOWN":
+            self.down_since = self.down_since or self.clock()  # the parent is going away
+        elif exc.name == "UNKNOWN_TOPIC":
+            log.warning("topic %s is gone upstream; mirroring stops", mirror.topic)
+            del self.topics[mirror.topic]
+            mirror.stopped = "gone upstream"
+        else:
+            log.error("FETCH %s failed upstream: %s", mirror.topic, exc)
+
+    def _gap(self, mirror: TopicMirror, local_end: int, parent_start: int) -> None:
+        """The parent no longer has what comes next here (its retention moved on)."""
+        self.broker.metrics.mirror_gaps.labels(mirror.topic).inc()
+        if self.settings.gap_policy == "stop":
+            mirror.stopped = f"parent starts at {parent_start}, this log ends at {local_end}"
+            log.error("mirror of %s stopped: %s", mirror.topic, mirror.stopped)
+            return
+        log.warning(
+            "mirror of %s: parent starts at %d past local end %d; resyncing", mirror.topic, parent_start, local_end
+        )
+        self.broker.reset_topic(mirror.topic, parent_start)
+
+    # --- refresh (RESET / READY) -----------------------------------------------------------
+
+    def refresh(self, topic: str) -> dict[str, Any]:
+        """Drop the local copy and mirror the topic again from the parent's start."""
+        mirror = self.topics.get(topic)
+        if mirror is None:
+            raise ConveyorError(f"{topic} is not a mirrored topic here", topic=topic)
+        mirror.stopped = ""
+        mirror.refresh_target = max(mirror.parent_end, mirror.parent_start)
+        self.broker.reset_topic(topic, mirror.parent_start, event="RESET")
+        mirror.rid = None
+        self._fetch(mirror)
+        self._check_refresh(mirror, self.broker.store.topic(topic).end_offset)
+        return {"topic": topic, "from": mirror.parent_start, "until": mirror.refresh_target}
+
+    def _check_refresh(self, mirror: TopicMirror, local_end: int) -> None:
+        if mirror.refresh_target is not None and local_end >= mirror.refresh_target:
+            mirror.refresh_target = None
+            self.broker.announce(mirror.topic, "READY", local_end)
+
+    # --- health and metrics ------------------------------------------------------------------
+
+    def lag(self, mirror: TopicMirror) -> int:
+        log_ = self.broker.store.logs.get(mirror.topic)
+        return 0 if log_ is None else max(0, mirror.parent_end - log_.end_offset)
+
+    def status(self) -> str:
+        now = self.clock()
+        if self.refused:
+            return UNHEALTHY  # refused by the parent: no retry will help until its keys or ours change
+        # A long-poll FETCH is answered within its wait: a later answer is overdue.
+        overdue_after = self.settings.fetch_wait_ms / 1000 + 0.5
+        if self.down_since is not None or self.socket is None or now - self.last_reply > overdue_after:
+            since = self.down_since if self.down_since is not None else self.last_reply + overdue_after
+            return UNHEALTHY if now - since > self.settings.unreachable_after else DEGRADED
+        if any(m.stopped for m in self.topics.values()):
+            return UNHEALTHY
+        if any(self.lag(m) > self.settings.lag_threshold for m in self.topics.values()):
+            return DEGRADED
+        return HEALTHY
+
+    def health(self) -> dict[str, Any]:
+        return {
+            "upstream": self.settings.upstream,
+            "status": self.status(),
+            "seconds_since_answer": round(self.clock() - self.last_reply, 3),
+            "reconnects": self.reconnects,
+            **({"error": self.refused} if self.refused else {}),
+            "topics": {
+                name: {"lag_messages": self.lag(m), "stopped": m.stopped or None, "refreshing": m.refresh_target}
+                for name, m in list(self.topics.items())
+            },
+        }
+
+
+def _from(batch: Batch, offset: int) -> Batch | None:
+    """The part of ``batch`` at or after ``offset`` (re-encoded only when it must be cut)."""
+    if batch.next_offset <= offset:
+        return None
+    if batch.base_offset >= offset:
+        return batch
+    records = unpack_records(batch.body)[offset - batch.base_offset :]
+    return Batch(offset, len(records), batch.timestamp_ms, pack_records(list(records)))
+
+
+def _is_shutting_down(reply: Frame) -> bool:
+    return reply.command is Command.ERROR and reply.get("name") == "SHUTTING_DOWN"

@@ -1,0 +1,80 @@
+"""Conveyor: a message broker for Python teams.
+
+The names most programs need are here::
+
+    from conveyor import Producer, consumer, retry_policy, Message, Nack
+
+Everything else lives in the subpackages: ``conveyor.broker`` (wire format,
+network, log, server, clients, CLI), ``conveyor.consumers`` (the runner),
+``conveyor.decorators``, ``conveyor.monitoring``, ``conveyor.pipeline``
+(Spark) and ``conveyor.testing`` (a real broker for your tests).
+
+Each name is imported on first use, so ``import conveyor.broker.wire`` in the
+broker process does not load the clients, tenacity or the runner.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+from conveyor.version import __version__
+
+if TYPE_CHECKING:
+    from conveyor.broker.client.admin import Admin
+    from conveyor.broker.client.async_producer import AsyncProducer
+    from conveyor.broker.client.message import Message
+    from conveyor.broker.client.producer import Producer
+    from conveyor.broker.client.subscription import DeadLettered, Subscription
+    from conveyor.consumers.runner import Runner
+    from conveyor.decorators.consumer import consumer, error_handler
+    from conveyor.decorators.exceptions import Nack, Reject
+    from conveyor.decorators.retry import retry_policy
+    from conveyor.errors import ConveyorError
+
+# Where each public name is defined.
+_EXPORTS = {
+    "Admin": "conveyor.broker.client.admin",
+    "AsyncProducer": "conveyor.broker.client.async_producer",
+    "ConveyorError": "conveyor.errors",
+    "DeadLettered": "conveyor.broker.client.subscription",
+    "Message": "conveyor.broker.client.message",
+    "Nack": "conveyor.decorators.exceptions",
+    "Producer": "conveyor.broker.client.producer",
+    "Reject": "conveyor.decorators.exceptions",
+    "Runner": "conveyor.consumers.runner",
+    "Subscription": "conveyor.broker.client.subscription",
+    "consumer": "conveyor.decorators.consumer",
+    "error_handler": "conveyor.decorators.consumer",
+    "retry_policy": "conveyor.decorators.retry",
+}
+
+__all__ = [
+    "Admin",
+    "AsyncProducer",
+    "ConveyorError",
+    "DeadLettered",
+    "Message",
+    "Nack",
+    "Producer",
+    "Reject",
+    "Runner",
+    "Subscription",
+    "__version__",
+    "consumer",
+    "error_handler",
+    "retry_policy",
+]
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'conveyor' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_EXPORTS})

@@ -1,0 +1,38 @@
+"""The pytest plugin: a real broker on a free port, in a temporary directory.
+
+Installed with Conveyor (entry point ``pytest11``), so in any project::
+
+    def test_orders(conveyor_broker):
+        with Producer(conveyor_broker.address) as producer:
+            producer.send("orders", {"id": 1}).result(timeout=5)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from conveyor.testing import BrokerProcess
+
+
+@pytest.fixture
+def conveyor_broker_factory(tmp_path: Path) -> Iterator[Callable[..., BrokerProcess]]:
+    """Start as many brokers as a test needs; all are stopped afterwards."""
+    started: list[BrokerProcess] = []
+
+    def start(*, fsync: str = "batch", extra: list[str] | None = None, name: str = "broker") -> BrokerProcess:
+        broker = BrokerProcess(tmp_path / f"{name}-{len(started)}", fsync=fsync, extra=extra).start()
+        started.append(broker)
+        return broker
+
+    yield start
+    for broker in started:
+        broker.stop()
+
+
+@pytest.fixture
+def conveyor_broker(conveyor_broker_factory: Callable[..., BrokerProcess]) -> BrokerProcess:
+    """A running broker (``.address``, ``.metrics_url``, ``.data_dir``, ``.restart()``)."""
+    return conveyor_broker_factory()

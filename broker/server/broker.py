@@ -50,7 +50,9 @@ from conveyor.broker.server.health import broker_health, broker_live, broker_rea
 from conveyor.broker.server.limits import TokenBucket, TopicLimits
 from conveyor.broker.server.mirror import Mirror, MirrorSettings
 from conveyor.broker.server.topology import RegistryWatch
-from conveyor.broker.wire.protocol import Command, Frame, decode, encode, error_header, request_id
+from conveyor.broker.wire import commands
+from conveyor.broker.wire.entry import DeliveryEntry
+from conveyor.broker.wire.protocol import Command, Frame, decode, request_id
 from conveyor.broker.wire.protocol import field as hfield
 from conveyor.broker.wire.protocol import ranges as hranges
 from conveyor.broker.wire.ranges import count as count_offsets
@@ -466,7 +468,7 @@ class Broker:
         self.metrics.protocol_errors.labels(str(exc.code), exc.name).inc()
         if isinstance(exc, TooManyOpenFiles):
             self.metrics.descriptors_exhausted.inc()
-        self._send(peer, encode(Command.ERROR, error_header(exc, rid)))
+        self._send(peer, commands.error(exc, rid))
 
     # --- dispatching commands -------------------------------------------------------------
 
@@ -509,19 +511,16 @@ class Broker:
         return peer
 
     def _on_hello(self, peer: bytes, frame: Frame) -> None:
+        settings = self.settings
         self._send(
             peer,
-            encode(
-                Command.WELCOME,
-                {
-                    "rid": frame.get("rid"),
-                    "version": 1,
-                    "heartbeat_ms": self.settings.heartbeat_ms,
-                    "liveness": self.settings.liveness,
-                    "max_message_bytes": self.settings.max_message_bytes,
-                    "max_batch_bytes": self.settings.max_batch_bytes,
-                    "max_credit": self.settings.max_credit,
-                },
+            commands.welcome(
+                frame.get("rid"),
+                heartbeat_ms=settings.heartbeat_ms,
+                liveness=settings.liveness,
+                max_message_bytes=settings.max_message_bytes,
+                max_batch_bytes=settings.max_batch_bytes,
+                max_credit=settings.max_credit,
             ),
         )
 
@@ -643,15 +642,12 @@ class Broker:
             self.metrics.publish_seconds.observe(now - confirm.received)
             self._send(
                 confirm.peer,
-                encode(
-                    Command.PUBLISHED,
-                    {
-                        "rid": confirm.rid,
-                        "topic": confirm.log.name,
-                        "base_offset": confirm.base_offset,
-                        "count": confirm.count,
-                        "duplicate": confirm.duplicate,
-                    },
+                commands.published(
+                    confirm.rid,
+                    confirm.log.name,
+                    base_offset=confirm.base_offset,
+                    count=confirm.count,
+                    duplicate=confirm.duplicate,
                 ),
             )
         self.confirms = waiting
@@ -711,17 +707,14 @@ class Broker:
         log_ = self.store.topic(topic)
         self._send(
             peer,
-            encode(
-                Command.SUBSCRIBED,
-                {
-                    "rid": frame.get("rid"),
-                    "sub": sub_id,
-                    "topic": topic,
-                    "group": name,
-                    "committed_offset": group.committed_offset,
-                    "end_offset": log_.end_offset,
-                    "heartbeat_ms": self.settings.heartbeat_ms,
-                },
+            commands.subscribed(
+                frame.get("rid"),
+                sub_id,
+                topic,
+                name,
+                committed_offset=group.committed_offset,
+                end_offset=log_.end_offset,
+                heartbeat_ms=self.settings.heartbeat_ms,
             ),
         )
 
@@ -915,8 +908,9 @@ class Broker:
             group.undeliver(plan)  # an earlier DELIVER of this dispatch bounced: keep the member's order
             return
         entries = plan.entries
-        header = {"sub": plan.member.sub_id, "topic": group.topic, "entries": [e.header() for e in entries]}
-        frames = encode(Command.DELIVER, header, *(e.batch.body for e in entries))
+        frames = commands.deliver(
+            plan.member.sub_id, group.topic, [e.wire() for e in entries], [e.batch.body for e in entries]
+        )
         if not self._send(plan.member.peer, frames):
             peer = self.peers.get(plan.member.peer)
             if peer is not None:
@@ -1009,17 +1003,16 @@ class Broker:
             part = entries[start : start + MAX_ENTRIES]
             for entry in part:
                 entry.first_ms = letter.first_ms
-            header = {
-                "sub": member.sub_id,
-                "topic": group.topic,
-                "event": "DEAD_LETTERED",
-                "offset": part[0].first,
-                "reason": letter.reason,
-                "deliveries": letter.deliveries,
-                "dead_letter_topic": write.log.name,
-                "entries": [e.header() for e in part],
-            }
-            self._send(member.peer, encode(Command.EVENT, header, *(e.batch.body for e in part)))
+            frames = commands.dead_lettered(
+                member.sub_id,
+                group.topic,
+                reason=letter.reason,
+                deliveries=letter.deliveries,
+                dead_letter_topic=write.log.name,
+                entries=[e.wire() for e in part],
+                bodies=[e.batch.body for e in part],
+            )
+            self._send(member.peer, frames)
 
     def _undead(self, group: Group, letter: DeadLetter, *, delay: float = 1.0) -> None:
         """Dead letters that could not be stored are not settled: redeliver them (and dead-letter them again)."""
@@ -1063,28 +1056,18 @@ class Broker:
                 return
             batches = [b for b in batches if b.base_offset < log_.durable_offset][:MAX_ENTRIES]  # fits a header
         entries = [
-            {
-                "b": b.base_offset,
-                "n": b.count,
-                "t": b.timestamp_ms,
-                "f": max(offset, b.base_offset),
-                "e": b.next_offset,
-                "d": 0,
-            }
+            DeliveryEntry(b.base_offset, b.count, b.timestamp_ms, max(offset, b.base_offset), b.next_offset)
             for b in batches
         ]
         self._send(
             peer,
-            encode(
-                Command.FETCHED,
-                {
-                    "rid": frame.get("rid"),
-                    "topic": log_.name,
-                    "start_offset": log_.start_offset,
-                    "end_offset": log_.durable_offset,
-                    "entries": entries,
-                },
-                *(b.body for b in batches),
+            commands.fetched(
+                frame.get("rid"),
+                log_.name,
+                start_offset=log_.start_offset,
+                end_offset=log_.durable_offset,
+                entries=entries,
+                bodies=[b.body for b in batches],
             ),
         )
 
@@ -1172,8 +1155,7 @@ class Broker:
         """Tell every subscriber of ``topic`` (an EVENT: RESET or READY)."""
         for group in self.groups.of_topic(topic):
             for member in group.members + group.joining:
-                header = {"sub": member.sub_id, "topic": topic, "event": event, "offset": offset}
-                self._send(member.peer, encode(Command.EVENT, header))
+                self._send(member.peer, commands.event(member.sub_id, topic, event, offset))
         log.info("topic %s: %s at offset %d", topic, event, offset)
 
     # --- admin ----------------------------------------------------------------------------
@@ -1181,7 +1163,7 @@ class Broker:
     def _on_admin(self, peer: bytes, frame: Frame) -> None:
         op = hfield(frame, "op", str)
         result = admin.run(self, op, frame.header)
-        self._send(peer, encode(Command.RESULT, {"rid": frame.get("rid"), "result": result}))
+        self._send(peer, commands.result(frame.get("rid"), result))
 
     # --- liveness and time ----------------------------------------------------------------
 
@@ -1214,7 +1196,7 @@ class Broker:
                     log.info("peer %s missed its heartbeats: evicting", identity.hex())
                 self._peer_gone(identity, "member_gone")
             elif peer.members and now - peer.last_sent >= interval:
-                self._send(identity, encode(Command.HEARTBEAT))
+                self._send(identity, commands.heartbeat())
 
     def _expire_leases(self, group: Group, now: float) -> None:
         expired = group.expire_leases()
@@ -1261,7 +1243,7 @@ class Broker:
         """Stop taking work, make everything durable, say goodbye."""
         for identity, peer in list(self.peers.items()):
             if peer.members:
-                self._send(identity, encode(Command.BYE, {"reason": "broker shutting down"}))
+                self._send(identity, commands.bye("broker shutting down"))
         for waits in self.fetch_waits.values():
             for wait in waits:
                 self._reply_error(wait.peer, ShuttingDown("broker shutting down"), wait.frame.get("rid"))

@@ -17,6 +17,7 @@ from typing import Any
 
 import msgpack
 from conveyor.broker.log.topic_log import TopicLog
+from conveyor.broker.wire.entry import DeliveryEntry
 from conveyor.broker.wire.ranges import Range, count, intersect, normalize, subtract, to_ranges, window
 from conveyor.broker.wire.record import Batch, pack_records, unpack_records
 
@@ -108,20 +109,19 @@ class Entry:
     offsets: list[int] | None = None  # a non-contiguous subset (key affinity)
     first_ms: int = 0  # first delivery of these messages, wall clock ms
 
-    def header(self) -> dict[str, Any]:
-        head: dict[str, Any] = {
-            "b": self.batch.base_offset,
-            "n": self.batch.count,
-            "t": self.batch.timestamp_ms,
-            "f": self.first,
-            "e": self.end,
-            "d": self.deliveries,
-        }
-        if self.offsets is not None:
-            head["o"] = self.offsets
-        if self.first_ms:
-            head["fd"] = self.first_ms
-        return head
+    def wire(self) -> DeliveryEntry:
+        """What the DELIVER (or EVENT) that carries this entry says of it."""
+        batch = self.batch
+        return DeliveryEntry(
+            batch.base_offset,
+            batch.count,
+            batch.timestamp_ms,
+            self.first,
+            self.end,
+            self.deliveries,
+            self.offsets,
+            self.first_ms,
+        )
 
 
 # A DELIVER's header lists its entries, and a peer refuses headers over

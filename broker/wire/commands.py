@@ -1,0 +1,223 @@
+"""One encoder per command: the frames of every request a client sends and every reply the broker sends.
+
+Each function takes a command's fields as typed arguments and returns the
+frame list ``protocol.encode`` makes, ready for ``send_multipart``. The
+header keys of each command are spelled here and nowhere else, so a
+field's name cannot drift between the broker and its clients. Pure
+functions: no sockets, no state. Optional fields left at ``None`` are not
+sent (the receiver applies its default); a request's ``rid`` goes last,
+after its fields, and a reply's first, as the callers always wrote them.
+
+See docs/protocol.md for what each field means.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+from conveyor.broker.wire.entry import DeliveryEntry
+from conveyor.broker.wire.protocol import Command, encode, error_header
+
+from conveyor.errors import ConveyorError
+
+Body = bytes | memoryview
+Ranges = Sequence[Sequence[int]] | Sequence[tuple[int, int]]
+
+
+def _with(header: dict[str, Any], **optional: Any) -> dict[str, Any]:
+    """``header`` plus the optional fields that are set, in the order given."""
+    for key, value in optional.items():
+        if value is not None:
+            header[key] = value
+    return header
+
+
+# --- client -> broker ------------------------------------------------------------------
+
+
+def hello(client: str, *, rid: Any = None) -> list[Any]:
+    return encode(Command.HELLO, _with({"client": client}, rid=rid))
+
+
+def publish(topic: str, body: Body, *, pid: int | None = None, seq: int | None = None, rid: Any = None) -> list[Any]:
+    """One batch body for ``topic``; ``pid`` and ``seq`` make it idempotent."""
+    return encode(Command.PUBLISH, _with({"topic": topic}, pid=pid, seq=seq, rid=rid), body)
+
+
+def subscribe(
+    sub: int,
+    topic: str,
+    group: str,
+    *,
+    credit: int | None = None,
+    batch_size: int | None = None,
+    settings: Mapping[str, Any] | None = None,  # start, key_affinity and the group settings, as given
+    rid: Any = None,
+) -> list[Any]:
+    header = _with({"sub": sub, "topic": topic, "group": group}, credit=credit, batch_size=batch_size)
+    return encode(Command.SUBSCRIBE, _with({**header, **(settings or {})}, rid=rid))
+
+
+def unsubscribe(sub: int) -> list[Any]:
+    return encode(Command.UNSUBSCRIBE, {"sub": sub})
+
+
+def ack(sub: int, ranges: Ranges) -> list[Any]:
+    return encode(Command.ACK, {"sub": sub, "ranges": ranges})
+
+
+def nack(
+    sub: int, ranges: Ranges, *, delay_ms: int | None = None, error: str | None = None, release: bool | None = None
+) -> list[Any]:
+    """Give offsets back; ``release`` (sent only when true) for ones never tried: not counted as a delivery."""
+    return encode(
+        Command.NACK, _with({"sub": sub, "ranges": ranges}, delay_ms=delay_ms, error=error, release=release or None)
+    )
+
+
+def in_progress(sub: int, ranges: Ranges) -> list[Any]:
+    return encode(Command.IN_PROGRESS, {"sub": sub, "ranges": ranges})
+
+
+def term(sub: int, ranges: Ranges, *, reason: str | None = None) -> list[Any]:
+    return encode(Command.TERM, _with({"sub": sub, "ranges": ranges}, reason=reason))
+
+
+def credit(sub: int, credit: int, *, batch_size: int | None = None) -> list[Any]:
+    return encode(Command.CREDIT, _with({"sub": sub, "credit": credit}, batch_size=batch_size))
+
+
+def fetch(
+    topic: str, offset: int, *, max_messages: int, wait_ms: int = 0, max_bytes: int = 1 << 20, rid: Any = None
+) -> list[Any]:
+    header = {"topic": topic, "offset": offset, "max_messages": max_messages, "wait_ms": wait_ms}
+    return encode(Command.FETCH, _with(header, max_bytes=max_bytes, rid=rid))
+
+
+def admin(op: str, args: Mapping[str, Any] | None = None, *, rid: Any = None) -> list[Any]:
+    """An ADMIN op; its arguments go in the header next to ``op``."""
+    return encode(Command.ADMIN, _with({"op": op, **(args or {})}, rid=rid))
+
+
+# --- both ways -------------------------------------------------------------------------
+
+
+def heartbeat() -> list[Any]:
+    return encode(Command.HEARTBEAT)
+
+
+def bye(reason: str | None = None) -> list[Any]:
+    return encode(Command.BYE, _with({}, reason=reason))
+
+
+# --- broker -> client ------------------------------------------------------------------
+
+
+def welcome(
+    rid: Any,
+    *,
+    heartbeat_ms: int,
+    liveness: int,
+    max_message_bytes: int,
+    max_batch_bytes: int,
+    max_credit: int,
+    version: int = 1,
+) -> list[Any]:
+    return encode(
+        Command.WELCOME,
+        {
+            "rid": rid,
+            "version": version,
+            "heartbeat_ms": heartbeat_ms,
+            "liveness": liveness,
+            "max_message_bytes": max_message_bytes,
+            "max_batch_bytes": max_batch_bytes,
+            "max_credit": max_credit,
+        },
+    )
+
+
+def published(rid: Any, topic: str, *, base_offset: int, count: int, duplicate: bool) -> list[Any]:
+    """The confirm of a PUBLISH: the batch holds ``[base_offset, base_offset + count)``."""
+    header = {"rid": rid, "topic": topic, "base_offset": base_offset, "count": count, "duplicate": duplicate}
+    return encode(Command.PUBLISHED, header)
+
+
+def subscribed(
+    rid: Any, sub: int, topic: str, group: str, *, committed_offset: int, end_offset: int, heartbeat_ms: int
+) -> list[Any]:
+    header = {
+        "rid": rid,
+        "sub": sub,
+        "topic": topic,
+        "group": group,
+        "committed_offset": committed_offset,
+        "end_offset": end_offset,
+        "heartbeat_ms": heartbeat_ms,
+    }
+    return encode(Command.SUBSCRIBED, header)
+
+
+def deliver(sub: int, topic: str, entries: Iterable[DeliveryEntry], bodies: Iterable[Body]) -> list[Any]:
+    """Batches for a subscription: one body per entry, in the same order."""
+    header = {"sub": sub, "topic": topic, "entries": [e.to_wire() for e in entries]}
+    return encode(Command.DELIVER, header, *bodies)
+
+
+def fetched(
+    rid: Any,
+    topic: str,
+    *,
+    start_offset: int,
+    end_offset: int,
+    entries: Iterable[DeliveryEntry],
+    bodies: Iterable[Body],
+) -> list[Any]:
+    """The answer to a FETCH: where the log starts and (durably) ends, and one body per entry."""
+    header = {
+        "rid": rid,
+        "topic": topic,
+        "start_offset": start_offset,
+        "end_offset": end_offset,
+        "entries": [e.to_wire() for e in entries],
+    }
+    return encode(Command.FETCHED, header, *bodies)
+
+
+def result(rid: Any, value: Any) -> list[Any]:
+    """The answer to an ADMIN op."""
+    return encode(Command.RESULT, {"rid": rid, "result": value})
+
+
+def error(exc: ConveyorError, rid: Any = None) -> list[Any]:
+    return encode(Command.ERROR, error_header(exc, rid))
+
+
+def event(sub: int, topic: str, event: str, offset: int) -> list[Any]:
+    """An EVENT without messages: ``RESET`` or ``READY`` of a mirrored topic."""
+    return encode(Command.EVENT, {"sub": sub, "topic": topic, "event": event, "offset": offset})
+
+
+def dead_lettered(
+    sub: int,
+    topic: str,
+    *,
+    reason: str,
+    deliveries: int,
+    dead_letter_topic: str,
+    entries: Sequence[DeliveryEntry],
+    bodies: Iterable[Body],
+) -> list[Any]:
+    """An EVENT ``DEAD_LETTERED``: the messages the broker moved past ``max_deliveries``, as DELIVER carries them."""
+    header = {
+        "sub": sub,
+        "topic": topic,
+        "event": "DEAD_LETTERED",
+        "offset": entries[0].first,
+        "reason": reason,
+        "deliveries": deliveries,
+        "dead_letter_topic": dead_letter_topic,
+        "entries": [e.to_wire() for e in entries],
+    }
+    return encode(Command.EVENT, header, *bodies)

@@ -1,0 +1,92 @@
+"""One DELIVER / FETCHED / EVENT entry: which records of one stored batch body a frame carries.
+
+The broker writes an entry per batch (never per message) as a short-keyed
+msgpack map, ``{b, n, t, f, e, d}`` plus the optional ``o`` and ``fd``
+(docs/protocol.md, "DELIVER entries"). Every producer and every reader of
+entries goes through ``DeliveryEntry``, so the keys are spelled in one
+place, and a reader handed a damaged entry gets ``MalformedFrame`` naming
+the key instead of a ``KeyError`` from deep inside a consumer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from conveyor.errors import MalformedFrame
+
+
+@dataclass(frozen=True, slots=True)
+class DeliveryEntry:
+    """One stored batch body in a frame, and the offsets of it that are delivered.
+
+    Record ``i`` of the body has offset ``base_offset + i``; the delivered
+    ones are ``offsets`` when given (key affinity), else ``[first, end)``.
+    """
+
+    base_offset: int  # b
+    count: int  # n: records in the body
+    timestamp_ms: int  # t: broker append time of the batch
+    first: int  # f
+    end: int  # e
+    deliveries: int = 0  # d: this delivery included; 0 in FETCHED
+    offsets: Sequence[int] | None = None  # o: the exact delivered offsets, instead of all of [first, end)
+    first_delivered_ms: int = 0  # fd: wall clock ms of the first delivery; 0 when not sent
+
+    def to_wire(self) -> dict[str, Any]:
+        """The msgpack map the broker sends (optional keys only when set)."""
+        head: dict[str, Any] = {
+            "b": self.base_offset,
+            "n": self.count,
+            "t": self.timestamp_ms,
+            "f": self.first,
+            "e": self.end,
+            "d": self.deliveries,
+        }
+        if self.offsets is not None:
+            head["o"] = self.offsets
+        if self.first_delivered_ms:
+            head["fd"] = self.first_delivered_ms
+        return head
+
+    @classmethod
+    def from_wire(cls, entry: Any) -> DeliveryEntry:
+        """Read an entry a broker sent; ``MalformedFrame`` for a missing or ill-typed key."""
+        if not isinstance(entry, Mapping):
+            raise MalformedFrame(f"an entry must be a map, not {type(entry).__name__}")
+        offsets = entry.get("o")
+        if offsets is not None:
+            if not isinstance(offsets, list | tuple) or not all(type(o) is int for o in offsets):
+                raise MalformedFrame("entry key 'o' must be a list of offsets", field="o")
+            offsets = tuple(offsets)
+        return cls(
+            _int(entry, "b"),
+            _int(entry, "n"),
+            _int(entry, "t"),
+            _int(entry, "f"),
+            _int(entry, "e"),
+            _int(entry, "d", 0),
+            offsets,
+            _int(entry, "fd", 0) or 0,
+        )
+
+
+def _int(entry: Mapping[str, Any], key: str, default: int | None = None) -> int:
+    value = entry.get(key, default)
+    if value is None and default is not None:
+        return default
+    if type(value) is not int:
+        if key not in entry:
+            raise MalformedFrame(f"entry has no key {key!r}", field=key)
+        raise MalformedFrame(f"entry key {key!r} must be an integer, not {type(value).__name__}", field=key)
+    return value
+
+
+def entries_from_wire(entries: Any) -> list[DeliveryEntry]:
+    """The entries of a DELIVER, FETCHED or EVENT header (``entries`` may be absent: none)."""
+    if entries is None:
+        return []
+    if not isinstance(entries, list | tuple):
+        raise MalformedFrame(f"'entries' must be a list, not {type(entries).__name__}", field="entries")
+    return [DeliveryEntry.from_wire(entry) for entry in entries]

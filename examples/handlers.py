@@ -9,8 +9,7 @@ from __future__ import annotations
 
 import logging
 
-from conveyor.consumers import Message
-from conveyor.decorators import consumer, error_handler, retry_policy
+from conveyor import Message, consumer, error_handler, retry_policy
 
 log = logging.getLogger("examples")
 

@@ -79,7 +79,7 @@ LAYERS: dict[str, set[str]] = {
 }
 TOP = {"conveyor.broker.cli", "conveyor.benchmarks"}  # nothing below imports these
 OLD_NAMES = tuple(name for name in FOLDERS if name != "conveyor")
-OLD_IMPORT = re.compile(rf"^\s*(from|import)\s+({'|'.join(OLD_NAMES)})(\.\w+)*(\s|$)", re.M)
+OLD_IMPORT = re.compile(rf"(^|\\n|[\"'])\s*(from|import)\s+({'|'.join(OLD_NAMES)})(\.\w+)*(\s|$)", re.M)
 OLD_RUN = re.compile(rf"python3? -m ({'|'.join(OLD_NAMES)})\b|[\"']-m[\"'],\s*[\"']({'|'.join(OLD_NAMES)})[\"'.]")
 TEXT_PLACES = ("README.md", "ARCHITECTURE.md", "docs", "examples", "tests", "benchmarks", "Makefile", "grafana")
 

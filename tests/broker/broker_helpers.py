@@ -10,8 +10,9 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from conveyor.broker.client.message import Message
 from conveyor.broker.client.subscription import Subscription
+
+from conveyor import Message
 
 
 def drain(

@@ -13,10 +13,11 @@ import time
 from typing import Any
 
 import zmq
-from conveyor.broker.client.producer import Producer
 from conveyor.broker.client.subscription import Subscription
 from conveyor.broker.net.transport import recv_frames, send_frames
 from conveyor.broker.wire.protocol import Command, Frame, decode, encode
+
+from conveyor import Producer
 
 
 class RawClient:

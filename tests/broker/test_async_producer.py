@@ -8,10 +8,10 @@ import time
 from pathlib import Path
 
 import pytest
-from conveyor.broker.client.admin import Admin
 from conveyor.broker.client.async_producer import AsyncProducer
 from conveyor.broker.log.syscalls import ENV_CONTROL
 
+from conveyor import Admin
 from conveyor.errors import BufferFull, RequestTimeout, StorageIOError
 from conveyor.testing import BrokerProcess
 

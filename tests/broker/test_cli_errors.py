@@ -14,9 +14,7 @@ import sys
 import threading
 from pathlib import Path
 
-from conveyor.broker.client.admin import Admin
-from conveyor.broker.client.producer import Producer
-
+from conveyor import Admin, Producer
 from conveyor.testing import wait_for
 
 REPO = Path(__file__).resolve().parents[2]

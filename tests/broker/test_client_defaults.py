@@ -15,12 +15,9 @@ import time
 
 import pytest
 from broker_helpers import free_address
-from conveyor.broker.client.admin import Admin
 from conveyor.broker.client.async_producer import AsyncProducer
-from conveyor.broker.client.producer import Producer
-from conveyor.consumers import Runner, Subscription
-from conveyor.decorators import consumer
 
+from conveyor import Admin, Producer, Runner, Subscription, consumer
 from conveyor.errors import ConfigError, RequestTimeout
 from conveyor.testing import wait_for
 

@@ -16,7 +16,8 @@ import sys
 from pathlib import Path
 
 from broker_helpers import REPO, config_errors, conveyor_cli
-from conveyor.broker.client.admin import Admin
+
+from conveyor import Admin
 
 
 def free_port() -> int:

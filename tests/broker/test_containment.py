@@ -16,8 +16,6 @@ from typing import Any
 
 import conveyor.broker.server.broker as server_module
 import pytest
-from conveyor.broker.client.admin import Admin
-from conveyor.broker.client.producer import Producer
 from conveyor.broker.client.subscription import Subscription
 from conveyor.broker.config.broker import BrokerSettings
 from conveyor.broker.log.data_dir import Store
@@ -26,6 +24,7 @@ from conveyor.broker.server.broker import Broker
 from conveyor.broker.server.groups import Group
 from prometheus_client import CollectorRegistry
 
+from conveyor import Admin, Producer
 from conveyor.errors import ConveyorError, TopicLimit
 from conveyor.testing import wait_for
 

@@ -13,12 +13,10 @@ import json
 from pathlib import Path
 
 import pytest
-from conveyor.broker.client.admin import Admin
-from conveyor.broker.client.producer import Producer
 from conveyor.broker.client.subscription import Subscription
 from conveyor.broker.log.data_dir import check_name
-from conveyor.decorators import consumer
 
+from conveyor import Admin, Producer, consumer
 from conveyor.errors import UnknownTopic
 from conveyor.names import MAX_NAME, dead_letter_topic, fit_name
 from conveyor.testing import BrokerProcess, wait_for

@@ -6,10 +6,9 @@ import collections
 import time
 
 from broker_helpers import drain, quiet
-from conveyor.broker.client.admin import Admin
-from conveyor.broker.client.producer import Producer
 from conveyor.broker.client.subscription import Subscription
 
+from conveyor import Admin, Producer
 from conveyor.errors import UnknownTopic
 from conveyor.testing import wait_for
 

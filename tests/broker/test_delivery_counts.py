@@ -11,11 +11,9 @@ import json
 import time
 
 import pytest
-from conveyor.broker.client.admin import Admin
-from conveyor.broker.client.message import Message
-from conveyor.broker.client.producer import Producer
 from conveyor.broker.client.subscription import Subscription
 
+from conveyor import Admin, Message, Producer
 from conveyor.testing import BrokerProcess, wait_for
 
 TOPIC = "counts"

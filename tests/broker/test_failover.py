@@ -7,10 +7,9 @@ import sys
 import textwrap
 
 from broker_helpers import drain, quiet
-from conveyor.broker.client.admin import Admin
-from conveyor.broker.client.producer import Producer
 from conveyor.broker.client.subscription import Subscription
 
+from conveyor import Admin, Producer
 from conveyor.testing import wait_for
 
 HOLDER = textwrap.dedent(

@@ -16,13 +16,12 @@ import threading
 from functools import partial
 
 import pytest
-from conveyor.broker.client.admin import Admin
-from conveyor.broker.client.producer import Producer
 from conveyor.broker.client.subscription import Subscription
 from conveyor.broker.wire.protocol import Command
 from flood_helpers import RawClient, SteadyPair, cpu_per_cycle, outcomes, wait_until_idle
 
 import conveyor.testing
+from conveyor import Admin, Producer
 from conveyor.errors import GroupLimit, TopicLimit
 from conveyor.testing import BrokerProcess, wait_for
 

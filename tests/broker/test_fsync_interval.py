@@ -9,12 +9,11 @@ interval itself (monotonic, not wall clock) is in
 
 from __future__ import annotations
 
-from conveyor.broker.client.admin import Admin
 from conveyor.broker.client.message import messages_from_entries
-from conveyor.broker.client.producer import Producer
 from conveyor.broker.client.subscription import Subscription
 from conveyor.broker.wire.protocol import Command, decode, encode
 
+from conveyor import Admin, Producer
 from conveyor.testing import wait_for
 
 INTERVAL = "interval:400"

@@ -9,8 +9,6 @@ import msgpack
 import pytest
 import zmq
 from bad_fields import ADMIN_OPS, COMMANDS, one_bad_field
-from conveyor.broker.client.admin import Admin
-from conveyor.broker.client.producer import Producer
 from conveyor.broker.client.subscription import Subscription
 from conveyor.broker.server import admin as admin_ops
 from conveyor.broker.wire import schema
@@ -18,6 +16,7 @@ from conveyor.broker.wire.protocol import SIGNATURE, Command, decode
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from conveyor import Admin, Producer
 from conveyor.errors import ConveyorError, InvalidRequest
 from conveyor.testing import BrokerProcess, wait_for
 

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import time
 
-from conveyor.broker.client.message import Message
-from conveyor.broker.client.producer import Producer
 from conveyor.broker.client.subscription import Subscription
+
+from conveyor import Message, Producer
 
 
 def publish(address: str, values: list, keys: list) -> None:

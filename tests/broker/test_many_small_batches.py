@@ -14,11 +14,10 @@ import time
 
 import pytest
 from broker_helpers import drain, quiet
-from conveyor.broker.client.admin import Admin
-from conveyor.broker.client.producer import Producer
 from conveyor.broker.client.subscription import Subscription
 from conveyor.broker.server.groups import MAX_ENTRIES
 
+from conveyor import Admin, Producer
 from conveyor.testing import BrokerProcess, wait_for
 
 BATCHES = 3 * MAX_ENTRIES + 17  # several DELIVERs' worth of entries

@@ -17,13 +17,12 @@ from typing import Any
 import msgpack
 import pytest
 import zmq
-from conveyor.broker.client.admin import Admin
-from conveyor.broker.client.message import Message
 from conveyor.broker.client.subscription import Subscription
 from conveyor.broker.log.data_dir import Store
 from conveyor.broker.wire.protocol import SIGNATURE, Command, decode
 from conveyor.broker.wire.record import unpack_records
 
+from conveyor import Admin, Message
 from conveyor.testing import BrokerProcess, wait_for
 
 INVALID_REQUEST = 207

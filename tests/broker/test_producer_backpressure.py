@@ -14,9 +14,9 @@ import time
 from pathlib import Path
 
 import pytest
-from conveyor.broker.client.admin import Admin
 from conveyor.broker.client.producer import Producer, _encode_record
 
+from conveyor import Admin
 from conveyor.errors import BufferFull
 from conveyor.testing import BrokerProcess
 

@@ -14,10 +14,9 @@ import time
 from pathlib import Path
 
 import pytest
-from conveyor.broker.client.admin import Admin
 from conveyor.broker.client.async_producer import AsyncProducer
-from conveyor.broker.client.producer import Producer
 
+from conveyor import Admin, Producer
 from conveyor.testing import BrokerProcess, wait_for
 
 LONG_LINGER_MS = 3000

@@ -13,10 +13,9 @@ from pathlib import Path
 
 import pytest
 import tenacity
-from conveyor.broker.client.admin import Admin
-from conveyor.broker.client.producer import Producer
 from conveyor.broker.log.syscalls import ENV_CONTROL
 
+from conveyor import Admin, Producer
 from conveyor.errors import RequestTimeout, StorageFull, StorageIOError
 from conveyor.testing import BrokerProcess, wait_for
 

@@ -9,12 +9,13 @@ import time
 
 import msgpack
 import pytest
-from conveyor.broker.client.admin import Admin
 from conveyor.broker.client.futures import BatchState as _BatchState
 from conveyor.broker.client.futures import OffsetFuture
 from conveyor.broker.client.producer import Producer, _array_header, _encode_record
 from conveyor.broker.client.subscription import Subscription
 from conveyor.broker.wire.record import pack_records, unpack_records, validate_body
+
+from conveyor import Admin
 
 
 @pytest.mark.parametrize("n", [0, 1, 15, 16, 255, 256, 65535, 65536, 70000])

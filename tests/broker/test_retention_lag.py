@@ -17,10 +17,9 @@ import threading
 import time
 
 import pytest
-from conveyor.broker.client.admin import Admin
-from conveyor.broker.client.producer import Producer
 from conveyor.broker.client.subscription import Subscription
 
+from conveyor import Admin, Producer
 from conveyor.errors import OffsetOutOfRange
 from conveyor.testing import BrokerProcess, wait_for
 

@@ -15,10 +15,9 @@ from typing import Any
 
 import pytest
 from broker_helpers import config_errors, conveyor_cli, drain
-from conveyor.broker.client.admin import Admin
-from conveyor.broker.client.producer import Producer
 from conveyor.broker.client.subscription import Subscription
 
+from conveyor import Admin, Producer
 from conveyor.errors import ConfigError, ReadOnlyTopic, UnknownTopic
 from conveyor.testing import BrokerProcess, wait_for
 

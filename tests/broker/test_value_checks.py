@@ -19,11 +19,10 @@ import msgpack
 import pytest
 import zmq
 from broker_helpers import config_errors, conveyor_cli
-from conveyor.broker.client.admin import Admin
 from conveyor.broker.client.async_producer import AsyncProducer
-from conveyor.broker.client.producer import Producer
 from conveyor.broker.wire.protocol import SIGNATURE, Command, decode
 
+from conveyor import Admin, Producer
 from conveyor.errors import ConfigError
 from conveyor.testing import BrokerProcess, wait_for
 

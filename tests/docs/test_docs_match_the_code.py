@@ -328,11 +328,9 @@ def test_every_python_module_the_docs_run_exists():
 
 @cache
 def client_classes() -> dict[str, type]:
-    from conveyor.broker.client.admin import Admin
     from conveyor.broker.client.async_producer import AsyncProducer
-    from conveyor.broker.client.producer import Producer
-    from conveyor.consumers import Message, Runner, Subscription
 
+    from conveyor import Admin, Message, Producer, Runner, Subscription
     from conveyor.testing import BrokerProcess
 
     return {

@@ -22,10 +22,9 @@ from pathlib import Path
 from typing import Any
 
 import tenacity
-from conveyor.broker.client.admin import Admin
-from conveyor.broker.client.producer import Producer
 from conveyor.broker.client.subscription import Subscription
 
+from conveyor import Admin, Producer
 from conveyor.errors import ConveyorError
 from conveyor.testing import BrokerProcess, wait_for
 

@@ -17,12 +17,12 @@ import urllib.request
 import msgpack
 import pytest
 import zmq
-from conveyor.broker.client.producer import Producer
 from conveyor.broker.log.syscalls import ENV_CONTROL
 from conveyor.broker.wire.protocol import Command, decode, encode
 from fault_helpers import consumers, drain_group, fetch_all, report, wait_for
 from test_io_errors import whole_batches_only
 
+from conveyor import Producer
 from conveyor.errors import RequestTimeout, StorageFull
 
 TOPIC = "full"

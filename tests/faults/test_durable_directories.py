@@ -12,10 +12,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from conveyor.broker.client.admin import Admin
-from conveyor.broker.client.producer import Producer
 from conveyor.broker.log.syscalls import ENV_JOURNAL, read_journal, simulate_power_loss
 from fault_helpers import fetch_all, report
+
+from conveyor import Admin, Producer
 
 
 def durable_listings(journal: Path) -> dict[str, dict[str, int]]:

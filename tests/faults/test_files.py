@@ -12,12 +12,11 @@ import time
 import urllib.request
 
 import pytest
-from conveyor.broker.client.admin import Admin
-from conveyor.broker.client.producer import Producer
 from conveyor.broker.log.syscalls import ENV_CONTROL
 from conveyor.broker.wire.record import HEADER_SIZE, decode_header
 from fault_helpers import consumers, drain_group, fetch_all, report, wait_for
 
+from conveyor import Admin, Producer
 from conveyor.errors import OffsetOutOfRange, SegmentCorrupt
 
 

@@ -19,13 +19,13 @@ import time
 import msgpack
 import pytest
 import zmq
-from conveyor.broker.client.admin import Admin
-from conveyor.broker.client.producer import Producer
 from conveyor.broker.client.subscription import Subscription
 from conveyor.broker.log.syscalls import ENV_CONTROL, ENV_JOURNAL, read_journal, simulate_power_loss
 from conveyor.broker.wire.protocol import Command, decode, encode
 from fault_helpers import Load, fetch_all, judge, report, wait_for
 from test_files import batches_of
+
+from conveyor import Admin, Producer
 
 TOPIC = "io"
 

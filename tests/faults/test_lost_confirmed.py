@@ -9,11 +9,11 @@ import json
 import urllib.error
 import urllib.request
 
-from conveyor.broker.client.admin import Admin
-from conveyor.broker.client.producer import Producer
 from conveyor.broker.wire.record import HEADER_SIZE
 from fault_helpers import fetch_all, wait_for
 from test_files import batches_of, consume_all, publish_batches
+
+from conveyor import Admin, Producer
 
 FIRST, LAST = [f"a{i}" for i in range(10)], [f"b{i}" for i in range(10)]
 

@@ -24,15 +24,13 @@ import tempfile
 import time
 
 import pytest
-from conveyor.broker.client.admin import Admin
-from conveyor.broker.client.message import Message
-from conveyor.broker.client.producer import Producer
 from conveyor.broker.client.subscription import Subscription
 from fault_helpers import fetch_all, report, soak_seconds
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
+from conveyor import Admin, Message, Producer
 from conveyor.testing import BrokerProcess
 
 TOPIC, GROUP = "model", "g"

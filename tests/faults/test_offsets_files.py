@@ -13,12 +13,12 @@ import json
 import time
 
 import pytest
-from conveyor.broker.client.admin import Admin
 from conveyor.broker.client.subscription import Subscription
 from conveyor.broker.log.syscalls import ENV_CONTROL, ENV_JOURNAL, read_journal
 from fault_helpers import consumers, drain_group, report, wait_for
 from test_files import consume_all, publish_batches
 
+from conveyor import Admin
 from conveyor.errors import UnknownGroup
 
 TOPIC = "offsets"

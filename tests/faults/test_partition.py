@@ -11,9 +11,9 @@ from __future__ import annotations
 import threading
 import time
 
-from conveyor.broker.client.admin import Admin
-from conveyor.broker.client.producer import Producer
 from fault_helpers import ConsumerThread, Proxy, drain_group, fetch_all, judge_group, report, wait_for
+
+from conveyor import Admin, Producer
 
 
 def publish_steadily(address: str, topic: str, count: int, seconds: float, stop: threading.Event) -> None:

@@ -19,7 +19,6 @@ import random
 import time
 
 import pytest
-from conveyor.broker.client.producer import Producer
 from conveyor.broker.log.syscalls import ENV_JOURNAL, simulate_power_loss
 from fault_helpers import (
     Load,
@@ -32,6 +31,8 @@ from fault_helpers import (
     soak_seconds,
     wait_for,
 )
+
+from conveyor import Producer
 
 TOPIC = "power"
 

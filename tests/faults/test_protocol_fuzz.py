@@ -23,8 +23,6 @@ import time
 import msgpack
 import pytest
 from bad_fields import one_bad_field
-from conveyor.broker.client.admin import Admin
-from conveyor.broker.client.producer import Producer
 from conveyor.broker.wire.protocol import SIGNATURE, Command, decode
 from fault_helpers import ConsumerThread, Load, fetch_all, judge, judge_group, report, rss_bytes, wait_for
 from hypothesis import HealthCheck, given, settings
@@ -32,6 +30,7 @@ from hypothesis import strategies as st
 from test_fuzz import messages as malformed_messages
 from test_fuzz import nested
 
+from conveyor import Admin, Producer
 from conveyor.errors import ConveyorError
 
 MiB = 1 << 20

@@ -18,7 +18,6 @@ import time
 
 import msgpack
 import zmq
-from conveyor.broker.client.producer import Producer
 from conveyor.broker.wire.protocol import Command, decode, encode
 from fault_helpers import (
     ConsumerThread,
@@ -31,6 +30,8 @@ from fault_helpers import (
     report,
     wait_for,
 )
+
+from conveyor import Producer
 
 
 def test_a_frozen_broker_stores_every_resent_batch_once(brokers):

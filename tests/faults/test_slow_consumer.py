@@ -5,9 +5,9 @@ from __future__ import annotations
 import threading
 import time
 
-from conveyor.broker.client.admin import Admin
-from conveyor.broker.client.producer import Producer
 from fault_helpers import ConsumerThread, report, rss_bytes
+
+from conveyor import Admin, Producer
 
 MiB = 1 << 20
 

@@ -6,10 +6,10 @@ Real broker processes: the broker opens the damaged data directory and clients c
 from __future__ import annotations
 
 import pytest
-from conveyor.broker.client.admin import Admin
-from conveyor.broker.client.producer import Producer
 from fault_helpers import consumers, drain_group, fetch_all
 from test_files import publish_batches
+
+from conveyor import Admin, Producer
 
 VALUES = [f"m{i}" for i in range(10)]
 

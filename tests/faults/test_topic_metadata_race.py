@@ -10,8 +10,9 @@ import time
 
 import msgpack
 import zmq
-from conveyor.broker.client.admin import Admin
 from conveyor.broker.wire.protocol import SIGNATURE, Command
+
+from conveyor import Admin
 
 TOPICS = 16
 RETENTION_MS = 12345

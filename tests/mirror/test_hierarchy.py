@@ -12,10 +12,9 @@ import urllib.error
 import urllib.request
 
 import pytest
-from conveyor.broker.client.admin import Admin
-from conveyor.broker.client.producer import Producer
 from conveyor.broker.client.subscription import Subscription
 
+from conveyor import Admin, Producer
 from conveyor.errors import ReadOnlyTopic
 from conveyor.testing import BrokerProcess, wait_for
 

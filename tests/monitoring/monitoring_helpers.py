@@ -16,11 +16,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conveyor.broker.client.producer import Producer
 from conveyor.monitoring.metrics import BrokerMetrics, HealthCollector, RunnerMetrics, StateCollector
 from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 from runner_helpers import RunnerProcess
+
+from conveyor import Producer
 
 __all__ = ["RunnerProcess", "start_runner"]
 

@@ -15,7 +15,6 @@ from pathlib import Path
 from typing import Any
 
 import zmq
-from conveyor.broker.client.producer import Producer
 from conveyor.broker.wire.protocol import Command, Frame, decode, encode
 from conveyor.broker.wire.record import pack_records
 from conveyor.broker.wire.values import make_record
@@ -29,6 +28,7 @@ from dashboard_helpers import (
 )
 from monitoring_helpers import PrometheusServer, publish, runner_metrics_url, sample_value, scrape, wait_for
 
+from conveyor import Producer
 from conveyor.testing import BrokerProcess
 
 TRAFFIC_SECONDS = 8.0

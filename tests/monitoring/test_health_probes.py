@@ -15,14 +15,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conveyor.broker.client.producer import Producer
 from conveyor.broker.client.subscription import Subscription
 from conveyor.broker.log.syscalls import ENV_CONTROL
 from conveyor.consumers.runner import Runner
-from conveyor.decorators import consumer
 from probe_helpers import PHASE, ProbedRunner, base_url, health_is, health_status_metric, probe, until
 from prometheus_client import CollectorRegistry
 
+from conveyor import Producer, consumer
 from conveyor.testing import BrokerProcess
 
 ENDPOINTS = ("/healthz", "/livez", "/readyz", "/metrics")

@@ -6,9 +6,7 @@ import signal
 from pathlib import Path
 from typing import Any
 
-from conveyor.broker.client.admin import Admin
 from conveyor.consumers.runner import Runner
-from conveyor.decorators import consumer
 from conveyor.monitoring.metrics import STATE_GAUGES
 from monitoring_helpers import (
     health,
@@ -22,6 +20,8 @@ from monitoring_helpers import (
 )
 from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
+
+from conveyor import Admin, consumer
 
 GATED = {"topic": "gated", "group": "gatekeepers"}
 HOLD = {"handler": "app_monitored.hold", **GATED}

@@ -26,7 +26,7 @@ from monitoring_helpers import http_get, registered_families
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-DOCS = Path(__file__).resolve().parents[2] / "docs" / "conveyor.monitoring.md"
+DOCS = Path(__file__).resolve().parents[2] / "docs" / "monitoring.md"
 TOPIC, GROUP = ("topic",), ("topic", "group")
 HANDLER = ("handler", "topic", "group")
 

@@ -6,10 +6,10 @@ import time
 
 import pytest
 import tenacity
-from conveyor.consumers import Nack
 from conveyor.consumers.lanes import _delay_ms
-from conveyor.decorators import consumer, retry_policy
 from conveyor.decorators.retry import UNBOUNDED_DELIVERIES, RetryPolicy
+
+from conveyor import Nack, consumer, retry_policy
 
 
 def handler(message):

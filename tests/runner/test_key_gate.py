@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import threading
 
-from conveyor.broker.client.message import Message
 from conveyor.broker.client.subscription import DeadLettered
 from conveyor.consumers.lanes import KeyGate, Report, Work
 from conveyor.decorators.consumer import consumer
 from conveyor.decorators.exceptions import Nack
+
+from conveyor import Message
 
 
 def msg(offset: int, key: str, attempt: int = 1) -> Message:

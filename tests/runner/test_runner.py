@@ -6,9 +6,9 @@ import collections
 import signal
 import time
 
-from conveyor.broker.client.admin import Admin
-from conveyor.broker.client.producer import Producer
 from runner_helpers import RunnerProcess, by_pid, offsets, records, wait_records
+
+from conveyor import Admin, Producer
 
 
 def publish(address: str, topic: str, values: list, keys: list | None = None) -> None:

@@ -16,9 +16,8 @@ import time
 from pathlib import Path
 
 import pytest
-from conveyor.broker.client.producer import Producer
-from conveyor.consumers import Subscription
 
+from conveyor import Producer, Subscription
 from conveyor.testing import wait_for
 
 REPO = Path(__file__).resolve().parents[2]
@@ -42,7 +41,7 @@ def test_a_module_that_raises_at_import_shows_its_own_traceback(tmp_path):
         tmp_path,
         "handlers",
         """\
-        from conveyor.decorators import consumer
+        from conveyor import consumer
 
         SETTINGS = {}
         TIMEOUT = SETTINGS["timeout"]
@@ -72,8 +71,7 @@ def test_a_retry_count_the_wire_cannot_carry_stops_the_runner_at_import(conveyor
         "counts",
         """\
         import tenacity
-        from conveyor.decorators import consumer
-        from conveyor.decorators import retry_policy
+        from conveyor import consumer, retry_policy
 
         @consumer("counts", group="g")
         @retry_policy(stop=tenacity.stop_after_attempt(2**40))
@@ -123,7 +121,7 @@ SLOW_HANDLERS = {
 def test_handlers_that_outrun_the_graceful_timeout_are_given_back_and_exit_3(conveyor_broker, tmp_path, kind):
     started = tmp_path / "started"
     topic = f"slow-{kind}"
-    source = "import asyncio\nimport pathlib\nimport time\n\nfrom decorators import consumer\n\n"
+    source = "import asyncio\nimport pathlib\nimport time\n\nfrom conveyor import consumer\n\n"
     source += f"STARTED = {str(started)!r}\n\n\n"
     source += f"@consumer({topic!r}, group='slow', concurrency=1)\n" + SLOW_HANDLERS[kind]
     write_app(tmp_path, "slow", source)

@@ -9,10 +9,9 @@ from __future__ import annotations
 import collections
 import re
 
-from conveyor.broker.client.admin import Admin
-from conveyor.broker.client.producer import Producer
 from runner_helpers import RunnerProcess, records, wait_records
 
+from conveyor import Admin, Producer
 from conveyor.errors import ConveyorError
 from conveyor.testing import scrape_metric, wait_for
 

@@ -11,12 +11,11 @@ from pathlib import Path
 
 import pytest
 import zmq
-from conveyor.broker.client.admin import Admin
 from conveyor.broker.client.async_producer import AsyncProducer
-from conveyor.broker.client.producer import Producer
 from conveyor.broker.client.subscription import Subscription
 from conveyor.broker.net import security
 
+from conveyor import Admin, Producer
 from conveyor.errors import AuthFailed
 from conveyor.testing import BrokerProcess, wait_for
 
@@ -38,7 +37,7 @@ def secure_broker(keys, tmp_path):
         tmp_path / "data",
         extra=[
             "--curve-secret-key",
-            str(keys / "server" / "conveyor.broker.key_secret"),
+            str(keys / "server" / "broker.key_secret"),
             "--curve-authorized-keys",
             str(keys / "authorized"),
         ],
@@ -60,7 +59,7 @@ def as_client(monkeypatch):
 
 
 def test_an_authorized_client_works_end_to_end(secure_broker, keys, as_client):
-    as_client(keys / "server" / "conveyor.broker.key", keys / "clients" / "alice.key_secret")
+    as_client(keys / "server" / "broker.key", keys / "clients" / "alice.key_secret")
     with Producer(secure_broker.address) as producer:
         assert producer.send("secret", "hello").result(timeout=10) == 0
     sub = Subscription("secret", "g", address=secure_broker.address)
@@ -90,7 +89,7 @@ def test_an_authorized_client_works_end_to_end(secure_broker, keys, as_client):
             "--broker",
             secure_broker.address,
             "--curve-server-key",
-            str(keys / "server" / "conveyor.broker.key"),
+            str(keys / "server" / "broker.key"),
             "--curve-key",
             str(keys / "clients" / "alice.key_secret"),
         ],
@@ -108,7 +107,7 @@ SLOW = 30_000
 
 
 def test_an_unauthorized_key_is_refused(secure_broker, keys, as_client):
-    as_client(keys / "server" / "conveyor.broker.key", keys / "strangers" / "mallory.key_secret")
+    as_client(keys / "server" / "broker.key", keys / "strangers" / "mallory.key_secret")
     with Admin(secure_broker.address, timeout_ms=SLOW) as admin, pytest.raises(AuthFailed):
         admin.list_topics()
 
@@ -137,22 +136,22 @@ def run_broker(tmp_path, *flags, timeout=30):
 
 
 def test_curve_without_authorized_keys_refuses_to_start(keys, tmp_path):
-    code, output = run_broker(tmp_path, "--curve-secret-key", keys / "server" / "conveyor.broker.key_secret")
+    code, output = run_broker(tmp_path, "--curve-secret-key", keys / "server" / "broker.key_secret")
     assert code == 2, output
     assert "CONFIG_ERROR" in output and "--curve-allow-any-client" in output, output
 
 
 def test_a_public_key_given_as_the_secret_key_is_named_first(keys, tmp_path):
     # The public half passed where the secret one belongs: that is the mistake to name, whatever else is missing
-    code, output = run_broker(tmp_path, "--curve-secret-key", keys / "server" / "conveyor.broker.key")
+    code, output = run_broker(tmp_path, "--curve-secret-key", keys / "server" / "broker.key")
     assert code == 2, output
     assert "CONFIG_ERROR" in output and "holds no secret key" in output and ".key_secret" in output, output
 
 
 def test_curve_allow_any_client_encrypts_and_lets_any_key_in(keys, tmp_path, as_client):
-    extra = ["--curve-secret-key", str(keys / "server" / "conveyor.broker.key_secret"), "--curve-allow-any-client"]
+    extra = ["--curve-secret-key", str(keys / "server" / "broker.key_secret"), "--curve-allow-any-client"]
     with BrokerProcess(tmp_path / "any", extra=extra) as broker:
-        as_client(keys / "server" / "conveyor.broker.key", keys / "strangers" / "mallory.key_secret")
+        as_client(keys / "server" / "broker.key", keys / "strangers" / "mallory.key_secret")
         with Admin(broker.address, timeout_ms=SLOW) as admin:
             assert admin.list_topics() == []
 
@@ -168,7 +167,7 @@ def test_a_curve_client_option_without_the_secret_key_refuses_to_start(keys, tmp
 def test_a_bad_authorized_key_file_refuses_to_start_and_names_it(keys, tmp_path):
     bad = keys / "authorized" / "bob.key"
     bad.write_text("not a certificate\n")
-    secret = keys / "server" / "conveyor.broker.key_secret"
+    secret = keys / "server" / "broker.key_secret"
     code, output = run_broker(tmp_path, "--curve-secret-key", secret, "--curve-authorized-keys", keys / "authorized")
     assert code == 2, output
     assert "CONFIG_ERROR" in output and str(bad) in output, output
@@ -176,7 +175,7 @@ def test_a_bad_authorized_key_file_refuses_to_start_and_names_it(keys, tmp_path)
 
 def test_refused_clients_get_auth_failed_and_are_counted_and_logged(secure_broker, keys, as_client, monkeypatch):
     # Given a client whose key is not authorized: AUTH_FAILED, not a timeout
-    as_client(keys / "server" / "conveyor.broker.key", keys / "strangers" / "mallory.key_secret")
+    as_client(keys / "server" / "broker.key", keys / "strangers" / "mallory.key_secret")
     with Admin(secure_broker.address, timeout_ms=SLOW) as admin, pytest.raises(AuthFailed) as refused:
         admin.list_topics()
     assert refused.value.code == 404 and "authorized" in refused.value.message
@@ -202,7 +201,7 @@ def test_refused_clients_get_auth_failed_and_are_counted_and_logged(secure_broke
 
 
 def test_producers_and_subscriptions_of_a_refused_client_get_auth_failed(secure_broker, keys, as_client):
-    as_client(keys / "server" / "conveyor.broker.key", keys / "strangers" / "mallory.key_secret")
+    as_client(keys / "server" / "broker.key", keys / "strangers" / "mallory.key_secret")
     producer = Producer(secure_broker.address, request_timeout_ms=SLOW, delivery_timeout_ms=120_000)
     try:
         with pytest.raises(AuthFailed):
@@ -227,7 +226,7 @@ def test_producers_and_subscriptions_of_a_refused_client_get_auth_failed(secure_
 
 def test_a_runner_whose_key_is_refused_exits_2_naming_auth_failed(secure_broker, keys, tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith("CONVEYOR_")}
-    env["CONVEYOR_CURVE_SERVER_KEY"] = str(keys / "server" / "conveyor.broker.key")
+    env["CONVEYOR_CURVE_SERVER_KEY"] = str(keys / "server" / "broker.key")
     env["CONVEYOR_CURVE_KEY"] = str(keys / "strangers" / "mallory.key_secret")
     env["PYTHONPATH"] = str(Path(__file__).resolve().parents[1] / "monitoring" / "apps")
     cmd = [
@@ -248,7 +247,7 @@ def test_a_runner_whose_key_is_refused_exits_2_naming_auth_failed(secure_broker,
 
 def test_a_mirror_refused_by_its_parent_names_auth_failed(secure_broker, keys, tmp_path):
     env = {
-        "CONVEYOR_CURVE_SERVER_KEY": str(keys / "server" / "conveyor.broker.key"),
+        "CONVEYOR_CURVE_SERVER_KEY": str(keys / "server" / "broker.key"),
         "CONVEYOR_CURVE_KEY": str(keys / "strangers" / "mallory.key_secret"),
     }
     child = BrokerProcess(tmp_path / "child", extra=["--upstream", secure_broker.address], env=env).start()
@@ -261,7 +260,7 @@ def test_a_mirror_refused_by_its_parent_names_auth_failed(secure_broker, keys, t
 
 
 def test_a_broker_restart_is_not_an_auth_failure(secure_broker, keys, as_client):
-    as_client(keys / "server" / "conveyor.broker.key", keys / "clients" / "alice.key_secret")
+    as_client(keys / "server" / "broker.key", keys / "clients" / "alice.key_secret")
     with Producer(secure_broker.address, linger_ms=1) as producer:
         before = [producer.send("restarts", i) for i in range(50)]
         assert [f.result(timeout=30) for f in before] == list(range(50))
@@ -284,9 +283,9 @@ def test_a_broker_restart_is_not_an_auth_failure(secure_broker, keys, as_client)
 def test_the_spark_connectors_connection_speaks_curve_and_names_a_refusal(secure_broker, keys, as_client):
     from conveyor.pipeline.wire import Connection
 
-    as_client(keys / "server" / "conveyor.broker.key", keys / "clients" / "alice.key_secret")
+    as_client(keys / "server" / "broker.key", keys / "clients" / "alice.key_secret")
     with Connection(secure_broker.address, retry_for=0) as conn:
         assert isinstance(conn.admin("list_topics"), list)
-    as_client(keys / "server" / "conveyor.broker.key", keys / "strangers" / "mallory.key_secret")
+    as_client(keys / "server" / "broker.key", keys / "strangers" / "mallory.key_secret")
     with Connection(secure_broker.address, request_timeout=SLOW / 1000, retry_for=0) as conn, pytest.raises(AuthFailed):
         conn.admin("list_topics")

@@ -8,9 +8,9 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
-from conveyor.broker.client.producer import Producer
 from pyspark.sql import DataFrame, SparkSession
 
+from conveyor import Producer
 from conveyor.errors import DuplicateSequence
 
 

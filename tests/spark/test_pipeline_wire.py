@@ -10,7 +10,6 @@ from __future__ import annotations
 import threading
 
 import pytest
-from conveyor.broker.client.producer import Producer
 from conveyor.pipeline.options import OptionError, ReadOptions, WriteOptions, parse_position
 from conveyor.pipeline.source import split_range
 from conveyor.pipeline.wire import (
@@ -25,6 +24,8 @@ from conveyor.pipeline.wire import (
     producer_id_for,
     topic_bounds,
 )
+
+from conveyor import Producer
 
 pytestmark = pytest.mark.spark
 

@@ -7,12 +7,12 @@ import time
 from datetime import UTC, datetime
 
 import pytest
-from conveyor.broker.client.admin import Admin
-from conveyor.broker.client.producer import Producer
 from conveyor.pipeline import columns
 from pyspark.sql import functions as F
 from pyspark.sql.types import LongType, StringType, StructField, StructType
 from spark_helpers import publish, read, value_of
+
+from conveyor import Admin, Producer
 
 pytestmark = pytest.mark.spark
 

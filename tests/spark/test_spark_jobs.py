@@ -7,9 +7,10 @@ import json
 import sqlite3
 
 import pytest
-from conveyor.broker.client.admin import Admin
 from conveyor.pipeline.jobs import archive, ingest, lag_report
 from spark_helpers import publish, read
+
+from conveyor import Admin
 
 pytestmark = pytest.mark.spark
 

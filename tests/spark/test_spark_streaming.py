@@ -5,8 +5,9 @@ from __future__ import annotations
 import json
 
 import pytest
-from conveyor.broker.client.admin import Admin
 from spark_helpers import BackgroundProducer, read, wait_for
+
+from conveyor import Admin
 
 pytestmark = pytest.mark.spark
 

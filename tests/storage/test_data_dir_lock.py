@@ -11,11 +11,10 @@ import sys
 from pathlib import Path
 
 import pytest
-from conveyor.broker.client.admin import Admin
-from conveyor.broker.client.producer import Producer
 from conveyor.broker.log.data_dir import Store
 from conveyor.broker.log.data_dir_lock import LOCK_FILE, DataDirLock
 
+from conveyor import Admin, Producer
 from conveyor.errors import DataDirLocked
 from conveyor.testing import BrokerProcess
 

@@ -9,8 +9,7 @@ from __future__ import annotations
 import os
 import time
 
-from conveyor.consumers import Message
-from conveyor.decorators import consumer, retry_policy
+from conveyor import Message, consumer, retry_policy
 
 GATE = os.environ.get("CONVEYOR_TEST_GATE", "")
 

@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-from conveyor.consumers import Message
-from conveyor.decorators import consumer
+from conveyor import Message, consumer
 
 
 @consumer("probed", group="probes", prefetch=10)

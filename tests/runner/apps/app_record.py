@@ -6,8 +6,7 @@ import asyncio
 import os
 import time
 
-from conveyor.consumers import Message
-from conveyor.decorators import consumer, error_handler, retry_policy
+from conveyor import Message, consumer, error_handler, retry_policy
 
 OUT = os.environ.get("CONVEYOR_TEST_OUT", "/tmp")
 SLOW = float(os.environ.get("CONVEYOR_TEST_SLOW", "0"))

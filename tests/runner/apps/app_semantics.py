@@ -8,8 +8,8 @@ from __future__ import annotations
 import os
 
 import tenacity
-from conveyor.consumers import Message, Nack
-from conveyor.decorators import consumer, error_handler, retry_policy
+
+from conveyor import Message, Nack, consumer, error_handler, retry_policy
 
 OUT = os.environ.get("CONVEYOR_TEST_OUT", "/tmp")
 FAIL_EVERY = int(os.environ.get("CONVEYOR_TEST_FAIL_EVERY", "10"))

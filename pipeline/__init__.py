@@ -23,8 +23,9 @@ if TYPE_CHECKING:
 
 __all__ = ["SCHEMA", "ConveyorDataSource", "ReadOptions", "WriteOptions", "register"]
 
-# Submodules that ``import pipeline`` makes reachable as attributes (``pipeline.session.local_session()``,
-# as docs/spark.md writes it), each imported on first use: a session module starts nothing by itself.
+# Submodules that ``from conveyor import pipeline`` makes reachable as attributes
+# (``pipeline.session.local_session()``, as docs/spark.md writes it), each imported on first use:
+# a session module starts nothing by itself.
 SUBMODULES = frozenset(
     {"bench", "columns", "jobs", "options", "progress", "session", "sink", "source", "sqlite_source", "wire"}
 )

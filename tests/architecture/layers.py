@@ -84,11 +84,11 @@ OLD_RUN = re.compile(rf"python3? -m ({'|'.join(OLD_NAMES)})\b|[\"']-m[\"'],\s*[\
 TEXT_PLACES = ("README.md", "ARCHITECTURE.md", "docs", "examples", "tests", "benchmarks", "Makefile", "grafana")
 
 
-def module_files() -> Iterator[tuple[str, Path]]:
-    """Every Conveyor module with its installed name."""
+def module_files(root: Path = ROOT) -> Iterator[tuple[str, Path]]:
+    """Every Conveyor module with its installed name (``root``: the repository, or a fake tree in a test)."""
     for folder, package in FOLDERS.items():
-        for path in sorted((ROOT / folder).rglob("*.py")):
-            parts = path.relative_to(ROOT / folder).with_suffix("").parts
+        for path in sorted((root / folder).rglob("*.py")):
+            parts = path.relative_to(root / folder).with_suffix("").parts
             if parts[-1] == "__init__":
                 parts = parts[:-1]
             yield ".".join((package, *parts)), path
@@ -124,10 +124,10 @@ def imported(module: str, path: Path) -> Iterator[tuple[int, str]]:
                 yield node.lineno, name
 
 
-def layer_problems() -> list[str]:
-    known = {module for module, _ in module_files()}
+def layer_problems(root: Path = ROOT) -> list[str]:
+    known = {module for module, _ in module_files(root)}
     problems = []
-    for module, path in module_files():
+    for module, path in module_files(root):
         mine = layer_of(module)
         allowed = LAYERS[mine]
         seen = set()
@@ -138,25 +138,25 @@ def layer_problems() -> list[str]:
                 continue
             seen.add((line, name))
             if name == "conveyor" and mine != "conveyor":
-                problems.append(f"{path.relative_to(ROOT)}:{line}: imports the conveyor facade; import the module")
+                problems.append(f"{path.relative_to(root)}:{line}: imports the conveyor facade; import the module")
                 continue
             theirs = layer_of(name)
             if theirs in (mine, "base") or (theirs == "conveyor.broker" and name == "conveyor.broker"):
                 continue
             if theirs in TOP and theirs not in allowed and mine != "conveyor":
-                problems.append(f"{path.relative_to(ROOT)}:{line}: {module} imports {name} (nothing imports {theirs})")
+                problems.append(f"{path.relative_to(root)}:{line}: {module} imports {name} (nothing imports {theirs})")
             elif "*" not in allowed and theirs not in allowed:
                 problems.append(
-                    f"{path.relative_to(ROOT)}:{line}: {module} ({mine}) imports {name} ({theirs}),"
+                    f"{path.relative_to(root)}:{line}: {module} ({mine}) imports {name} ({theirs}),"
                     " a layer it may not use"
                 )
     return problems
 
 
-def old_name_problems() -> list[str]:
+def old_name_problems(root: Path = ROOT) -> list[str]:
     problems = []
     for place in TEXT_PLACES:
-        target = ROOT / place
+        target = root / place
         files = [target] if target.is_file() else sorted(p for p in target.rglob("*") if p.is_file())
         for path in files:
             if path.suffix not in (".py", ".md", ".toml", ".json", ".yml", ".yaml", "") or "__pycache__" in path.parts:
@@ -168,7 +168,7 @@ def old_name_problems() -> list[str]:
                 for match in pattern.finditer(text):
                     line = text.count("\n", 0, match.start()) + 1
                     problems.append(
-                        f"{path.relative_to(ROOT)}:{line}: {match.group(0).strip()!r}: Conveyor installs as conveyor.*"
+                        f"{path.relative_to(root)}:{line}: {match.group(0).strip()!r}: Conveyor installs as conveyor.*"
                     )
     return problems
 

@@ -10,12 +10,16 @@ starting anything:
   dotted name, ``python -m`` module, repository path and cited test exists;
 - ``docs/protocol.md`` lists every command, admin op and error code (and
   nothing else); the README links every doc and its exit-code table is
-  ``broker/exitcodes.py``; ``grafana/README.md`` lists each dashboard's
+  ``conveyor/exitcodes.py``; ``grafana/README.md`` lists each dashboard's
   variables; ``docs/spark.md`` lists exactly the options the source and
   sink read;
 - every Python block imports and calls what exists (keywords included),
-  and ``import pipeline; pipeline.session.local_session`` style chains work
-  in a fresh interpreter.
+  and ``import conveyor.pipeline; conveyor.pipeline.session.local_session``
+  style chains work in a fresh interpreter;
+- Python names are the installed ones: ``conveyor.broker.log.data_dir``,
+  ``from conveyor import Producer``. The repository's folder names
+  (``broker.log``, ``import pipeline``) are checked too, and fail: those
+  folders refuse to import under any name but ``conveyor.…``.
 
 When one fails, fix the doc (or the code): the message names the file and
 what it says.
@@ -50,8 +54,12 @@ DOCS = [
     REPO / "grafana" / "README.md",
     REPO / "benchmarks" / "README.md",
 ]
-PACKAGES = ("broker", "consumers", "decorators", "monitoring", "pipeline", "benchmarks", "examples")
-TOP_DIRS = (*PACKAGES, "tests", "grafana", "docs")
+# The repository's folders with Python code. All but examples/ install under ``conveyor`` (pyproject's package-dir).
+FOLDERS = ("conveyor", "broker", "consumers", "decorators", "monitoring", "pipeline", "benchmarks", "examples")
+# First names of the Python names the docs are checked for: the installed package and the examples, and the
+# folders' own names, which must fail (a doc saying ``broker.log.segment`` names a module that does not import).
+PACKAGES = FOLDERS
+TOP_DIRS = (*FOLDERS, "tests", "grafana", "docs")
 
 # Flags of other tools that the docs show next to ours: spark-submit's, py-spy's (the benchmarks profile with it).
 FOREIGN_FLAGS = {"--master", "--conf", "--py-files", "--archives", "--gil", "--native", "--threads", "--pid"}
@@ -142,7 +150,7 @@ def declared_flags() -> frozenset[str]:
 
 @cache
 def source_files() -> tuple[Path, ...]:
-    files = [p for package in PACKAGES for p in (REPO / package).rglob("*.py")]
+    files = [p for folder in FOLDERS for p in (REPO / folder).rglob("*.py")]
     return tuple(files + list((REPO / "tests").rglob("*.py")) + [REPO / "Makefile"])
 
 
@@ -321,9 +329,17 @@ def test_every_python_module_the_docs_run_exists():
     texts = [(b.doc, line) for b in blocks() for line in shell_lines(b)] + list(spans())
     for doc, text in texts:
         for module in re.findall(r"python3? -m ([\w.]*\w)\b(?!\.<)", text):
-            if module.split(".")[0] in PACKAGES and importlib.util.find_spec(module) is None:
+            if module.split(".")[0] in PACKAGES and not _finds(module):
                 missing.add(f"{doc}: python -m {module}")
     assert not missing, "\n".join(sorted(missing))
+
+
+def _finds(module: str) -> bool:
+    """``python -m module`` would find it (a folder's old name refuses to import: not found)."""
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ImportError:
+        return False
 
 
 @cache
@@ -381,8 +397,8 @@ def test_every_client_method_the_text_names_exists():
 class _PythonBlock(ast.NodeVisitor):
     """Imports, instances of the client classes, and what the block calls on them.
 
-    ``import pipeline`` followed by ``pipeline.session.local_session()`` only
-    works if ``pipeline`` makes ``session`` reachable: such chains are
+    ``import conveyor.pipeline`` followed by ``conveyor.pipeline.session.local_session()``
+    only works if ``conveyor.pipeline`` makes ``session`` reachable: such chains are
     collected in ``chains`` and tried in a fresh interpreter (this one has
     imported every submodule by now).
     """
@@ -405,8 +421,14 @@ class _PythonBlock(ast.NodeVisitor):
     def visit_ImportFrom(self, node: ast.ImportFrom) -> None:
         if node.module and node.module.split(".")[0] in PACKAGES:
             for alias in node.names:
-                self._check(f"{node.module}.{alias.name}")
-                self.modules[alias.asname or alias.name] = f"{node.module}.{alias.name}"
+                dotted = f"{node.module}.{alias.name}"
+                self._check(dotted)
+                local = alias.asname or alias.name
+                if _is_module(dotted):  # ``from conveyor import pipeline``: its chains are walked like an import's
+                    self.imports.append(f"from {node.module} import {alias.name} as {local}")
+                    self.bare.add(local)
+                else:
+                    self.modules[local] = dotted
 
     def _check(self, dotted: str) -> None:
         try:
@@ -479,6 +501,12 @@ class _PythonBlock(ast.NodeVisitor):
             if keyword.arg is not None and keyword.arg not in parameters:
                 name = getattr(function, "__qualname__", repr(function))
                 self.problems.append(f"{name}() takes no {keyword.arg}=")
+
+
+def _is_module(dotted: str) -> bool:
+    with contextlib.suppress(ImportError, AttributeError):
+        return inspect.ismodule(resolve(dotted))
+    return False
 
 
 def _chain(node: ast.expr) -> str | None:
@@ -614,7 +642,7 @@ def test_the_protocol_lists_every_admin_op():
     from conveyor.broker.server.admin import OPS
 
     documented = re.findall(r"^\| `(\w+)` \|", section(PROTOCOL, "ADMIN operations"), re.M)
-    assert sorted(documented) == sorted(OPS), "docs/protocol.md's ADMIN table and broker/admin_ops.py OPS differ"
+    assert sorted(documented) == sorted(OPS), "docs/protocol.md's ADMIN table and broker/server/admin.py OPS differ"
 
 
 def test_the_protocol_lists_every_error_code_with_its_name_and_retriable_flag():
@@ -636,7 +664,7 @@ def test_the_readme_exit_codes_are_the_codes_of_broker_exitcodes():
 
     codes = {v for k, v in vars(exitcodes).items() if k.isupper() and isinstance(v, int)}
     rows = {int(c) for c in re.findall(r"^\| (\d+) \|", section(REPO / "README.md", "Exit codes"), re.M)}
-    assert rows - {1} == codes, "README's exit-code table and broker/exitcodes.py differ (1 is Python's own)"
+    assert rows - {1} == codes, "README's exit-code table and conveyor/exitcodes.py differ (1 is Python's own)"
 
 
 def test_grafana_readme_lists_each_dashboards_variables():

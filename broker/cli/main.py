@@ -21,10 +21,10 @@ from datetime import datetime
 from typing import Any
 
 from conveyor.broker.config.addresses import DEFAULT_BROKER, check_address, endpoint
-from conveyor.broker.config.broker import BrokerSettings, broker_options
+from conveyor.broker.config.broker_settings import BrokerSettings, broker_options
 from conveyor.broker.config.options import Option
 from conveyor.broker.config.sources import add_options, resolve
-from conveyor.broker.config.topics import TOPIC_SETTINGS, check_topic_settings
+from conveyor.broker.config.topic_settings import TOPIC_SETTINGS, check_topic_settings
 
 from conveyor import exitcodes
 from conveyor.errors import ConfigError, ConveyorError, OffsetOutOfRange, UnknownGroup

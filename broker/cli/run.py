@@ -6,7 +6,7 @@ import argparse
 import logging
 
 from conveyor.broker.cli.main import CLIENT_OPTIONS, client_options, command
-from conveyor.broker.config.broker import LOG_LEVELS
+from conveyor.broker.config.broker_settings import LOG_LEVELS
 from conveyor.broker.config.options import Option, nonempty
 from conveyor.broker.config.sources import add_options
 

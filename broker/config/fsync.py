@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from conveyor.broker.config.topics import INT32_MAX
+from conveyor.broker.config.topic_settings import INT32_MAX
 
 from conveyor.errors import ConfigError
 

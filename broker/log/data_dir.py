@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from conveyor.broker.config.fsync import FsyncPolicy
-from conveyor.broker.config.topics import FIXED_AT_CREATION, STORAGES, TOPIC_SETTINGS
+from conveyor.broker.config.topic_settings import FIXED_AT_CREATION, STORAGES, TOPIC_SETTINGS
 from conveyor.broker.log import syscalls
 from conveyor.broker.log.data_dir_lock import DataDirLock
 from conveyor.broker.log.durable import atomic_write, free_name, fsync_dir, make_dirs, remove_temp_files, storage_errors

@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from conveyor.broker.config.fsync import FsyncPolicy
-from conveyor.broker.config.topics import TOPIC_SETTINGS, check_topic_setting, check_topic_settings
+from conveyor.broker.config.topic_settings import TOPIC_SETTINGS, check_topic_setting, check_topic_settings
 from conveyor.broker.log.idempotence import ProducerState
 from conveyor.broker.log.tail_cache import TailCache
 from conveyor.broker.wire.record import NO_PRODUCER, Batch, encode_header

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import zmq
-from conveyor.broker.config.broker import BrokerSettings
+from conveyor.broker.config.broker_settings import BrokerSettings
 from conveyor.broker.config.fsync import FsyncPolicy
 from conveyor.broker.config.options import INT32_MAX, INT64_MAX
 from conveyor.broker.log.data_dir import Store, check_name

@@ -17,7 +17,7 @@ from typing import Any
 import conveyor.broker.server.broker as server_module
 import pytest
 from conveyor.broker.client.subscription import Subscription
-from conveyor.broker.config.broker import BrokerSettings
+from conveyor.broker.config.broker_settings import BrokerSettings
 from conveyor.broker.log.data_dir import Store
 from conveyor.broker.server import admin as admin_ops
 from conveyor.broker.server.broker import Broker

@@ -180,7 +180,7 @@ def test_running_out_of_descriptors_is_a_retriable_error_and_counted(tmp_path, m
     import errno
     import os as os_module
 
-    from conveyor.broker.config.broker import BrokerSettings
+    from conveyor.broker.config.broker_settings import BrokerSettings
     from conveyor.broker.log import segment
     from conveyor.broker.server.broker import Broker
     from conveyor.broker.wire.record import pack_records

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conveyor.broker.config.broker import BrokerSettings
+from conveyor.broker.config.broker_settings import BrokerSettings
 from conveyor.broker.server.broker import Broker
 from conveyor.monitoring.http import MetricsServer
 from conveyor.monitoring.metrics import (

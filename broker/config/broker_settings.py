@@ -16,7 +16,7 @@ from conveyor.broker.config import units
 from conveyor.broker.config.addresses import bind_endpoint, optional_endpoint, optional_url
 from conveyor.broker.config.fsync import FsyncPolicy
 from conveyor.broker.config.options import INT32_MAX, Option, nonempty, text
-from conveyor.broker.config.topics import TOPIC_SETTINGS
+from conveyor.broker.config.topic_settings import TOPIC_SETTINGS
 
 from conveyor.errors import ConfigError
 

@@ -14,12 +14,12 @@ import re
 import time
 
 import pytest
-from broker_helpers import free_address
 from conveyor.broker.client.async_producer import AsyncProducer
 
 from conveyor import Admin, Producer, Runner, Subscription, consumer
 from conveyor.errors import ConfigError, RequestTimeout
 from conveyor.testing import wait_for
+from tests.broker.broker_helpers import free_address
 
 
 @consumer("env-runner", group="g")

@@ -15,9 +15,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from broker_helpers import REPO, config_errors, conveyor_cli
-
 from conveyor import Admin
+from tests.broker.broker_helpers import REPO, config_errors, conveyor_cli
 
 
 def free_port() -> int:

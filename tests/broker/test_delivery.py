@@ -5,12 +5,12 @@ from __future__ import annotations
 import collections
 import time
 
-from broker_helpers import drain, quiet
 from conveyor.broker.client.subscription import Subscription
 
 from conveyor import Admin, Producer
 from conveyor.errors import UnknownTopic
 from conveyor.testing import wait_for
+from tests.broker.broker_helpers import drain, quiet
 
 
 def publish(address: str, topic: str, values: list, **kwargs) -> list[int]:

@@ -6,11 +6,11 @@ import subprocess
 import sys
 import textwrap
 
-from broker_helpers import drain, quiet
 from conveyor.broker.client.subscription import Subscription
 
 from conveyor import Admin, Producer
 from conveyor.testing import wait_for
+from tests.broker.broker_helpers import drain, quiet
 
 HOLDER = textwrap.dedent(
     """

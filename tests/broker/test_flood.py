@@ -18,12 +18,12 @@ from functools import partial
 import pytest
 from conveyor.broker.client.subscription import Subscription
 from conveyor.broker.wire.protocol import Command
-from flood_helpers import RawClient, SteadyPair, cpu_per_cycle, outcomes, wait_until_idle
 
 import conveyor.testing
 from conveyor import Admin, Producer
 from conveyor.errors import GroupLimit, TopicLimit
 from conveyor.testing import BrokerProcess, wait_for
+from tests.broker.flood_helpers import RawClient, SteadyPair, cpu_per_cycle, outcomes, wait_until_idle
 
 
 def test_a_flood_of_new_topics_is_rate_limited_and_other_clients_stay_served(conveyor_broker_factory):

@@ -8,7 +8,6 @@ import time
 import msgpack
 import pytest
 import zmq
-from bad_fields import ADMIN_OPS, COMMANDS, one_bad_field
 from conveyor.broker.client.subscription import Subscription
 from conveyor.broker.server import admin as admin_ops
 from conveyor.broker.wire import schema
@@ -19,6 +18,7 @@ from hypothesis import strategies as st
 from conveyor import Admin, Producer
 from conveyor.errors import ConveyorError, InvalidRequest
 from conveyor.testing import BrokerProcess, wait_for
+from tests.broker.bad_fields import ADMIN_OPS, COMMANDS, one_bad_field
 
 SILENT = {
     Command.HEARTBEAT,

@@ -13,12 +13,12 @@ import logging
 import time
 
 import pytest
-from broker_helpers import drain, quiet
 from conveyor.broker.client.subscription import Subscription
 from conveyor.broker.server.groups import MAX_ENTRIES
 
 from conveyor import Admin, Producer
 from conveyor.testing import BrokerProcess, wait_for
+from tests.broker.broker_helpers import drain, quiet
 
 BATCHES = 3 * MAX_ENTRIES + 17  # several DELIVERs' worth of entries
 

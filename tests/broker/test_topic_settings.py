@@ -14,12 +14,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from broker_helpers import config_errors, conveyor_cli, drain
 from conveyor.broker.client.subscription import Subscription
 
 from conveyor import Admin, Producer
 from conveyor.errors import ConfigError, ReadOnlyTopic, UnknownTopic
 from conveyor.testing import BrokerProcess, wait_for
+from tests.broker.broker_helpers import config_errors, conveyor_cli, drain
 
 
 @pytest.fixture(scope="module")

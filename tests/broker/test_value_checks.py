@@ -18,13 +18,13 @@ from pathlib import Path
 import msgpack
 import pytest
 import zmq
-from broker_helpers import config_errors, conveyor_cli
 from conveyor.broker.client.async_producer import AsyncProducer
 from conveyor.broker.wire.protocol import SIGNATURE, Command, decode
 
 from conveyor import Admin, Producer
 from conveyor.errors import ConfigError
 from conveyor.testing import BrokerProcess, wait_for
+from tests.broker.broker_helpers import config_errors, conveyor_cli
 
 BATCH_TOO_LARGE, MALFORMED_FRAME, INVALID_REQUEST = 205, 201, 207
 

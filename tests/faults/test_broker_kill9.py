@@ -14,7 +14,18 @@ import random
 import time
 
 import pytest
-from fault_helpers import Load, consumers, drain_group, fetch_all, judge, judge_group, report, soak_seconds, wait_for
+
+from tests.faults.fault_helpers import (
+    Load,
+    consumers,
+    drain_group,
+    fetch_all,
+    judge,
+    judge_group,
+    report,
+    soak_seconds,
+    wait_for,
+)
 
 TOPIC = "chaos"
 

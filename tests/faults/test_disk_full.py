@@ -19,11 +19,11 @@ import pytest
 import zmq
 from conveyor.broker.log.syscalls import ENV_CONTROL
 from conveyor.broker.wire.protocol import Command, decode, encode
-from fault_helpers import consumers, drain_group, fetch_all, report, wait_for
-from test_io_errors import whole_batches_only
 
 from conveyor import Producer
 from conveyor.errors import RequestTimeout, StorageFull
+from tests.faults.fault_helpers import consumers, drain_group, fetch_all, report, wait_for
+from tests.faults.test_io_errors import whole_batches_only
 
 TOPIC = "full"
 

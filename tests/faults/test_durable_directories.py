@@ -13,9 +13,9 @@ from __future__ import annotations
 from pathlib import Path
 
 from conveyor.broker.log.syscalls import ENV_JOURNAL, read_journal, simulate_power_loss
-from fault_helpers import fetch_all, report
 
 from conveyor import Admin, Producer
+from tests.faults.fault_helpers import fetch_all, report
 
 
 def durable_listings(journal: Path) -> dict[str, dict[str, int]]:

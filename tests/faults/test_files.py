@@ -14,10 +14,10 @@ import urllib.request
 import pytest
 from conveyor.broker.log.syscalls import ENV_CONTROL
 from conveyor.broker.wire.record import HEADER_SIZE, decode_header
-from fault_helpers import consumers, drain_group, fetch_all, report, wait_for
 
 from conveyor import Admin, Producer
 from conveyor.errors import OffsetOutOfRange, SegmentCorrupt
+from tests.faults.fault_helpers import consumers, drain_group, fetch_all, report, wait_for
 
 
 def batches_of(path) -> list[tuple[int, int]]:

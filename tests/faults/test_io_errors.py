@@ -22,10 +22,10 @@ import zmq
 from conveyor.broker.client.subscription import Subscription
 from conveyor.broker.log.syscalls import ENV_CONTROL, ENV_JOURNAL, read_journal, simulate_power_loss
 from conveyor.broker.wire.protocol import Command, decode, encode
-from fault_helpers import Load, fetch_all, judge, report, wait_for
-from test_files import batches_of
 
 from conveyor import Admin, Producer
+from tests.faults.fault_helpers import Load, fetch_all, judge, report, wait_for
+from tests.faults.test_files import batches_of
 
 TOPIC = "io"
 

@@ -10,10 +10,10 @@ import urllib.error
 import urllib.request
 
 from conveyor.broker.wire.record import HEADER_SIZE
-from fault_helpers import fetch_all, wait_for
-from test_files import batches_of, consume_all, publish_batches
 
 from conveyor import Admin, Producer
+from tests.faults.fault_helpers import fetch_all, wait_for
+from tests.faults.test_files import batches_of, consume_all, publish_batches
 
 FIRST, LAST = [f"a{i}" for i in range(10)], [f"b{i}" for i in range(10)]
 

@@ -25,13 +25,13 @@ import time
 
 import pytest
 from conveyor.broker.client.subscription import Subscription
-from fault_helpers import fetch_all, report, soak_seconds
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from conveyor import Admin, Message, Producer
 from conveyor.testing import BrokerProcess
+from tests.faults.fault_helpers import fetch_all, report, soak_seconds
 
 TOPIC, GROUP = "model", "g"
 COMMIT_MS = 50

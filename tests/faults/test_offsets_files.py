@@ -15,11 +15,11 @@ import time
 import pytest
 from conveyor.broker.client.subscription import Subscription
 from conveyor.broker.log.syscalls import ENV_CONTROL, ENV_JOURNAL, read_journal
-from fault_helpers import consumers, drain_group, report, wait_for
-from test_files import consume_all, publish_batches
 
 from conveyor import Admin
 from conveyor.errors import UnknownGroup
+from tests.faults.fault_helpers import consumers, drain_group, report, wait_for
+from tests.faults.test_files import consume_all, publish_batches
 
 TOPIC = "offsets"
 ERRORS = "conveyor_offsets_write_errors_total"

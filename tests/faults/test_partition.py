@@ -11,9 +11,8 @@ from __future__ import annotations
 import threading
 import time
 
-from fault_helpers import ConsumerThread, Proxy, drain_group, fetch_all, judge_group, report, wait_for
-
 from conveyor import Admin, Producer
+from tests.faults.fault_helpers import ConsumerThread, Proxy, drain_group, fetch_all, judge_group, report, wait_for
 
 
 def publish_steadily(address: str, topic: str, count: int, seconds: float, stop: threading.Event) -> None:

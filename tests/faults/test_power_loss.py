@@ -20,7 +20,9 @@ import time
 
 import pytest
 from conveyor.broker.log.syscalls import ENV_JOURNAL, simulate_power_loss
-from fault_helpers import (
+
+from conveyor import Producer
+from tests.faults.fault_helpers import (
     Load,
     consumers,
     drain_group,
@@ -31,8 +33,6 @@ from fault_helpers import (
     soak_seconds,
     wait_for,
 )
-
-from conveyor import Producer
 
 TOPIC = "power"
 

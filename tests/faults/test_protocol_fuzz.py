@@ -22,16 +22,16 @@ import time
 
 import msgpack
 import pytest
-from bad_fields import one_bad_field
 from conveyor.broker.wire.protocol import SIGNATURE, Command, decode
-from fault_helpers import ConsumerThread, Load, fetch_all, judge, judge_group, report, rss_bytes, wait_for
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from test_fuzz import messages as malformed_messages
-from test_fuzz import nested
 
 from conveyor import Admin, Producer
 from conveyor.errors import ConveyorError
+from tests.broker.bad_fields import one_bad_field
+from tests.broker.test_fuzz import messages as malformed_messages
+from tests.broker.test_fuzz import nested
+from tests.faults.fault_helpers import ConsumerThread, Load, fetch_all, judge, judge_group, report, rss_bytes, wait_for
 
 MiB = 1 << 20
 MAX_BATCH = 65536
@@ -108,7 +108,7 @@ class RawZmtp:
 @pytest.fixture(scope="module")
 def target(tmp_path_factory):
     """A broker with small limits, plus a normal producer and consumer running all along."""
-    from fault_helpers import Brokers
+    from tests.faults.fault_helpers import Brokers
 
     started = Brokers(tmp_path_factory.mktemp("rawfuzz"))
     broker = started.start(extra=["--max-message-bytes", "4096", "--max-batch-bytes", str(MAX_BATCH)])

@@ -19,7 +19,9 @@ import time
 import msgpack
 import zmq
 from conveyor.broker.wire.protocol import Command, decode, encode
-from fault_helpers import (
+
+from conveyor import Producer
+from tests.faults.fault_helpers import (
     ConsumerThread,
     Load,
     consumers,
@@ -30,8 +32,6 @@ from fault_helpers import (
     report,
     wait_for,
 )
-
-from conveyor import Producer
 
 
 def test_a_frozen_broker_stores_every_resent_batch_once(brokers):

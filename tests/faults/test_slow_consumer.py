@@ -5,9 +5,8 @@ from __future__ import annotations
 import threading
 import time
 
-from fault_helpers import ConsumerThread, report, rss_bytes
-
 from conveyor import Admin, Producer
+from tests.faults.fault_helpers import ConsumerThread, report, rss_bytes
 
 MiB = 1 << 20
 

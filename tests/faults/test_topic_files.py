@@ -6,10 +6,10 @@ Real broker processes: the broker opens the damaged data directory and clients c
 from __future__ import annotations
 
 import pytest
-from fault_helpers import consumers, drain_group, fetch_all
-from test_files import publish_batches
 
 from conveyor import Admin, Producer
+from tests.faults.fault_helpers import consumers, drain_group, fetch_all
+from tests.faults.test_files import publish_batches
 
 VALUES = [f"m{i}" for i in range(10)]
 

@@ -7,9 +7,8 @@ import subprocess
 import sys
 import time
 
-from test_hierarchy import publish, read_all
-
 from conveyor.testing import BrokerProcess
+from tests.mirror.test_hierarchy import publish, read_all
 
 
 def test_child_follows_a_parent_change_without_losing_offsets(tmp_path):

@@ -2,16 +2,12 @@
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-# RunnerProcess lives with the runner tests; share it instead of copying it.
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "runner"))
-
-from monitoring_helpers import RunnerProcess, start_runner
+from tests.monitoring.monitoring_helpers import RunnerProcess, start_runner
 
 
 @pytest.fixture

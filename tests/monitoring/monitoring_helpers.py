@@ -19,9 +19,9 @@ import pytest
 from conveyor.monitoring.metrics import BrokerMetrics, HealthCollector, RunnerMetrics, StateCollector
 from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
-from runner_helpers import RunnerProcess
 
 from conveyor import Producer
+from tests.runner.runner_helpers import RunnerProcess
 
 __all__ = ["RunnerProcess", "start_runner"]
 

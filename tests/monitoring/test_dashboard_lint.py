@@ -12,7 +12,8 @@ from collections import Counter
 from typing import Any
 
 import pytest
-from dashboard_helpers import (
+
+from tests.monitoring.dashboard_helpers import (
     BUILTIN_VARIABLES,
     DATASOURCE,
     GRAFANA,
@@ -27,7 +28,7 @@ from dashboard_helpers import (
     variables,
     variables_used,
 )
-from monitoring_helpers import exposed_names
+from tests.monitoring.monitoring_helpers import exposed_names
 
 SCHEMA_VERSION = 39
 EXPECTED = {

@@ -18,7 +18,10 @@ import zmq
 from conveyor.broker.wire.protocol import Command, Frame, decode, encode
 from conveyor.broker.wire.record import pack_records
 from conveyor.broker.wire.values import make_record
-from dashboard_helpers import (
+
+from conveyor import Producer
+from conveyor.testing import BrokerProcess
+from tests.monitoring.dashboard_helpers import (
     all_queries,
     label_values_query,
     load_dashboards,
@@ -26,10 +29,14 @@ from dashboard_helpers import (
     variable_query,
     variables,
 )
-from monitoring_helpers import PrometheusServer, publish, runner_metrics_url, sample_value, scrape, wait_for
-
-from conveyor import Producer
-from conveyor.testing import BrokerProcess
+from tests.monitoring.monitoring_helpers import (
+    PrometheusServer,
+    publish,
+    runner_metrics_url,
+    sample_value,
+    scrape,
+    wait_for,
+)
 
 TRAFFIC_SECONDS = 8.0
 VALUES = {

@@ -18,11 +18,11 @@ import pytest
 from conveyor.broker.client.subscription import Subscription
 from conveyor.broker.log.syscalls import ENV_CONTROL
 from conveyor.consumers.runner import Runner
-from probe_helpers import PHASE, ProbedRunner, base_url, health_is, health_status_metric, probe, until
 from prometheus_client import CollectorRegistry
 
 from conveyor import Producer, consumer
 from conveyor.testing import BrokerProcess
+from tests.monitoring.probe_helpers import PHASE, ProbedRunner, base_url, health_is, health_status_metric, probe, until
 
 ENDPOINTS = ("/healthz", "/livez", "/readyz", "/metrics")
 

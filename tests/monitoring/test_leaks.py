@@ -17,11 +17,11 @@ import urllib.request
 import pytest
 from conveyor.broker.client.subscription import Subscription
 from conveyor.monitoring.bounded_http import MAX_CONNECTIONS, PROBE_SLOTS
-from monitoring_helpers import runner_metrics_url
 
 from conveyor import Admin, Producer
 from conveyor.errors import UnknownTopic
 from conveyor.testing import wait_for
+from tests.monitoring.monitoring_helpers import runner_metrics_url
 
 TOPICS = 12
 

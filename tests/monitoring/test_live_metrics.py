@@ -8,7 +8,11 @@ from typing import Any
 
 from conveyor.consumers.runner import Runner
 from conveyor.monitoring.metrics import STATE_GAUGES
-from monitoring_helpers import (
+from prometheus_client import CollectorRegistry
+from prometheus_client.parser import text_string_to_metric_families
+
+from conveyor import Admin, consumer
+from tests.monitoring.monitoring_helpers import (
     health,
     label_sets,
     promtool_check_metrics,
@@ -18,10 +22,6 @@ from monitoring_helpers import (
     scrape,
     wait_for,
 )
-from prometheus_client import CollectorRegistry
-from prometheus_client.parser import text_string_to_metric_families
-
-from conveyor import Admin, consumer
 
 GATED = {"topic": "gated", "group": "gatekeepers"}
 HOLD = {"handler": "app_monitored.hold", **GATED}

@@ -6,9 +6,8 @@ import collections
 import signal
 import time
 
-from runner_helpers import RunnerProcess, by_pid, offsets, records, wait_records
-
 from conveyor import Admin, Producer
+from tests.runner.runner_helpers import RunnerProcess, by_pid, offsets, records, wait_records
 
 
 def publish(address: str, topic: str, values: list, keys: list | None = None) -> None:

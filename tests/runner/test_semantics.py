@@ -9,11 +9,10 @@ from __future__ import annotations
 import collections
 import re
 
-from runner_helpers import RunnerProcess, records, wait_records
-
 from conveyor import Admin, Producer
 from conveyor.errors import ConveyorError
 from conveyor.testing import scrape_metric, wait_for
+from tests.runner.runner_helpers import RunnerProcess, records, wait_records
 
 
 def publish(address: str, topic: str, values: list, keys: list | None = None) -> None:

@@ -10,9 +10,9 @@ import pytest
 from conveyor.pipeline import columns
 from pyspark.sql import functions as F
 from pyspark.sql.types import LongType, StringType, StructField, StructType
-from spark_helpers import publish, read, value_of
 
 from conveyor import Admin, Producer
+from tests.spark.spark_helpers import publish, read, value_of
 
 pytestmark = pytest.mark.spark
 

@@ -8,9 +8,9 @@ import sqlite3
 
 import pytest
 from conveyor.pipeline.jobs import archive, ingest, lag_report
-from spark_helpers import publish, read
 
 from conveyor import Admin
+from tests.spark.spark_helpers import publish, read
 
 pytestmark = pytest.mark.spark
 

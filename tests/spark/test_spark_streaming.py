@@ -5,9 +5,9 @@ from __future__ import annotations
 import json
 
 import pytest
-from spark_helpers import BackgroundProducer, read, wait_for
 
 from conveyor import Admin
+from tests.spark.spark_helpers import BackgroundProducer, read, wait_for
 
 pytestmark = pytest.mark.spark
 

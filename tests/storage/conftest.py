@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import pytest
-from storage_helpers import FakeClock
+
+from tests.storage.storage_helpers import FakeClock
 
 
 @pytest.fixture

@@ -8,9 +8,17 @@ from pathlib import Path
 
 import pytest
 from conveyor.broker.log.file_log import QUARANTINE_DIR
-from storage_helpers import Expected, append_random, assert_log_holds, batches_in, file_log, flip_byte, segment_files
 
 from conveyor.errors import OffsetOutOfRange, SegmentCorrupt
+from tests.storage.storage_helpers import (
+    Expected,
+    append_random,
+    assert_log_holds,
+    batches_in,
+    file_log,
+    flip_byte,
+    segment_files,
+)
 
 # One index entry per segment (its first batch): recovery of the newest segment checks all of it.
 CONFIG = {"segment_bytes": 1500, "index_interval_bytes": 1 << 20}

@@ -12,9 +12,9 @@ from conveyor.broker.log import durable
 from conveyor.broker.log.data_dir import GROUPS_FILE, TOPIC_FILE, Store, check_name
 from conveyor.broker.log.file_log import FileLog
 from conveyor.broker.log.memory_log import MemoryLog
-from storage_helpers import crash_store, random_body
 
 from conveyor.errors import ConfigError, InvalidName, StorageIOError, TopicExists, UnknownTopic
+from tests.storage.storage_helpers import crash_store, random_body
 
 
 @pytest.fixture

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 from conveyor.broker.wire.record import HEADER_SIZE, pack_records
-from storage_helpers import file_log, segment_files
 
 from conveyor.errors import OffsetOutOfRange
+from tests.storage.storage_helpers import file_log, segment_files
 
 BODY = pack_records([(None, None, b"v" * 400)])  # three batches fill a 1500-byte segment
 SIZE = HEADER_SIZE + len(BODY)

@@ -9,9 +9,9 @@ import pytest
 from conveyor.broker.config.fsync import FsyncPolicy
 from conveyor.broker.log.memory_log import MemoryLog
 from conveyor.broker.log.topic_log import TopicConfig
-from storage_helpers import FakeClock, file_log, random_body
 
 from conveyor.errors import ConfigError
+from tests.storage.storage_helpers import FakeClock, file_log, random_body
 
 
 @pytest.mark.parametrize(

@@ -15,7 +15,8 @@ import pytest
 from conveyor.broker.config.fsync import FsyncPolicy
 from conveyor.broker.log.file_log import FileLog
 from conveyor.broker.wire.record import unpack_records
-from crash_writer import CONFIG, value_for
+
+from tests.storage.crash_writer import CONFIG, value_for
 
 REPO = Path(__file__).resolve().parents[2]
 WRITER = Path(__file__).with_name("crash_writer.py")

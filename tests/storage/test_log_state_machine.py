@@ -23,9 +23,9 @@ from conveyor.broker.wire.record import HEADER_SIZE, NO_PRODUCER, pack_records
 from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
-from storage_helpers import FakeClock, crash
 
 from conveyor.errors import DuplicateSequence, OffsetOutOfRange
+from tests.storage.storage_helpers import FakeClock, crash
 
 SEGMENT_BYTES = 1024
 PRODUCERS = [11, 22, 33]

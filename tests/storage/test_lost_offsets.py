@@ -9,7 +9,8 @@ from conveyor.broker.config.fsync import FsyncPolicy
 from conveyor.broker.log.file_log import FileLog
 from conveyor.broker.log.topic_log import TopicConfig
 from conveyor.broker.wire.record import HEADER_SIZE
-from storage_helpers import append_random, file_log, segment_files
+
+from tests.storage.storage_helpers import append_random, file_log, segment_files
 
 
 def reopen(directory: Path, committed: dict[str, int] | None = None, **config: object) -> FileLog:

@@ -11,7 +11,9 @@ from pathlib import Path
 import pytest
 from conveyor.broker.log.segment import INDEX_ENTRY
 from conveyor.broker.wire.record import HEADER_SIZE, Batch, encode_batch, encode_header, pack_records
-from storage_helpers import (
+
+from conveyor.errors import SegmentCorrupt
+from tests.storage.storage_helpers import (
     Expected,
     append_random,
     assert_log_holds,
@@ -20,8 +22,6 @@ from storage_helpers import (
     random_body,
     segment_files,
 )
-
-from conveyor.errors import SegmentCorrupt
 
 CONFIG = {"segment_bytes": 2048, "index_interval_bytes": 256}
 

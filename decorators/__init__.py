@@ -6,7 +6,8 @@ if __name__ != "conveyor.decorators":
 
 from conveyor.decorators.consumer import AckPolicy, Consumer, consumer, error_handler
 from conveyor.decorators.exceptions import Nack, Reject
-from conveyor.decorators.retry import Decision, RetryPolicy, retry_policy
+from conveyor.decorators.policy import Decision, RetryPolicy
+from conveyor.decorators.retry import retry_policy
 
 __all__ = [
     "AckPolicy",

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from conveyor.decorators.retry import RETRY_ATTR, RetryPolicy
+from conveyor.decorators.policy import RETRY_ATTR, RetryPolicy
 
 from conveyor.names import fit_name
 

@@ -6,7 +6,8 @@ import shutil
 from pathlib import Path
 
 import pytest
-from wheel_helpers import FOLDERS, REPO, pip
+
+from tests.architecture.wheel_helpers import FOLDERS, REPO, pip
 
 
 @pytest.fixture(scope="session")

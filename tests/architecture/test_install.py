@@ -16,7 +16,7 @@ import sys
 import textwrap
 import zipfile
 
-from wheel_helpers import FOLDERS, REPO, VERSION
+from tests.architecture.wheel_helpers import FOLDERS, REPO, VERSION
 
 OLD_NAMES = ("broker", "consumers", "decorators", "monitoring", "pipeline", "benchmarks")
 

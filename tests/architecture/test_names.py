@@ -13,7 +13,8 @@ import subprocess
 import sys
 
 import pytest
-from wheel_helpers import FOLDERS, PYPROJECT, REPO, VERSION
+
+from tests.architecture.wheel_helpers import FOLDERS, PYPROJECT, REPO, VERSION
 
 FACADE = "Producer, AsyncProducer, Admin, consumer, retry_policy, error_handler, Message, Nack, Reject, Runner"
 

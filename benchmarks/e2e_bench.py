@@ -2,9 +2,9 @@
 
 Run with ``python -m conveyor.benchmarks.e2e_bench``. Every party is its own process,
 as in production: the broker (``python -m conveyor`` started by
-``consumers.testing.BrokerProcess`` on a free port, in a fresh data
-directory per scenario), one producer process (``broker.client.Producer``)
-and two consumer processes (low-level ``consumers.session.Subscription``,
+``conveyor.testing.BrokerProcess`` on a free port, in a fresh data
+directory per scenario), one producer process (``conveyor.Producer``)
+and two consumer processes (low-level ``conveyor.broker.client.subscription.Subscription``,
 one group, round-robin between them). Messages are 100 bytes.
 
 Scenarios, under each fsync policy (``batch`` and ``none`` by default):

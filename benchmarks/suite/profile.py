@@ -24,7 +24,7 @@ _LINE = re.compile(r":\d+\)$")
 
 
 def _function(frame: str) -> str:
-    """``send_many (broker/client.py:123)`` -> ``send_many (broker/client.py)``: one entry per function."""
+    """``send (broker/client/producer.py:123)`` -> ``send (broker/client/producer.py)``: one entry per function."""
     frame = frame.strip()
     frame = _LINE.sub(")", frame)
     return re.sub(r"\(.*/(site-packages|lib/python3\.\d+)/", "(", frame)

@@ -62,7 +62,7 @@ log = logging.getLogger("conveyor.client")
 # --- batch bodies, built as messages arrive -----------------------------------------------
 #
 # A batch body is a msgpack array of ``[key, headers, value]`` records (see
-# ``broker.record``). The producer appends each record's encoding to one
+# ``conveyor.broker.wire.record``). The producer appends each record's encoding to one
 # ``bytearray`` as it is sent and adds the array header when the batch goes
 # out, so a queued message costs two byte copies and no Python objects.
 

@@ -22,7 +22,7 @@ from conveyor.errors import ConfigError
 INT64_MAX = 2**63 - 1
 INT32_MAX = 2**31 - 1  # segment positions and index entries are 32-bit
 
-# Storage backends a topic may name; ``broker.store.register_backend`` adds to it.
+# Storage backends a topic may name; ``conveyor.broker.log.data_dir.register_backend`` adds to it.
 STORAGES: set[str] = {"file", "memory"}
 
 

@@ -220,7 +220,7 @@ class Store:
         topic_config_errors: Any = None,
         create_in_background: bool = False,
     ) -> None:
-        """``create_in_background``: the broker's loop creates topics without an fsync (see ``broker.creator``).
+        """``create_in_background``: the broker's loop creates topics without an fsync (see ``topic_creator``).
 
         ``offsets_write_errors``: a counter labelled by topic, incremented at each failed ``groups.json`` write.
 

@@ -1,7 +1,7 @@
 """The file I/O under the log, the offsets and the metadata, with a fault layer.
 
-Every durability-relevant call of ``segment.py``, ``filelog.py`` and
-``fsutil.py`` (write, writev, fsync, fdatasync, ftruncate, rename/replace,
+Every durability-relevant call of ``segment.py``, ``file_log.py`` and
+``durable.py`` (write, writev, fsync, fdatasync, ftruncate, rename/replace,
 and the unlink of segments)
 goes through this module. Normally each function is the ``os`` call and one
 ``if``. Two test aids can be switched on, by environment variable (read when

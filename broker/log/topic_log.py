@@ -33,7 +33,7 @@ class TopicConfig:
     """Per-topic settings, stored beside the topic's segments (``topic.json``).
 
     Each field is checked and normalised by the table in
-    ``broker.topic_settings`` when the config is made, so ``retention_ms`` is
+    ``conveyor.broker.config.topic_settings`` when the config is made, so ``retention_ms`` is
     an int here even when it was given as ``"7d"``. ``extra`` holds what the
     broker itself records (a mirrored topic's upstream), not user settings.
     """

@@ -97,7 +97,7 @@ _RANGES = "a list of [start, end) offset pairs with 0 <= start < end < 2**63"
 
 
 def settings_map(value: Any) -> str | None:
-    """Topic settings: a map of setting names (the values are checked by ``broker/topic_settings.py``)."""
+    """Topic settings: a map of setting names (the values are checked by ``broker/config/topic_settings.py``)."""
     if value is None:
         return None
     if type(value) is not dict or len(value) > MAX_SETTINGS:

@@ -1,6 +1,6 @@
 """Requests with exactly one bad header field, and the error code each must get.
 
-The field specs here are written out independently of ``broker/wire_schema.py``
+The field specs here are written out independently of ``broker/wire/schema.py``
 (from docs/protocol.md and what the 48-byte batch header and a member's
 4-byte key can hold), so the fuzz tests check the schema instead of
 re-reading it. Used by ``test_fuzz.py`` (through a ZeroMQ socket) and by

@@ -2,7 +2,7 @@
 
 Producers get a clear, retriable ``STORAGE_FULL``; what is stored stays
 readable and consumable; publishing resumes when space is freed; nothing is
-torn. If tmpfs cannot be mounted here, ENOSPC is injected by ``broker/fsio.py``
+torn. If tmpfs cannot be mounted here, ENOSPC is injected by ``broker/log/syscalls.py``
 instead (the test says so in its report).
 """
 

@@ -1,4 +1,4 @@
-"""fsync and write failing with EIO, short and torn writes, injected by ``broker/fsio.py``.
+"""fsync and write failing with EIO, short and torn writes, injected by ``broker/log/syscalls.py``.
 
 The broker runs with ``CONVEYOR_FSIO_CONTROL`` naming a file the test writes
 fault specs into while load runs. What must hold:

@@ -1,6 +1,6 @@
 """Power loss: everything written but not fsynced since the last sync is dropped.
 
-The broker runs with ``CONVEYOR_FSIO_JOURNAL`` set: ``broker/fsio.py`` journals
+The broker runs with ``CONVEYOR_FSIO_JOURNAL`` set: ``broker/log/syscalls.py`` journals
 each file's size at every successful fsync/fdatasync, each directory's
 listing at every directory fsync, and what a failed fsync left in doubt.
 After a kill -9, ``simulate_power_loss`` cuts every file back to its last

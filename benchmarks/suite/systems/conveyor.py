@@ -1,8 +1,8 @@
 """Conveyor: a broker process per run (fresh data directory, the scenario's fsync policy), or ``--broker ADDR``.
 
-Producer: ``broker.client.Producer.send_many()`` (the fastest public producer
+Producer: ``conveyor.Producer.send_many()`` (the fastest public producer
 call; one list of values per call, batches by size and linger). Consumer: the
-low-level ``consumers.session.Subscription`` (receive a delivered batch, ack
+low-level ``conveyor.broker.client.subscription.Subscription`` (receive a delivered batch, ack
 it as a range).
 """
 

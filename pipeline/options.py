@@ -15,8 +15,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from conveyor.broker.config.addresses import DEFAULT_BROKER
+from conveyor.broker.net.security import ClientKeys, load_client_keys
 
-__all__ = ["ReadOptions", "StartPosition", "WriteOptions", "parse_position"]
+from conveyor.errors import ConfigError
+
+__all__ = ["CurveOptions", "ReadOptions", "StartPosition", "WriteOptions", "parse_position"]
 
 TRUE = {"true", "1", "yes", "on"}
 FALSE = {"false", "0", "no", "off"}
@@ -94,8 +97,49 @@ def default_broker() -> str:
     return os.environ.get("CONVEYOR_BROKER", DEFAULT_BROKER)
 
 
+@dataclass(frozen=True, kw_only=True)
+class CurveOptions:
+    """The CURVE keys of a reader or writer, as names: they travel to the executors with it.
+
+    ``curveServerKey`` is the broker's public key (40 Z85 characters) or the
+    path of its ``.key`` file; ``curveKey`` the path of this client's
+    ``.key_secret`` file, readable where the tasks run. Without the options,
+    the driver's ``CONVEYOR_CURVE_SERVER_KEY`` and ``CONVEYOR_CURVE_KEY`` are
+    taken when the query is planned: executors are other Python processes,
+    and the driver's environment (or ``configure()``) would not reach them.
+    """
+
+    curve_server_key: str = ""
+    curve_key: str = ""
+
+    def client_keys(self) -> ClientKeys | None:
+        """The keys to connect with (read on the executor); None: no CURVE, or the process's own keys."""
+        if not self.curve_server_key:
+            return None
+        try:
+            return load_client_keys(self.curve_server_key, self.curve_key)
+        except ConfigError as exc:
+            raise OptionError(f"options curveServerKey/curveKey: {exc.message}") from None
+
+
+def _curve(options: Mapping[str, str]) -> dict[str, str]:
+    server = str(_get(options, "curveServerKey") or "")
+    mine = str(_get(options, "curveKey") or "")
+    if not (server or mine):
+        server = os.environ.get("CONVEYOR_CURVE_SERVER_KEY", "")
+        mine = os.environ.get("CONVEYOR_CURVE_KEY", "")
+        if bool(server) != bool(mine):
+            raise OptionError("CURVE needs both CONVEYOR_CURVE_SERVER_KEY and CONVEYOR_CURVE_KEY")
+    elif not (server and mine):
+        raise OptionError(
+            "CURVE needs both options: curveServerKey (the broker's public key or its .key file) "
+            "and curveKey (this client's .key_secret file)"
+        )
+    return {"curve_server_key": server, "curve_key": mine}
+
+
 @dataclass(frozen=True)
-class ReadOptions:
+class ReadOptions(CurveOptions):
     broker: str
     topic: str
     starting: StartPosition
@@ -141,11 +185,12 @@ class ReadOptions:
             request_timeout=(_int(options, "requestTimeoutMs", 10_000, minimum=1) or 10_000) / 1000,
             broker_timeout=(_int(options, "brokerTimeoutMs", 120_000, minimum=0) or 0) / 1000,
             pushdown=_bool(options, "pushdown", True),
+            **_curve(options),
         )
 
 
 @dataclass(frozen=True)
-class WriteOptions:
+class WriteOptions(CurveOptions):
     broker: str
     topic: str
     batch_size: int = 5000
@@ -178,4 +223,5 @@ class WriteOptions:
             content_type=_get(options, "contentType") or None,
             request_timeout=(_int(options, "requestTimeoutMs", 10_000, minimum=1) or 10_000) / 1000,
             delivery_timeout=(_int(options, "deliveryTimeoutMs", 120_000, minimum=1) or 120_000) / 1000,
+            **_curve(options),
         )

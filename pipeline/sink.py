@@ -136,6 +136,7 @@ def publish_partition(
         request_timeout=opts.request_timeout,
         delivery_timeout=opts.delivery_timeout,
         verify_duplicates=opts.verify_duplicates and opts.idempotent,
+        keys=opts.client_keys(),
     ) as publisher:
         for batch in batches:
             if batch.num_rows == 0:

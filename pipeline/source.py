@@ -97,7 +97,7 @@ def read_partition(opts: ReadOptions, partition: InputPartition) -> Iterator[pa.
     """Arrow record batches for one planned range, as the executor reads it."""
     if not isinstance(partition, OffsetRange) or partition.end <= partition.start:
         return
-    with Connection(opts.broker, request_timeout=opts.request_timeout, retry_for=opts.broker_timeout) as conn:
+    with _connect(opts) as conn:
         chunks = fetch_range(
             conn,
             partition.topic,
@@ -123,7 +123,10 @@ def resolve(conn: Connection, opts: ReadOptions, position: StartPosition, bounds
 
 
 def _connect(opts: ReadOptions) -> Connection:
-    return Connection(opts.broker, request_timeout=opts.request_timeout, retry_for=opts.broker_timeout)
+    """A connection with the reader's options (its CURVE keys travel with it to the executors)."""
+    return Connection(
+        opts.broker, request_timeout=opts.request_timeout, retry_for=opts.broker_timeout, keys=opts.client_keys()
+    )
 
 
 # --- batch ---------------------------------------------------------------------------------------

@@ -27,11 +27,13 @@ from typing import Any
 import msgpack
 import pyarrow as pa
 import zmq
-from conveyor.broker.config.addresses import check_address
-from conveyor.broker.net.security import HandshakeWatch, secure_client
-from conveyor.broker.wire.protocol import Command, Frame, decode, encode, error_from_header
+from conveyor.broker.net.connection import DEFAULT_HWM
+from conveyor.broker.net.requester import Requester
+from conveyor.broker.net.security import ClientKeys
+from conveyor.broker.wire.protocol import Command, Frame, error_from_header
 
 from conveyor.errors import (
+    AuthFailed,
     BrokerUnavailable,
     ConveyorError,
     DuplicateSequence,
@@ -70,6 +72,8 @@ ARROW_SCHEMA = pa.schema(
 
 _KEY, _HEADERS, _VALUE = itemgetter(0), itemgetter(1), itemgetter(2)
 
+CURVE_OPTIONS = "curveServerKey (the broker's public key) and curveKey (this client's .key_secret file)"
+
 
 class DataLoss(ConveyorError):
     """Offsets the query needs are gone (retention) or never became readable."""
@@ -88,12 +92,15 @@ class NonDeterministicRetry(ConveyorError):
 # --- the connection ------------------------------------------------------------------------------
 
 
-class Connection:
-    """One DEALER socket to the broker, with request ids and reconnects.
+class Connection(Requester):
+    """The Spark connector's connection to the broker: a ``Requester`` that keeps trying for ``retry_for``.
 
     ``request`` retries what can be retried (no answer in time, a broker
     shutting down or restarting, retriable storage errors) on a fresh socket
     until ``retry_for`` seconds have passed since the first attempt.
+
+    ``keys`` are the CURVE keys from the reader's or writer's options (they
+    travel to the executors with it); without them, the process's.
 
     With ``auto_reconnect=False`` the socket is one TCP connection and no
     more: ZeroMQ does not quietly re-establish it, so when the broker dies,
@@ -108,106 +115,33 @@ class Connection:
         request_timeout: float = 10.0,
         retry_for: float = 120.0,
         auto_reconnect: bool = True,
+        keys: ClientKeys | None = None,
         context: zmq.Context[Any] | None = None,
     ) -> None:
-        self.address = address
-        self.request_timeout = request_timeout
-        self.retry_for = retry_for
-        self.auto_reconnect = auto_reconnect
-        self._ctx = context or zmq.Context.instance()
-        self._rids = itertools.count(1)
-        self.reconnects = 0
-        self.watch: HandshakeWatch | None = None
-        self.sock = self._open()
+        super().__init__(
+            address,
+            context=context,
+            keys=keys,
+            timeout=request_timeout,
+            retry_for=retry_for,
+            auto_reconnect=auto_reconnect,
+            hwm=DEFAULT_HWM,
+        )
 
-    def _open(self) -> zmq.Socket[Any]:
-        """A DEALER with the process's CURVE keys, if any; its handshakes are watched (``AUTH_FAILED``)."""
-        sock = self._ctx.socket(zmq.DEALER)
-        secure_client(sock)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.RCVHWM, 1000)
-        sock.setsockopt(zmq.SNDHWM, 1000)
-        if not self.auto_reconnect:
-            sock.setsockopt(zmq.RECONNECT_IVL, -1)
-        if self.watch is not None:
-            self.watch.close()
-        self.watch = HandshakeWatch(sock, self.address)
-        sock.connect(check_address(self.address))
-        return sock
+    @property
+    def request_timeout(self) -> float:
+        return self.timeout
 
-    def reconnect(self) -> None:
-        self.reconnects += 1
-        self.sock.close(linger=0)
-        self.sock = self._open()
-
-    def send(self, command: Command, header: dict[str, Any], *payload: bytes, block: bool = True) -> int:
-        """Send a request; its ``rid``. Without ``block``, raises ``zmq.Again`` when the socket has no peer."""
-        rid = next(self._rids)
-        flags = 0 if block else zmq.NOBLOCK
-        self.sock.send_multipart(encode(command, {**header, "rid": rid}, *payload), flags=flags, copy=False)
-        return rid
-
-    def receive(self, timeout: float) -> Frame | None:
-        """The next reply of any request, or None after ``timeout`` seconds; ``AUTH_FAILED`` if the broker refused."""
-        assert self.watch is not None
-        deadline = time.monotonic() + timeout
-        while True:
-            poller = zmq.Poller()
-            poller.register(self.sock, zmq.POLLIN)
-            poller.register(self.watch.socket, zmq.POLLIN)
-            events = dict(poller.poll(max(1, int((deadline - time.monotonic()) * 1000))))
-            if self.sock in events:
-                return decode(self.sock.recv_multipart())
-            if self.watch.socket in events:
-                refused = self.watch.read()
-                if refused is not None:
-                    raise refused
-                continue
-            return None
-
-    def wait_for(self, rid: int, timeout: float | None = None) -> Frame:
-        """The reply to ``rid``; raises the broker's error, or ``BrokerUnavailable``."""
-        deadline = time.monotonic() + (self.request_timeout if timeout is None else timeout)
-        while True:
-            reply = self.receive(deadline - time.monotonic())
-            if reply is None:
-                raise BrokerUnavailable(f"no answer from {self.address} in time")
-            if reply.get("rid") != rid:
-                continue  # a late answer to a request abandoned before a reconnect
-            if reply.command is Command.ERROR:
-                raise error_from_header(reply.header)
-            return reply
-
-    def request(self, command: Command, header: dict[str, Any], *, timeout: float | None = None) -> Frame:
-        return call_with_retry(self, lambda: self.wait_for(self.send(command, header), timeout))
+    def refusal(self, refused: AuthFailed) -> AuthFailed:
+        return AuthFailed(
+            f"{refused.message}; the Spark connector takes its keys as the options {CURVE_OPTIONS}", **refused.fields
+        )
 
     def admin(self, op: str, **args: Any) -> Any:
         return self.request(Command.ADMIN, {"op": op, **args}).get("result")
 
-    def close(self) -> None:
-        if self.watch is not None:
-            self.watch.close()
-        self.sock.close(linger=0)
-
     def __enter__(self) -> Connection:
         return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-
-def call_with_retry(conn: Connection, fn: Any, *args: Any, **kwargs: Any) -> Any:
-    """``fn(*args)``; retriable broker errors reconnect and try again until ``conn.retry_for``."""
-    deadline = time.monotonic() + conn.retry_for
-    for number in itertools.count(1):
-        try:
-            return fn(*args, **kwargs)
-        except ConveyorError as exc:
-            if not exc.retriable or time.monotonic() >= deadline:
-                raise
-        time.sleep(min(0.05 * 2**number, 1.0))
-        conn.reconnect()
-    raise AssertionError("unreachable")
 
 
 # --- topic metadata -------------------------------------------------------------------------------
@@ -234,7 +168,7 @@ def topic_bounds(conn: Connection, topic: str) -> TopicBounds:
         end = int(info.get("durable_offset", info["end_offset"]))
         return TopicBounds(int(info.get("start_offset", 0)), end)
 
-    return call_with_retry(conn, describe)
+    return conn.retrying(describe)
 
 
 def _fetch_header(topic: str, offset: int, max_messages: int, max_bytes: int, wait_ms: int = 0) -> dict[str, Any]:
@@ -251,7 +185,7 @@ def batch_timestamp_at(conn: Connection, topic: str, offset: int) -> int:
             raise DataLoss(f"offset {offset} of {topic} is not readable", topic=topic, offset=offset)
         return int(entries[0]["t"])
 
-    return call_with_retry(conn, one)
+    return conn.retrying(one)
 
 
 def offset_for_timestamp(conn: Connection, topic: str, timestamp_ms: int, bounds: TopicBounds | None = None) -> int:
@@ -485,13 +419,18 @@ class BatchPublisher:
     request_timeout: float = 10.0
     delivery_timeout: float = 120.0
     verify_duplicates: bool = True
+    keys: ClientKeys | None = None  # CURVE keys from the writer's options; None: the process's
     stats: PublishStats = field(default_factory=PublishStats)
 
     def __post_init__(self) -> None:
         if not 1 <= self.max_in_flight <= 4:
             raise ValueError("max_in_flight must be 1..4 (half the broker's window of 8 sequences)")
         self.conn = Connection(
-            self.address, request_timeout=self.request_timeout, retry_for=self.delivery_timeout, auto_reconnect=False
+            self.address,
+            request_timeout=self.request_timeout,
+            retry_for=self.delivery_timeout,
+            auto_reconnect=False,
+            keys=self.keys,
         )
         self._seq = 0
         self._flights: dict[int, _Flight] = {}  # by the rid of their latest transmission
@@ -617,7 +556,9 @@ class BatchPublisher:
             self.stats.last_offset = last if self.stats.last_offset is None else max(self.stats.last_offset, last)
 
     def _verify(self, flight: _Flight, base: int) -> None:
-        with Connection(self.address, request_timeout=self.request_timeout, retry_for=self.delivery_timeout) as conn:
+        with Connection(
+            self.address, request_timeout=self.request_timeout, retry_for=self.delivery_timeout, keys=self.keys
+        ) as conn:
             entries, bodies, _, _ = next(iter(fetch_range(conn, self.topic, base, base + flight.count)))
         stored = [bytes(body) for entry, body in zip(entries, bodies, strict=False) if entry["b"] == base]
         if stored != [flight.body]:

@@ -2,19 +2,15 @@
 
 from __future__ import annotations
 
-import itertools
 import os
 import threading
-import time
 from typing import Any
 
 import zmq
 from conveyor.broker.client.message import Message, messages_from_entries
 from conveyor.broker.config.addresses import broker_address
-from conveyor.broker.net.connection import new_dealer
-from conveyor.broker.wire.protocol import Command, decode, encode, error_from_header
-
-from conveyor.errors import BrokerUnavailable
+from conveyor.broker.net.requester import Requester
+from conveyor.broker.wire.protocol import Command
 
 
 class Admin:
@@ -25,55 +21,19 @@ class Admin:
     ) -> None:
         self.address = broker_address(address)  # CONVEYOR_BROKER when not given, as the command line
         self.timeout = timeout_ms / 1000
-        self._ctx = context or zmq.Context.instance()
         self._lock = threading.Lock()
-        self._rids = itertools.count(1)
-        self._sock, self._watch = new_dealer(self._ctx, self.address)
+        # One try per request (no retry): a failed one is the caller's to judge.
+        self._requester = Requester(self.address, context=context, timeout=self.timeout, hwm=100_000)
+
+    @property
+    def _sock(self) -> zmq.Socket[Any]:
+        """The socket of the moment (tests speak raw frames on it)."""
+        return self._requester.sock
 
     def request(self, command: Command, header: dict[str, Any], *, timeout: float | None = None) -> Any:
         """One request, one reply; raises the broker's error as its own class."""
         with self._lock:
-            rid = next(self._rids)
-            self._sock.send_multipart(encode(command, {**header, "rid": rid}))
-            deadline = time.monotonic() + (timeout if timeout is not None else self.timeout)
-            while True:
-                remaining = deadline - time.monotonic()
-                ready = self._wait(remaining)
-                if ready is self._watch.socket:
-                    refused = self._watch.read()
-                    if refused is None:
-                        continue
-                    self._reset_socket()
-                    raise refused
-                if ready is None:
-                    self._reset_socket()
-                    raise BrokerUnavailable(
-                        f"no answer from {self.address} in time (is a broker running there? "
-                        "one that requires CURVE answers only clients that have its public key)"
-                    )
-                reply = decode(self._sock.recv_multipart())
-                if reply.get("rid") != rid:
-                    continue  # a late answer to an abandoned request
-                if reply.command is Command.ERROR:
-                    raise error_from_header(reply.header)
-                return reply
-
-    def _wait(self, remaining: float) -> Any:
-        """The socket that became readable first (the reply's, or the handshake watch's), or None at the deadline."""
-        if remaining <= 0:
-            return None
-        poller = zmq.Poller()
-        poller.register(self._sock, zmq.POLLIN)
-        poller.register(self._watch.socket, zmq.POLLIN)
-        events = dict(poller.poll(int(remaining * 1000) + 1))
-        if self._sock in events:
-            return self._sock
-        return self._watch.socket if self._watch.socket in events else None
-
-    def _reset_socket(self) -> None:
-        self._watch.close()
-        self._sock.close(linger=0)
-        self._sock, self._watch = new_dealer(self._ctx, self.address)
+            return self._requester.request(command, header, timeout=self.timeout if timeout is None else timeout)
 
     def _admin(self, op: str, **args: Any) -> Any:
         return self.request(Command.ADMIN, {"op": op, **args}).get("result")
@@ -146,8 +106,7 @@ class Admin:
         return messages[:max_messages], reply.header
 
     def close(self) -> None:
-        self._watch.close()
-        self._sock.close(linger=0)
+        self._requester.close()
 
     def __enter__(self) -> Admin:
         return self

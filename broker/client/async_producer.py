@@ -20,8 +20,9 @@ import tenacity
 import zmq
 import zmq.asyncio
 from conveyor.broker.client.options import check_producer_options
-from conveyor.broker.config.addresses import broker_address, check_address
-from conveyor.broker.net.security import HandshakeWatch, secure_client
+from conveyor.broker.config.addresses import broker_address
+from conveyor.broker.net.connection import DEFAULT_HWM, new_dealer
+from conveyor.broker.net.security import HandshakeWatch
 from conveyor.broker.wire.protocol import Command, decode, encode, error_from_header
 from conveyor.broker.wire.record import pack_records
 from conveyor.broker.wire.values import make_record
@@ -114,15 +115,11 @@ class AsyncProducer:
 
     def _new_socket(self) -> zmq.asyncio.Socket:
         """A DEALER to the broker; its handshakes are watched (``self._watch``, replacing the old socket's)."""
-        check_address(self.address)
-        sock = self._ctx.socket(zmq.DEALER)
-        secure_client(sock)
-        sock.setsockopt(zmq.LINGER, 0)
         if self._watch is not None:
             self._watch.close()
-        self._watch = HandshakeWatch(sock, self.address)
-        sock.connect(self.address)
-        return sock
+            self._watch = None
+        sock, self._watch = new_dealer(self._ctx, self.address, sndhwm=DEFAULT_HWM, rcvhwm=DEFAULT_HWM)
+        return cast(zmq.asyncio.Socket, sock)
 
     async def _handshakes(self) -> None:
         """When the broker refuses this producer's handshake, what is in flight fails with AUTH_FAILED at once."""

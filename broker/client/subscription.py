@@ -23,8 +23,9 @@ from typing import Any
 
 import zmq
 from conveyor.broker.client.message import Message, messages_from_entries
-from conveyor.broker.config.addresses import broker_address, check_address
-from conveyor.broker.net.security import HandshakeWatch, secure_client
+from conveyor.broker.config.addresses import broker_address
+from conveyor.broker.net.connection import DEFAULT_HWM, new_dealer
+from conveyor.broker.net.security import HandshakeWatch
 from conveyor.broker.net.transport import NOBLOCK, recv_frames, send_frames
 from conveyor.broker.wire.protocol import Command, Frame, decode, encode, error_from_header
 from conveyor.broker.wire.ranges import to_ranges
@@ -125,14 +126,8 @@ class Subscription:
     # --- connection -----------------------------------------------------------------
 
     def _connect(self) -> None:
-        check_address(self.address)
-        sock = self._ctx.socket(zmq.DEALER)
-        secure_client(sock)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.RCVHWM, 0)  # credit bounds what can arrive
-        self._watch = HandshakeWatch(sock, self.address)
-        sock.connect(self.address)
-        self._sock = sock
+        # rcvhwm 0: credit bounds what can arrive
+        self._sock, self._watch = new_dealer(self._ctx, self.address, sndhwm=DEFAULT_HWM, rcvhwm=0)
         self._send(Command.HELLO, {"rid": next(self._rids), "client": f"conveyor-consumer/{os.getpid()}"})
         self._send(
             Command.SUBSCRIBE,

@@ -49,7 +49,7 @@ _configured: ClientKeys | None = None
 def configure(*, server_key: str | bytes, client_key_file: str | os.PathLike[str]) -> None:
     """Set the keys every client of this process uses."""
     global _configured
-    _configured = _client_keys(server_key, client_key_file)
+    _configured = load_client_keys(server_key, client_key_file)
 
 
 def _public_key(value: str | bytes) -> bytes:
@@ -62,7 +62,12 @@ def _public_key(value: str | bytes) -> bytes:
     return text.encode()
 
 
-def _client_keys(server_key: str | bytes, client_key_file: str | os.PathLike[str]) -> ClientKeys:
+def load_client_keys(server_key: str | bytes, client_key_file: str | os.PathLike[str]) -> ClientKeys:
+    """Keys for one client, read from where ``configure()`` and the environment name them.
+
+    For clients whose keys travel with them rather than with the process (the
+    Spark connector's readers and writers, pickled to executors).
+    """
     try:
         public, secret = zmq.auth.load_certificate(os.fspath(client_key_file))
     except (OSError, ValueError) as exc:
@@ -81,12 +86,12 @@ def client_keys() -> ClientKeys | None:
         return None
     if not (server and mine):
         raise ConfigError("CURVE needs both CONVEYOR_CURVE_SERVER_KEY and CONVEYOR_CURVE_KEY")
-    return _client_keys(server, mine)
+    return load_client_keys(server, mine)
 
 
-def secure_client(sock: zmq.Socket[Any]) -> None:
-    """Make a client socket speak CURVE when keys are configured (before connect)."""
-    keys = client_keys()
+def secure_client(sock: zmq.Socket[Any], keys: ClientKeys | None = None) -> None:
+    """Make a client socket speak CURVE with ``keys``, else the process's keys if any (before connect)."""
+    keys = keys or client_keys()
     if keys is None:
         return
     sock.curve_serverkey = keys.server_public
@@ -309,8 +314,9 @@ class HandshakeWatch:
         | zmq.EVENT_HANDSHAKE_FAILED_AUTH
     )
 
-    def __init__(self, sock: zmq.Socket[Any], address: str) -> None:
+    def __init__(self, sock: zmq.Socket[Any], address: str, keys: ClientKeys | None = None) -> None:
         self.address = address
+        self._has_keys = keys is not None  # the keys the watched socket speaks CURVE with, for the messages
         endpoint = _monitor_endpoint()
         sock.monitor(endpoint, self.EVENTS)
         self.socket: zmq.Socket[Any] = sock.context.socket(zmq.PAIR)
@@ -339,7 +345,7 @@ class HandshakeWatch:
                 "in the broker's --curve-authorized-keys directory"
             )
         elif kind == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL and value == zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH:
-            self.failure = self._refused(_mismatch())
+            self.failure = self._refused(_mismatch(self._has_keys))
         elif kind == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL and value == zmq.PROTOCOL_ERROR_ZMTP_CRYPTOGRAPHIC:
             self.failure = self._refused("the CURVE handshake failed: is CONVEYOR_CURVE_SERVER_KEY this broker's key?")
         elif kind in (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL, zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL):
@@ -347,7 +353,7 @@ class HandshakeWatch:
             if self.silent >= SILENT_FAILURES:
                 self.failure = self._refused(
                     f"{self.silent} handshakes in a row ended without a reason: the broker requires other keys "
-                    f"({_mismatch() if client_keys() is None else 'is CONVEYOR_CURVE_SERVER_KEY its public key?'})"
+                    f"({_mismatch(False) if not self._has_keys else 'is CONVEYOR_CURVE_SERVER_KEY its public key?'})"
                 )
 
     def _refused(self, why: str) -> AuthFailed:
@@ -362,8 +368,8 @@ class HandshakeWatch:
         self.socket.close(linger=0)
 
 
-def _mismatch() -> str:
-    if client_keys() is None:
+def _mismatch(has_keys: bool) -> str:
+    if not has_keys:
         return (
             "the broker requires CURVE and this client has no keys: set CONVEYOR_CURVE_SERVER_KEY and "
             "CONVEYOR_CURVE_KEY (or --curve-server-key and --curve-key)"

@@ -21,8 +21,8 @@ from typing import TYPE_CHECKING, Any
 
 import tenacity
 import zmq
-from conveyor.broker.net.connection import backoff_seconds
-from conveyor.broker.net.security import HandshakeWatch, secure_client
+from conveyor.broker.net.connection import DEFAULT_HWM, backoff_seconds, new_dealer
+from conveyor.broker.net.security import HandshakeWatch
 from conveyor.broker.wire.protocol import Command, Frame, decode, encode, error_from_header
 from conveyor.broker.wire.record import Batch, pack_records, unpack_records
 from conveyor.monitoring.health import DEGRADED, HEALTHY, UNHEALTHY
@@ -83,13 +83,9 @@ class Mirror:
     # --- connection ---------------------------------------------------------------------
 
     def connect(self) -> None:
-        sock = self.broker.ctx.socket(zmq.DEALER)
-        secure_client(sock)  # the parent may require CURVE: this broker is its client
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.RCVHWM, 0)
-        self.watch = HandshakeWatch(sock, self.settings.upstream)
-        sock.connect(self.settings.upstream)
-        self.socket = sock
+        # The parent may require CURVE: this broker is its client, with the process's client keys.
+        # rcvhwm 0 (no limit): one FETCH per topic is in flight at most, which bounds the replies.
+        self.socket, self.watch = new_dealer(self.broker.ctx, self.settings.upstream, sndhwm=DEFAULT_HWM, rcvhwm=0)
         now = self.clock()
         self.last_reply = now
         self._next_discovery = now

@@ -9,8 +9,8 @@ from typing import Any
 import zmq
 from conveyor.broker.client.message import Message, messages_from_entries
 from conveyor.broker.config.addresses import broker_address
-from conveyor.broker.net.requester import Requester
-from conveyor.broker.wire.protocol import Command
+from conveyor.broker.net.requester import FramesFor, Requester
+from conveyor.broker.wire.protocol import Command, Frame, encode
 
 
 class Admin:
@@ -32,8 +32,12 @@ class Admin:
 
     def request(self, command: Command, header: dict[str, Any], *, timeout: float | None = None) -> Any:
         """One request, one reply; raises the broker's error as its own class."""
+        return self._call(lambda rid: encode(command, {**header, "rid": rid}), timeout=timeout)
+
+    def _call(self, frames_for: FramesFor, *, timeout: float | None = None) -> Frame:
+        """Send ``frames_for(rid=...)`` (a request encoder of ``broker/wire/commands.py``) and wait for its reply."""
         with self._lock:
-            return self._requester.request(command, header, timeout=self.timeout if timeout is None else timeout)
+            return self._requester.call(frames_for, timeout=self.timeout if timeout is None else timeout)
 
     def _admin(self, op: str, **args: Any) -> Any:
         return self.request(Command.ADMIN, {"op": op, **args}).get("result")

@@ -26,6 +26,7 @@ from conveyor.broker.wire.protocol import Command, Frame, decode, encode, error_
 from conveyor.errors import AuthFailed, BrokerUnavailable, ConveyorError
 
 T = TypeVar("T")
+FramesFor = Callable[..., list[Any]]  # called with rid=: the frames of one request
 
 # 0.1, 0.2, 0.4, 0.8, then 1 s between attempts.
 DEFAULT_RETRY_WAIT = tenacity.wait_exponential(multiplier=0.1, max=1.0)
@@ -89,8 +90,12 @@ class Requester:
 
     def send(self, command: Command, header: dict[str, Any], *payload: Any, block: bool = True) -> int:
         """Send a request; its ``rid``. Without ``block``, raises ``zmq.Again`` when the socket has no peer."""
+        return self.send_built(lambda rid: encode(command, {**header, "rid": rid}, *payload), block=block)
+
+    def send_built(self, frames_for: FramesFor, *, block: bool = True) -> int:
+        """Send ``frames_for(rid=...)`` (a request encoder of ``broker/wire/commands.py``); its ``rid``."""
         rid = next(self._rids)
-        send_frames(self.sock, encode(command, {**header, "rid": rid}, *payload), 0 if block else NOBLOCK)
+        send_frames(self.sock, frames_for(rid=rid), 0 if block else NOBLOCK)
         return rid
 
     def receive(self, timeout: float) -> Frame | None:
@@ -132,6 +137,10 @@ class Requester:
     def request(self, command: Command, header: dict[str, Any], *payload: Any, timeout: float | None = None) -> Frame:
         """One request and its reply, retried as ``retrying`` says."""
         return self.retrying(lambda: self.wait_for(self.send(command, header, *payload), timeout))
+
+    def call(self, frames_for: FramesFor, *, timeout: float | None = None) -> Frame:
+        """``request`` for a request encoder: sends ``frames_for(rid=...)``, retried as ``retrying`` says."""
+        return self.retrying(lambda: self.wait_for(self.send_built(frames_for), timeout))
 
     def retrying(self, fn: Callable[[], T]) -> T:
         """``fn()``; retriable broker errors wait a backoff, reconnect and try again until ``retry_for``."""

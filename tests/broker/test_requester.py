@@ -120,3 +120,9 @@ def test_without_retry_for_a_retriable_error_is_raised(broker_with):
     broker = broker_with([shutting_down])
     with Requester(broker.address, timeout=30) as requester, pytest.raises(ShuttingDown):
         requester.request(Command.ADMIN, {"op": "list_topics"})
+
+
+def test_a_request_encoder_gets_the_rid(broker_with):
+    broker = broker_with([ok])
+    with Requester(broker.address, timeout=30) as requester:
+        assert requester.call(lambda rid: commands.admin("list_topics", rid=rid)).get("result") == "ok"

@@ -22,59 +22,91 @@ offsets writer, under ``IoHealth``'s lock) and read whole.
 from __future__ import annotations
 
 import shutil
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
 
+from conveyor.broker.config.broker_settings import BrokerSettings
+from conveyor.broker.log.data_dir import Store
+from conveyor.broker.server.containment import Containment
 from conveyor.monitoring.health import DEGRADED, HEALTHY, UNHEALTHY, Report, live, loop_check, ready, report
 
 if TYPE_CHECKING:
-    from conveyor.broker.server.broker import Broker
+    from conveyor.broker.server.mirror import Mirror
 
 
-def broker_health(broker: Broker) -> Report:
+@dataclass(slots=True)
+class LoopTimes:
+    """What the loop writes for the health checks: when it last passed, how long its last fsync took."""
+
+    last_pass: float = 0.0
+    fsync_seconds: float = 0.0
+
+
+class HealthHost(Protocol):
+    """What the health checks read (the broker is one); read live, so a changed setting counts at once."""
+
+    @property
+    def settings(self) -> BrokerSettings: ...
+    @property
+    def store(self) -> Store: ...
+    @property
+    def containment(self) -> Containment: ...
+    @property
+    def mirror(self) -> Mirror | None: ...
+    @property
+    def loop_times(self) -> LoopTimes: ...
+    @property
+    def running(self) -> bool: ...
+    @property
+    def clock(self) -> Callable[[], float]: ...
+
+
+def broker_health(host: HealthHost) -> Report:
     checks: dict[str, dict[str, Any]] = {
-        "storage": broker.store.io_health.check(),
-        "disk_space": _disk_space(broker),
-        "fsync_latency": _fsync_latency(broker),
-        "event_loop": _event_loop(broker),
+        "storage": host.store.io_health.check(),
+        "disk_space": _disk_space(host.settings),
+        "fsync_latency": _fsync_latency(host.loop_times, host.settings),
+        "event_loop": _event_loop(host),
     }
-    if broker.mirror is not None:
-        checks["upstream"] = broker.mirror.health()
-    checks["internal_errors"] = broker.containment.check()
-    checks["lost_data"] = _lost_data(broker)
+    if host.mirror is not None:
+        checks["upstream"] = host.mirror.health()
+    checks["internal_errors"] = host.containment.check()
+    checks["lost_data"] = _lost_data(host.store)
     return report(checks)
 
 
-def _lost_data(broker: Broker) -> dict[str, Any]:
-    lost = {topic.name: topic.lost_ranges for topic in list(broker.store.logs.values()) if topic.lost_ranges}
+def _lost_data(store: Store) -> dict[str, Any]:
+    lost = {topic.name: topic.lost_ranges for topic in list(store.logs.values()) if topic.lost_ranges}
     return {"status": DEGRADED, "topics": lost} if lost else {"status": HEALTHY}
 
 
-def broker_live(broker: Broker) -> Report:
+def broker_live(host: HealthHost) -> Report:
     """Only a wedged loop fails liveness: a bad disk is not cured by a restart."""
-    return live({"checks": {"event_loop": _event_loop(broker)}})
+    return live({"checks": {"event_loop": _event_loop(host)}})
 
 
-def broker_ready(broker: Broker) -> Report:
+def broker_ready(host: HealthHost) -> Report:
     """Ready while the loop serves and nothing is UNHEALTHY (a failing disk takes it out of rotation)."""
-    return ready(broker_health(broker), serving=broker.running)
+    return ready(broker_health(host), serving=host.running)
 
 
-def _disk_space(broker: Broker) -> dict[str, Any]:
-    minimum = broker.settings.disk_free_min_bytes
+def _disk_space(settings: BrokerSettings) -> dict[str, Any]:
+    minimum = settings.disk_free_min_bytes
     try:
-        free = shutil.disk_usage(broker.settings.data_dir).free
+        free = shutil.disk_usage(settings.data_dir).free
     except OSError as exc:  # the data directory is gone or unreadable: not a question of space
         return {"status": UNHEALTHY, "error": str(exc)}
     return {"status": DEGRADED if free < minimum else HEALTHY, "free_bytes": free, "min_bytes": minimum}
 
 
-def _fsync_latency(broker: Broker) -> dict[str, Any]:
-    last, warn = broker._last_fsync_seconds, broker.settings.fsync_warn_seconds
+def _fsync_latency(times: LoopTimes, settings: BrokerSettings) -> dict[str, Any]:
+    last, warn = times.fsync_seconds, settings.fsync_warn_seconds
     return {"status": DEGRADED if last > warn else HEALTHY, "last_seconds": round(last, 6), "warn_seconds": warn}
 
 
-def _event_loop(broker: Broker) -> dict[str, Any]:
-    heartbeat = broker.settings.heartbeat_ms / 1000
+def _event_loop(host: HealthHost) -> dict[str, Any]:
+    heartbeat = host.settings.heartbeat_ms / 1000
     # The loop passes at least every housekeeping interval; a longer gap means it is busy or stuck.
-    lag = max(0.0, broker.clock() - broker._last_pass - min(heartbeat, 0.25))
+    lag = max(0.0, host.clock() - host.loop_times.last_pass - min(heartbeat, 0.25))
     return loop_check(lag, degraded_after=heartbeat, unhealthy_after=5 * heartbeat)

@@ -17,10 +17,11 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import tenacity
 import zmq
+from conveyor.broker.log.data_dir import Store
 from conveyor.broker.net.connection import DEFAULT_HWM, backoff_seconds, new_dealer
 from conveyor.broker.net.security import HandshakeWatch
 from conveyor.broker.wire.protocol import Command, Frame, decode, encode, error_from_header
@@ -29,10 +30,27 @@ from conveyor.monitoring.health import DEGRADED, HEALTHY, UNHEALTHY
 
 from conveyor.errors import ConveyorError
 
-if TYPE_CHECKING:
-    from conveyor.broker.server.broker import Broker
-
 log = logging.getLogger("conveyor.mirror")
+
+
+class MirrorHost(Protocol):
+    """What a mirror needs of the broker it runs in (the broker is one)."""
+
+    @property
+    def ctx(self) -> zmq.Context[Any]: ...  # its DEALER to the parent is made here
+    @property
+    def poller(self) -> zmq.Poller: ...  # the loop's poller: that DEALER is registered in it
+    @property
+    def store(self) -> Store: ...
+    @property
+    def metrics(self) -> Any: ...
+    @property
+    def appended(self) -> set[str]: ...  # topics appended to this pass: the group commit syncs and wakes them
+    @property
+    def max_batch_bytes(self) -> int: ...
+
+    def reset_topic(self, topic: str, offset: int, *, event: str | None = None) -> None: ...
+    def announce(self, topic: str, event: str, offset: int) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -63,7 +81,7 @@ class TopicMirror:
 
 @dataclass
 class Mirror:
-    broker: Broker
+    host: MirrorHost
     settings: MirrorSettings
     clock: Callable[[], float] = time.monotonic
     topics: dict[str, TopicMirror] = field(default_factory=dict)
@@ -85,7 +103,7 @@ class Mirror:
     def connect(self) -> None:
         # The parent may require CURVE: this broker is its client, with the process's client keys.
         # rcvhwm 0 (no limit): one FETCH per topic is in flight at most, which bounds the replies.
-        self.socket, self.watch = new_dealer(self.broker.ctx, self.settings.upstream, sndhwm=DEFAULT_HWM, rcvhwm=0)
+        self.socket, self.watch = new_dealer(self.host.ctx, self.settings.upstream, sndhwm=DEFAULT_HWM, rcvhwm=0)
         now = self.clock()
         self.last_reply = now
         self._next_discovery = now
@@ -96,7 +114,7 @@ class Mirror:
 
     def _reconnect(self, why: str) -> None:
         self.reconnects += 1
-        self.broker.metrics.mirror_reconnects.labels(self.settings.upstream).inc()
+        self.host.metrics.mirror_reconnects.labels(self.settings.upstream).inc()
         if self.down_since is None:
             self.down_since = self.last_reply
         log.warning("upstream %s: %s; reconnecting", self.settings.upstream, why)
@@ -104,7 +122,7 @@ class Mirror:
             self.watch.close()
             self.watch = None
         if self.socket is not None:
-            self.broker.poller.unregister(self.socket)
+            self.host.poller.unregister(self.socket)
             self.socket.close(linger=0)
         delay = backoff_seconds(self._wait, min(self.reconnects, 10))
         self._next_connect = self.clock() + delay
@@ -136,7 +154,7 @@ class Mirror:
                 return self._next_connect
             self.connect()
             assert self.socket is not None
-            self.broker.poller.register(self.socket, zmq.POLLIN)
+            self.host.poller.register(self.socket, zmq.POLLIN)
         self._check_handshakes()
         silent = now - self.last_reply
         if silent > self.settings.fetch_wait_ms / 1000 + 2.0:
@@ -166,7 +184,7 @@ class Mirror:
             except zmq.Again:
                 return
             try:
-                reply = decode(frames, max_batch_bytes=self.broker.settings.max_batch_bytes)
+                reply = decode(frames, max_batch_bytes=self.host.max_batch_bytes)
             except ConveyorError as exc:
                 log.error("undecodable answer from upstream: %s", exc)
                 continue
@@ -206,7 +224,7 @@ class Mirror:
             self._adopt(name, int(info.get("start_offset", 0)), int(info.get("end_offset", 0)))
 
     def _adopt(self, name: str, parent_start: int, parent_end: int) -> None:
-        store = self.broker.store
+        store = self.host.store
         if name not in store.logs:
             store.create_topic(name, read_only=True, extra={"mirror_of": self.settings.upstream})
         log_ = store.topic(name)
@@ -222,7 +240,7 @@ class Mirror:
     def _fetch(self, mirror: TopicMirror) -> None:
         if self.socket is None:
             return
-        log_ = self.broker.store.logs.get(mirror.topic)
+        log_ = self.host.store.logs.get(mirror.topic)
         if log_ is None:
             return
         header = {
@@ -246,7 +264,7 @@ class Mirror:
 
     def _apply(self, mirror: TopicMirror, reply: Frame) -> None:
         """Append what the parent sent, at the parent's offsets."""
-        log_ = self.broker.store.topic(mirror.topic)
+        log_ = self.host.store.topic(mirror.topic)
         mirror.parent_end = int(reply.get("end_offset", mirror.parent_end))
         mirror.parent_start = int(reply.get("start_offset", mirror.parent_start))
         entries = reply.get("entries") or []
@@ -263,11 +281,11 @@ class Mirror:
             mirror.last_append_ms = batch.timestamp_ms
             mirror.fetched_bytes += len(batch.body)
             mirror.fetched_messages += batch.count
-            self.broker.metrics.mirror_fetched_bytes.labels(mirror.topic).inc(len(batch.body))
-            self.broker.metrics.mirror_fetched_messages.labels(mirror.topic).inc(batch.count)
+            self.host.metrics.mirror_fetched_bytes.labels(mirror.topic).inc(len(batch.body))
+            self.host.metrics.mirror_fetched_messages.labels(mirror.topic).inc(batch.count)
             appended += 1
         if appended:
-            self.broker.appended.add(mirror.topic)
+            self.host.appended.add(mirror.topic)
         if not entries and log_.end_offset < mirror.parent_start:
             self._gap(mirror, log_.end_offset, mirror.parent_start)
         self._check_refresh(mirror, log_.end_offset)
@@ -275,7 +293,7 @@ class Mirror:
     def _on_error(self, mirror: TopicMirror, exc: ConveyorError) -> None:
         if exc.name == "OFFSET_OUT_OF_RANGE":
             start = int(exc.fields.get("start_offset", mirror.parent_start))
-            log_ = self.broker.store.topic(mirror.topic)
+            log_ = self.host.store.topic(mirror.topic)
             self._gap(mirror, log_.end_offset, start)
         elif exc.name == "SHUTTING_DOWN":
             self.down_since = self.down_since or self.clock()  # the parent is going away
@@ -288,7 +306,7 @@ class Mirror:
 
     def _gap(self, mirror: TopicMirror, local_end: int, parent_start: int) -> None:
         """The parent no longer has what comes next here (its retention moved on)."""
-        self.broker.metrics.mirror_gaps.labels(mirror.topic).inc()
+        self.host.metrics.mirror_gaps.labels(mirror.topic).inc()
         if self.settings.gap_policy == "stop":
             mirror.stopped = f"parent starts at {parent_start}, this log ends at {local_end}"
             log.error("mirror of %s stopped: %s", mirror.topic, mirror.stopped)
@@ -296,7 +314,7 @@ class Mirror:
         log.warning(
             "mirror of %s: parent starts at %d past local end %d; resyncing", mirror.topic, parent_start, local_end
         )
-        self.broker.reset_topic(mirror.topic, parent_start)
+        self.host.reset_topic(mirror.topic, parent_start)
 
     # --- refresh (RESET / READY) -----------------------------------------------------------
 
@@ -307,21 +325,21 @@ class Mirror:
             raise ConveyorError(f"{topic} is not a mirrored topic here", topic=topic)
         mirror.stopped = ""
         mirror.refresh_target = max(mirror.parent_end, mirror.parent_start)
-        self.broker.reset_topic(topic, mirror.parent_start, event="RESET")
+        self.host.reset_topic(topic, mirror.parent_start, event="RESET")
         mirror.rid = None
         self._fetch(mirror)
-        self._check_refresh(mirror, self.broker.store.topic(topic).end_offset)
+        self._check_refresh(mirror, self.host.store.topic(topic).end_offset)
         return {"topic": topic, "from": mirror.parent_start, "until": mirror.refresh_target}
 
     def _check_refresh(self, mirror: TopicMirror, local_end: int) -> None:
         if mirror.refresh_target is not None and local_end >= mirror.refresh_target:
             mirror.refresh_target = None
-            self.broker.announce(mirror.topic, "READY", local_end)
+            self.host.announce(mirror.topic, "READY", local_end)
 
     # --- health and metrics ------------------------------------------------------------------
 
     def lag(self, mirror: TopicMirror) -> int:
-        log_ = self.broker.store.logs.get(mirror.topic)
+        log_ = self.host.store.logs.get(mirror.topic)
         return 0 if log_ is None else max(0, mirror.parent_end - log_.end_offset)
 
     def status(self) -> str:

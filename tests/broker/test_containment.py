@@ -14,13 +14,14 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-import conveyor.broker.server.broker as server_module
+import conveyor.broker.server.dead_letters as dead_letters_module
 import pytest
 from conveyor.broker.client.subscription import Subscription
 from conveyor.broker.config.broker_settings import BrokerSettings
 from conveyor.broker.log.data_dir import Store
 from conveyor.broker.server import admin as admin_ops
 from conveyor.broker.server.broker import Broker
+from conveyor.broker.server.fetch_waits import FetchWaits
 from conveyor.broker.server.groups import Group
 from prometheus_client import CollectorRegistry
 
@@ -97,7 +98,7 @@ def failing(times: int, original: Callable[..., Any]) -> Callable[..., Any]:
 UNITS = {
     "heartbeats": (Broker, "_heartbeats"),
     "leases": (Group, "expire_leases"),
-    "fetch_expiry": (Broker, "_expire_fetches"),
+    "fetch_expiry": (FetchWaits, "expire"),
     "offsets_commit": (Broker, "_commit_offsets"),
     "retention": (Store, "apply_retention"),
     "group_commit": (Broker, "_group_commit"),
@@ -171,8 +172,8 @@ def test_a_request_that_raises_gets_an_error_reply_and_is_counted(live: Live, mo
 
 def test_a_dead_letter_that_raises_is_kept_and_retried_slowly(live: Live, monkeypatch: pytest.MonkeyPatch):
     # Given dead-lettering that raises (once) and a 1 s retry instead of 30 s, to keep the test short
-    monkeypatch.setattr(server_module, "DEAD_LETTER_RETRY_SECONDS", 1.0)
-    monkeypatch.setattr(server_module, "dead_letter_body", failing(1, server_module.dead_letter_body))
+    monkeypatch.setattr(dead_letters_module, "DEAD_LETTER_RETRY_SECONDS", 1.0)
+    monkeypatch.setattr(dead_letters_module, "dead_letter_body", failing(1, dead_letters_module.dead_letter_body))
     with Producer(live.address, linger_ms=1) as producer:
         producer.send("t", b"doomed").result(timeout=30)
     # When a consumer terminates the message

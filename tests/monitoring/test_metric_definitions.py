@@ -380,7 +380,7 @@ def test_broker_health_is_degraded_when_disk_is_short(broker: Broker) -> None:
 
 def test_broker_state_snapshot_covers_topics_and_groups(broker: Broker) -> None:
     broker.store.create_topic("orders")
-    broker._make_group("orders", "billing", {})
+    broker.groups.make("orders", "billing", {})
     registry = broker.registry
     assert registry.get_sample_value("conveyor_log_end_offset", {"topic": "orders"}) == 0
     assert registry.get_sample_value("conveyor_group_lag_messages", {"topic": "orders", "group": "billing"}) == 0

@@ -1,0 +1,158 @@
+"""Long-poll FETCH: read a topic's durable batches, or park until there are some (or the wait ends).
+
+A mirror keeps one FETCH in flight per topic with ``wait_ms``; it is parked
+here and answered when a group commit makes its offset durable, when the
+topic moves past it (retention, a resync) or is deleted, or at its
+deadline. Deadlines are a heap the loop's poll timeout follows: nothing
+polls. A FETCH is answered with durable data only.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from conveyor.broker.log.data_dir import Store, check_name
+from conveyor.broker.log.topic_log import TopicLog
+from conveyor.broker.server.confirms import ReplyError, Send
+from conveyor.broker.server.groups import MAX_ENTRIES
+from conveyor.broker.wire import commands
+from conveyor.broker.wire.entry import DeliveryEntry
+from conveyor.broker.wire.protocol import Frame
+from conveyor.broker.wire.protocol import field as hfield
+
+from conveyor.errors import ConveyorError, OffsetOutOfRange, ShuttingDown, UnknownTopic
+
+
+@dataclass(slots=True)
+class FetchWait:
+    peer: bytes
+    frame: Frame
+    deadline: float
+    offset: int  # answered once this offset is durable (or at the deadline)
+    done: bool = False  # answered before its deadline (its heap entry is skipped)
+
+
+class FetchWaits:
+    """FETCH answers and the parked FETCHes, by topic and by deadline."""
+
+    def __init__(
+        self,
+        store: Store,
+        send: Send,
+        reply_error: ReplyError,
+        clock: Callable[[], float],
+        *,
+        max_wait_ms: int,
+        max_batch_bytes: int,
+    ) -> None:
+        self.store = store
+        self.by_topic: dict[str, list[FetchWait]] = defaultdict(list)
+        self._deadlines: list[tuple[float, int, FetchWait]] = []
+        self._seq = itertools.count()
+        self._send = send
+        self._reply_error = reply_error
+        self._clock = clock
+        self._max_wait_ms = max_wait_ms
+        self._max_batch_bytes = max_batch_bytes
+
+    def fetch(self, peer: bytes, frame: Frame) -> None:
+        """Answer a FETCH now, or park it while it asks to wait for offsets not yet durable."""
+        topic = check_name(hfield(frame, "topic", str))
+        log_ = self.store.topic(topic)
+        offset = hfield(frame, "offset", int, log_.start_offset)
+        wait_ms = max(0, min(hfield(frame, "wait_ms", int, 0), self._max_wait_ms))
+        if offset >= log_.durable_offset and wait_ms > 0:
+            wait = FetchWait(peer, frame, self._clock() + wait_ms / 1000, offset)
+            self.by_topic[topic].append(wait)
+            heapq.heappush(self._deadlines, (wait.deadline, next(self._seq), wait))
+            return
+        self._answer(peer, frame, log_)
+
+    def next_deadline(self) -> float | None:
+        """When the earliest parked FETCH must be answered (answered ones are dropped from the heap here)."""
+        while self._deadlines and self._deadlines[0][2].done:
+            heapq.heappop(self._deadlines)
+        return self._deadlines[0][0] if self._deadlines else None
+
+    def wake(self, topic: str) -> None:
+        """Answer the FETCHes parked on ``topic`` whose offset became durable; the others wait on.
+
+        Under ``interval:MS`` an append is not a reason to answer, the sync that follows it
+        (perhaps in a later pass) is. A deleted topic answers them all.
+        """
+        log_ = self.store.logs.get(topic)
+        ready: list[FetchWait] = []
+        still: list[FetchWait] = []
+        for wait in self.by_topic.pop(topic, []):
+            # Answered: durable data to read, or nothing any more (retention, a resync, a deletion).
+            answer = log_ is None or wait.offset < log_.durable_offset or wait.offset < log_.start_offset
+            (ready if answer else still).append(wait)
+        if still:
+            self.by_topic[topic] = still
+        for wait in ready:
+            self._finish(topic, wait)
+
+    def expire(self, now: float) -> None:
+        """Answer the parked FETCHes whose wait is over with what their topic holds."""
+        while self._deadlines and self._deadlines[0][0] <= now:
+            _when, _seq, wait = heapq.heappop(self._deadlines)
+            if wait.done:
+                continue
+            topic = wait.frame.get("topic")
+            waits = self.by_topic.get(topic)
+            if waits is not None:
+                waits.remove(wait)
+                if not waits:
+                    del self.by_topic[topic]
+            self._finish(topic, wait)
+
+    def shutdown(self) -> None:
+        for waits in self.by_topic.values():
+            for wait in waits:
+                self._reply_error(wait.peer, ShuttingDown("broker shutting down"), wait.frame.get("rid"))
+
+    def _finish(self, topic: str, wait: FetchWait) -> None:
+        """Answer a parked fetch: what its topic holds now, or UNKNOWN_TOPIC if the topic was deleted."""
+        wait.done = True
+        log_ = self.store.logs.get(topic)
+        if log_ is None:
+            gone = UnknownTopic(f"no topic {topic} (deleted)", topic=topic)
+            self._reply_error(wait.peer, gone, wait.frame.get("rid"))
+        else:
+            try:
+                self._answer(wait.peer, wait.frame, log_)
+            except ConveyorError as exc:  # an unreadable batch is this fetch's answer, not the group commit's end
+                self._reply_error(wait.peer, exc, wait.frame.get("rid"))
+
+    def _answer(self, peer: bytes, frame: Frame, log_: TopicLog) -> None:
+        """Answer a FETCH; a parked one too, which may find retention (or a resync) moved the start past it."""
+        offset = hfield(frame, "offset", int, log_.start_offset)
+        max_messages = max(1, hfield(frame, "max_messages", int, 10_000))
+        max_bytes = max(1, min(hfield(frame, "max_bytes", int, 1 << 20), self._max_batch_bytes))
+        batches = []
+        if offset < log_.durable_offset:
+            try:
+                batches = log_.read(offset, max_bytes=max_bytes, max_messages=max_messages)
+            except OffsetOutOfRange as exc:
+                self._reply_error(peer, exc, frame.get("rid"))
+                return
+            batches = [b for b in batches if b.base_offset < log_.durable_offset][:MAX_ENTRIES]  # fits a header
+        entries = [
+            DeliveryEntry(b.base_offset, b.count, b.timestamp_ms, max(offset, b.base_offset), b.next_offset)
+            for b in batches
+        ]
+        self._send(
+            peer,
+            commands.fetched(
+                frame.get("rid"),
+                log_.name,
+                start_offset=log_.start_offset,
+                end_offset=log_.durable_offset,
+                entries=entries,
+                bodies=[b.body for b in batches],
+            ),
+        )

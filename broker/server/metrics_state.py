@@ -1,0 +1,102 @@
+"""The broker state the metrics collector reads at each scrape: offsets, lag, members, the mirror.
+
+Read on the HTTP thread: every value is written by the loop and read whole;
+the collections are copied before they are walked.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import shutil
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Protocol
+
+from conveyor.broker.config.broker_settings import BrokerSettings
+from conveyor.broker.log.data_dir import Store
+from conveyor.broker.log.topic_log import TopicLog
+from conveyor.broker.server.group_table import GroupIndex
+from conveyor.broker.server.limits import TopicLimits
+from conveyor.monitoring.health import STATUS_CODES
+
+if TYPE_CHECKING:
+    from conveyor.broker.server.mirror import Mirror
+    from conveyor.broker.server.peers import Peers
+
+Rows = list[tuple[tuple[str, ...], float]]
+
+
+class StateHost(Protocol):
+    """What the snapshot reads (the broker is one)."""
+
+    @property
+    def settings(self) -> BrokerSettings: ...
+    @property
+    def store(self) -> Store: ...
+    @property
+    def groups(self) -> GroupIndex: ...
+    @property
+    def peers(self) -> Peers: ...
+    @property
+    def mirror(self) -> Mirror | None: ...
+    @property
+    def topic_limits(self) -> TopicLimits: ...
+
+
+def state_snapshot(host: StateHost) -> dict[str, Rows]:
+    rows: dict[str, Rows] = {}
+
+    def add(name: str, labels: tuple[str, ...], value: float) -> None:
+        rows.setdefault(name, []).append((labels, float(value)))
+
+    for topic_log in host.store:
+        one = (topic_log.name,)
+        add("conveyor_log_start_offset", one, topic_log.start_offset)
+        add("conveyor_log_end_offset", one, topic_log.end_offset)
+        add("conveyor_log_durable_offset", one, topic_log.durable_offset)
+        add("conveyor_log_segments", one, topic_log.segment_count())
+        add("conveyor_log_size_bytes", one, topic_log.size_bytes())
+    now_ms = time.time() * 1000
+    for (topic, group_name), group in list(host.groups.items()):
+        log = host.store.logs.get(topic)
+        if log is None:
+            continue
+        labels = (topic, group_name)
+        committed = max(group.committed_offset, log.start_offset)  # below the start: deleted, not lag
+        add("conveyor_group_committed_offset", labels, committed)
+        add("conveyor_group_lag_messages", labels, max(0, log.end_offset - committed))
+        add("conveyor_group_lag_seconds", labels, _lag_seconds(log, committed, now_ms))
+        add("conveyor_group_in_flight_messages", labels, group.in_flight)
+        add("conveyor_group_pending_redelivery_messages", labels, group.pending_messages)
+        add("conveyor_group_credit_messages", labels, sum(m.credit for m in list(group.members)))
+        add("conveyor_group_members", labels, len(group.members) + len(group.joining))
+    add("conveyor_connected_clients", (), len(host.peers))
+    _mirror_rows(host, add)
+    with contextlib.suppress(OSError):
+        add("conveyor_disk_free_bytes", (), shutil.disk_usage(host.settings.data_dir).free)
+    add("conveyor_topic_limit", (), host.topic_limits.limit)
+    return rows
+
+
+def _mirror_rows(host: StateHost, add: Callable[[str, tuple[str, ...], float], None]) -> None:
+    mirror = host.mirror
+    if mirror is None:
+        return
+    upstream = mirror.settings.upstream
+    add("conveyor_mirror_status", (upstream,), STATUS_CODES[mirror.status()])
+    now_ms = time.time() * 1000
+    for name, topic in list(mirror.topics.items()):
+        lag = mirror.lag(topic)
+        add("conveyor_mirror_lag_messages", (name, upstream), lag)
+        behind = (now_ms - topic.last_append_ms) / 1000 if lag and topic.last_append_ms else 0.0
+        add("conveyor_mirror_lag_seconds", (name, upstream), max(0.0, behind))
+
+
+def _lag_seconds(log: TopicLog, committed: int, now_ms: float) -> float:
+    if committed >= log.end_offset:
+        return 0.0
+    try:
+        batches = log.read(committed, max_bytes=1)
+    except Exception:
+        return 0.0
+    return max(0.0, (now_ms - batches[0].timestamp_ms) / 1000) if batches else 0.0

@@ -27,7 +27,20 @@ __all__ = ["SCHEMA", "ConveyorDataSource", "ReadOptions", "WriteOptions", "regis
 # (``pipeline.session.local_session()``, as docs/spark.md writes it), each imported on first use:
 # a session module starts nothing by itself.
 SUBMODULES = frozenset(
-    {"bench", "columns", "jobs", "options", "progress", "session", "sink", "source", "sqlite_source", "wire"}
+    {
+        "bench",
+        "broker_client",
+        "broker_publisher",
+        "broker_reader",
+        "columns",
+        "jobs",
+        "options",
+        "progress",
+        "session",
+        "sink",
+        "source",
+        "sqlite_source",
+    }
 )
 
 

@@ -6,7 +6,7 @@ or binary) and ``headers`` (map<string,string>) are optional; anything else
 ignored, so a read can be written elsewhere unchanged.
 
 Every task publishes its rows as batches under one idempotent producer id
-with publisher confirms (``pipeline.wire.BatchPublisher``). Retries and
+with publisher confirms (``pipeline.broker_publisher.BatchPublisher``). Retries and
 duplicates:
 
 * ``idempotent=true`` (default): the producer id is derived from the write
@@ -38,8 +38,8 @@ from typing import Any
 
 import pyarrow as pa
 from conveyor.broker.wire.values import CONTENT_TYPE, TEXT
+from conveyor.pipeline.broker_publisher import Batcher, BatchPublisher, PublishStats, producer_id_for
 from conveyor.pipeline.options import OptionError, WriteOptions
-from conveyor.pipeline.wire import Batcher, BatchPublisher, PublishStats, producer_id_for
 from pyspark import TaskContext
 from pyspark.sql.datasource import (
     DataSourceArrowWriter,

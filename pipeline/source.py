@@ -24,16 +24,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import pyarrow as pa
+from conveyor.pipeline.broker_client import Connection, DataLoss, TopicBounds, offset_for_timestamp, topic_bounds
+from conveyor.pipeline.broker_reader import bodies_to_arrow, fetch_range
 from conveyor.pipeline.options import ReadOptions, StartPosition
-from conveyor.pipeline.wire import (
-    Connection,
-    DataLoss,
-    TopicBounds,
-    bodies_to_arrow,
-    fetch_range,
-    offset_for_timestamp,
-    topic_bounds,
-)
 from pyspark.sql.datasource import (
     DataSource,
     DataSourceReader,

@@ -23,9 +23,9 @@ from pathlib import Path
 
 import msgpack
 from conveyor.broker.wire.values import JSON, MSGPACK
+from conveyor.pipeline.broker_client import Connection, topic_bounds
 from conveyor.pipeline.jobs.common import job_parser, parse, session_from
 from conveyor.pipeline.progress import Progress, spark_tasks
-from conveyor.pipeline.wire import Connection, topic_bounds
 from pyspark.sql import Column, DataFrame, SparkSession
 from pyspark.sql import functions as F
 from pyspark.sql.types import BinaryType

@@ -19,8 +19,8 @@ from collections.abc import Sequence
 from datetime import UTC, datetime
 from typing import Any
 
+from conveyor.pipeline.broker_client import Connection
 from conveyor.pipeline.jobs.common import job_parser, parse, session_from
-from conveyor.pipeline.wire import Connection
 from pyspark.sql import DataFrame, SparkSession, Window
 from pyspark.sql import functions as F
 from pyspark.sql.types import (

@@ -281,7 +281,7 @@ def test_a_broker_restart_is_not_an_auth_failure(secure_broker, keys, as_client)
 
 
 def test_the_spark_connectors_connection_speaks_curve_and_names_a_refusal(secure_broker, keys, as_client):
-    from conveyor.pipeline.wire import Connection
+    from conveyor.pipeline.broker_client import Connection
 
     as_client(keys / "server" / "broker.key", keys / "clients" / "alice.key_secret")
     with Connection(secure_broker.address, retry_for=0) as conn:

@@ -1,85 +1,33 @@
-"""The broker side of the Spark source and sink, with no Spark in it.
+"""The Spark sink's writes to the broker, with no Spark in it.
 
-* ``Connection``: one DEALER socket, request/reply by ``rid``, reconnecting
-  and resending while the broker is away (restarts, kill -9) up to a deadline.
-* ``fetch_range``: FETCH ``[start, end)`` of a topic as raw batch bodies,
-  one request always in flight ahead of the caller (pipelined).
-* ``bodies_to_arrow``: FETCHED entries and bodies to one Arrow record batch
-  with the source's columns, decoded in C (msgpack, pyarrow), no Python per row.
+* ``Batcher``: cuts records into batch bodies by count and size, deterministically.
 * ``BatchPublisher``: publishes pre-packed batches under one idempotent
   producer id with explicit sequences and publisher confirms; what the
   broker already stored (a task retry) is skipped and counted.
-* ``offset_for_timestamp``: the first offset appended at or after a time,
-  by bisecting FETCH (the broker has no such lookup yet).
 """
 
 from __future__ import annotations
 
-import gc
 import hashlib
-import itertools
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from operator import itemgetter
 from typing import Any
 
 import msgpack
-import pyarrow as pa
 import zmq
-from conveyor.broker.net.connection import DEFAULT_HWM
-from conveyor.broker.net.requester import Requester
 from conveyor.broker.net.security import ClientKeys
 from conveyor.broker.wire.protocol import Command, Frame, error_from_header
+from conveyor.pipeline.broker_client import Connection
+from conveyor.pipeline.broker_reader import fetch_range
 
 from conveyor.errors import (
-    AuthFailed,
     BrokerUnavailable,
     ConveyorError,
     DuplicateSequence,
-    OffsetOutOfRange,
 )
 
-__all__ = [
-    "ARROW_SCHEMA",
-    "BatchPublisher",
-    "Batcher",
-    "Connection",
-    "DataLoss",
-    "NonDeterministicRetry",
-    "PublishStats",
-    "TopicBounds",
-    "bodies_to_arrow",
-    "fetch_range",
-    "offset_for_timestamp",
-    "producer_id_for",
-    "topic_bounds",
-]
-
-TIMESTAMP_TYPE = pa.timestamp("us", tz="UTC")
-HEADERS_TYPE = pa.map_(pa.string(), pa.string())
-# Exactly what Spark expects for the source's schema (``to_arrow_schema(..., timezone="UTC")``).
-ARROW_SCHEMA = pa.schema(
-    [
-        pa.field("topic", pa.string()),
-        pa.field("offset", pa.int64()),
-        pa.field("timestamp", TIMESTAMP_TYPE),
-        pa.field("key", pa.string()),
-        pa.field("headers", HEADERS_TYPE),
-        pa.field("value", pa.binary()),
-    ]
-)
-
-_KEY, _HEADERS, _VALUE = itemgetter(0), itemgetter(1), itemgetter(2)
-
-CURVE_OPTIONS = "curveServerKey (the broker's public key) and curveKey (this client's .key_secret file)"
-
-
-class DataLoss(ConveyorError):
-    """Offsets the query needs are gone (retention) or never became readable."""
-
-    code = 600
-    name = "DATA_LOSS"
+__all__ = ["BatchPublisher", "Batcher", "NonDeterministicRetry", "PublishStats", "producer_id_for"]
 
 
 class NonDeterministicRetry(ConveyorError):
@@ -87,263 +35,6 @@ class NonDeterministicRetry(ConveyorError):
 
     code = 601
     name = "NON_DETERMINISTIC_RETRY"
-
-
-# --- the connection ------------------------------------------------------------------------------
-
-
-class Connection(Requester):
-    """The Spark connector's connection to the broker: a ``Requester`` that keeps trying for ``retry_for``.
-
-    ``request`` retries what can be retried (no answer in time, a broker
-    shutting down or restarting, retriable storage errors) on a fresh socket
-    until ``retry_for`` seconds have passed since the first attempt.
-
-    ``keys`` are the CURVE keys from the reader's or writer's options (they
-    travel to the executors with it); without them, the process's.
-
-    With ``auto_reconnect=False`` the socket is one TCP connection and no
-    more: ZeroMQ does not quietly re-establish it, so when the broker dies,
-    everything sent after the loss fails too, instead of reaching the
-    restarted broker ahead of the lost messages. The publisher needs that.
-    """
-
-    def __init__(
-        self,
-        address: str,
-        *,
-        request_timeout: float = 10.0,
-        retry_for: float = 120.0,
-        auto_reconnect: bool = True,
-        keys: ClientKeys | None = None,
-        context: zmq.Context[Any] | None = None,
-    ) -> None:
-        super().__init__(
-            address,
-            context=context,
-            keys=keys,
-            timeout=request_timeout,
-            retry_for=retry_for,
-            auto_reconnect=auto_reconnect,
-            hwm=DEFAULT_HWM,
-        )
-
-    @property
-    def request_timeout(self) -> float:
-        return self.timeout
-
-    def refusal(self, refused: AuthFailed) -> AuthFailed:
-        return AuthFailed(
-            f"{refused.message}; the Spark connector takes its keys as the options {CURVE_OPTIONS}", **refused.fields
-        )
-
-    def admin(self, op: str, **args: Any) -> Any:
-        return self.request(Command.ADMIN, {"op": op, **args}).get("result")
-
-    def __enter__(self) -> Connection:
-        return self
-
-
-# --- topic metadata -------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class TopicBounds:
-    """What a reader may read: ``[start, end)``, where end is the durable offset."""
-
-    start: int
-    end: int
-
-
-def topic_bounds(conn: Connection, topic: str) -> TopicBounds:
-    """Log start and durable end of ``topic`` (an unknown topic reads as empty)."""
-
-    def describe() -> TopicBounds:
-        try:
-            info = conn.wait_for(conn.send(Command.ADMIN, {"op": "describe_topic", "topic": topic})).get("result")
-        except ConveyorError as exc:
-            if exc.name == "UNKNOWN_TOPIC":
-                return TopicBounds(0, 0)
-            raise
-        end = int(info.get("durable_offset", info["end_offset"]))
-        return TopicBounds(int(info.get("start_offset", 0)), end)
-
-    return conn.retrying(describe)
-
-
-def _fetch_header(topic: str, offset: int, max_messages: int, max_bytes: int, wait_ms: int = 0) -> dict[str, Any]:
-    return {"topic": topic, "offset": offset, "max_messages": max_messages, "max_bytes": max_bytes, "wait_ms": wait_ms}
-
-
-def batch_timestamp_at(conn: Connection, topic: str, offset: int) -> int:
-    """The append time (ms) of the batch holding ``offset``."""
-
-    def one() -> int:
-        reply = conn.wait_for(conn.send(Command.FETCH, _fetch_header(topic, offset, 1, 1)))
-        entries = reply.get("entries") or []
-        if not entries:
-            raise DataLoss(f"offset {offset} of {topic} is not readable", topic=topic, offset=offset)
-        return int(entries[0]["t"])
-
-    return conn.retrying(one)
-
-
-def offset_for_timestamp(conn: Connection, topic: str, timestamp_ms: int, bounds: TopicBounds | None = None) -> int:
-    """The first offset whose batch was appended at or after ``timestamp_ms``.
-
-    Bisects over FETCH of one record (about log2(n) requests), relying
-    on broker append times being non-decreasing along the log, as the broker's
-    own ``reset_offsets`` to a time does. Returns the end when nothing is that new.
-    """
-    bounds = bounds or topic_bounds(conn, topic)
-    lo, hi = bounds.start, bounds.end
-    while lo < hi:
-        mid = (lo + hi) // 2
-        if batch_timestamp_at(conn, topic, mid) >= timestamp_ms:
-            hi = mid
-        else:
-            lo = mid + 1
-    return lo
-
-
-# --- reading ---------------------------------------------------------------------------------------
-
-
-Chunk = tuple[list[dict[str, Any]], list[Any], int, int]  # entries, bodies, from, to
-
-
-def fetch_range(
-    conn: Connection,
-    topic: str,
-    start: int,
-    end: int,
-    *,
-    max_bytes: int = 8 << 20,
-    max_messages: int = 200_000,
-    fail_on_data_loss: bool = True,
-) -> Iterator[Chunk]:
-    """FETCH ``[start, end)`` as ``(entries, bodies, first, stop)`` chunks, in order.
-
-    The request for the next chunk is sent before the current one is handed
-    out, so the broker reads while the caller decodes. Offsets below the log
-    start (retention) raise ``DataLoss``, or are skipped when
-    ``fail_on_data_loss`` is false. A broker that goes away is waited for.
-    """
-    pos = start
-    if pos >= end:
-        return
-
-    def ask(offset: int) -> int:
-        return conn.send(Command.FETCH, _fetch_header(topic, offset, min(max_messages, end - offset), max_bytes))
-
-    deadline = time.monotonic() + conn.retry_for
-    pending = ask(pos)
-    empty_since: float | None = None
-    while pos < end:
-        try:
-            reply = conn.wait_for(pending)
-        except OffsetOutOfRange as exc:
-            log_start = int(exc.fields.get("start_offset", pos))
-            log_end = exc.fields.get("end_offset")
-            if log_end is not None and pos > int(log_end):
-                if not fail_on_data_loss:
-                    return
-                raise DataLoss(
-                    f"offsets [{pos}, {end}) of {topic} are past its end {log_end}: the broker lost data or the "
-                    "topic was recreated; set failOnDataLoss=false to skip them",
-                    topic=topic,
-                    offset=pos,
-                ) from exc
-            if fail_on_data_loss or log_start <= pos:
-                raise DataLoss(
-                    f"offsets [{pos}, {min(log_start, end)}) of {topic} are gone (log starts at {log_start}); "
-                    "set failOnDataLoss=false to skip them",
-                    topic=topic,
-                    offset=pos,
-                ) from exc
-            pos = min(log_start, end)
-            if pos < end:
-                pending = ask(pos)
-            continue
-        except ConveyorError as exc:
-            if not exc.retriable or time.monotonic() >= deadline:
-                raise
-            time.sleep(0.2)
-            conn.reconnect()
-            pending = ask(pos)
-            continue
-        deadline = time.monotonic() + conn.retry_for
-        entries = reply.get("entries") or []
-        if not entries:
-            # Planned offsets are durable, so they must come; wait a little (a broker
-            # still recovering its log), then call it data loss.
-            empty_since = empty_since or time.monotonic()
-            if time.monotonic() - empty_since > conn.retry_for:
-                raise DataLoss(f"offsets [{pos}, {end}) of {topic} never became readable", topic=topic, offset=pos)
-            time.sleep(0.1)
-            pending = ask(pos)
-            continue
-        empty_since = None
-        stop = min(int(entries[-1]["e"]), end)
-        if stop < end:
-            pending = ask(stop)  # pipelined: the broker works on it while we decode
-        yield entries, list(reply.payload), pos, stop
-        pos = stop
-
-
-def bodies_to_arrow(
-    topic: str, entries: list[dict[str, Any]], bodies: list[Any], first: int, stop: int
-) -> pa.RecordBatch:
-    """One record batch for offsets ``[first, stop)`` of the given FETCHED chunk."""
-    keys: list[Any] = []
-    headers: list[Any] = []
-    values: list[Any] = []
-    stamps: list[int] = []
-    gc_was_enabled = gc.isenabled()
-    gc.disable()  # millions of fresh tuples would trigger the cyclic collector for nothing
-    try:
-        for entry, body in zip(entries, bodies, strict=False):
-            base = int(entry["b"])
-            lo = max(first, int(entry["f"]), base)
-            hi = min(stop, int(entry["e"]))
-            if hi <= lo:
-                continue
-            records = msgpack.unpackb(body, raw=False, use_list=False, strict_map_key=False, unicode_errors="replace")
-            if lo > base or hi < base + len(records):
-                records = records[lo - base : hi - base]
-            keys.extend(map(_KEY, records))
-            headers.extend(map(_HEADERS, records))
-            values.extend(map(_VALUE, records))
-            stamps.extend(itertools.repeat(int(entry["t"]) * 1000, len(records)))
-    finally:
-        if gc_was_enabled:
-            gc.enable()
-    n = len(values)
-    columns = [
-        pa.repeat(pa.scalar(topic, pa.string()), n),
-        pa.array(range(first, first + n), pa.int64()),
-        pa.array(stamps, TIMESTAMP_TYPE),
-        _key_array(keys, n),
-        pa.nulls(n, HEADERS_TYPE) if headers.count(None) == n else pa.array(headers, HEADERS_TYPE),
-        pa.array(values, pa.binary()),
-    ]
-    if n != stop - first:
-        raise DataLoss(f"expected offsets [{first}, {stop}) of {topic}, got {n} records", topic=topic, offset=first)
-    return pa.RecordBatch.from_arrays(columns, schema=ARROW_SCHEMA)
-
-
-def _key_array(keys: list[Any], n: int) -> pa.Array:
-    if keys.count(None) == n:
-        return pa.nulls(n, pa.string())
-    try:
-        return pa.array(keys, pa.string())
-    except (pa.ArrowInvalid, pa.ArrowTypeError):  # a binary key that is not UTF-8
-        return pa.array(
-            [k.decode("utf-8", "replace") if isinstance(k, bytes | bytearray) else k for k in keys], pa.string()
-        )
-
-
-# --- writing ---------------------------------------------------------------------------------------
 
 
 def producer_id_for(*parts: object) -> int:

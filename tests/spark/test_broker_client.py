@@ -1,4 +1,4 @@
-"""The source's and sink's broker side, without Spark: publishing, fetching, Arrow conversion.
+"""The Spark connector's broker client, without Spark: publishing, fetching, Arrow conversion.
 
 No JVM here (no ``spark`` fixture), so these run fast; they are marked
 ``spark`` with the rest of the directory because they need the ``spark``
@@ -10,20 +10,11 @@ from __future__ import annotations
 import threading
 
 import pytest
+from conveyor.pipeline.broker_client import Connection, offset_for_timestamp, topic_bounds
+from conveyor.pipeline.broker_publisher import Batcher, BatchPublisher, NonDeterministicRetry, producer_id_for
+from conveyor.pipeline.broker_reader import ARROW_SCHEMA, bodies_to_arrow, fetch_range
 from conveyor.pipeline.options import OptionError, ReadOptions, WriteOptions, parse_position
 from conveyor.pipeline.source import split_range
-from conveyor.pipeline.wire import (
-    ARROW_SCHEMA,
-    Batcher,
-    BatchPublisher,
-    Connection,
-    NonDeterministicRetry,
-    bodies_to_arrow,
-    fetch_range,
-    offset_for_timestamp,
-    producer_id_for,
-    topic_bounds,
-)
 
 from conveyor import Producer
 

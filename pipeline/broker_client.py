@@ -1,0 +1,164 @@
+"""The Spark connector's broker client: its connection, and the topic metadata it asks for.
+
+* ``Connection``: request/reply by ``rid`` over one DEALER (``conveyor.broker.net.requester``),
+  with the reader's or writer's own CURVE keys, reconnecting and resending
+  while the broker is away (restarts, kill -9) up to a deadline.
+* ``topic_bounds``: what a reader may read (log start, durable end).
+* ``offset_for_timestamp``: the first offset appended at or after a time,
+  by bisecting FETCH (the broker has no such lookup yet).
+
+Reading is in ``broker_reader``, writing in ``broker_publisher``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import zmq
+from conveyor.broker.net.connection import DEFAULT_HWM
+from conveyor.broker.net.requester import Requester
+from conveyor.broker.net.security import ClientKeys
+from conveyor.broker.wire.protocol import Command
+
+from conveyor.errors import (
+    AuthFailed,
+    ConveyorError,
+)
+
+__all__ = [
+    "CURVE_OPTIONS",
+    "Connection",
+    "DataLoss",
+    "TopicBounds",
+    "batch_timestamp_at",
+    "fetch_header",
+    "offset_for_timestamp",
+    "topic_bounds",
+]
+
+CURVE_OPTIONS = "curveServerKey (the broker's public key) and curveKey (this client's .key_secret file)"
+
+
+class DataLoss(ConveyorError):
+    """Offsets the query needs are gone (retention) or never became readable."""
+
+    code = 600
+    name = "DATA_LOSS"
+
+
+# --- the connection ------------------------------------------------------------------------------
+
+
+class Connection(Requester):
+    """The Spark connector's connection to the broker: a ``Requester`` that keeps trying for ``retry_for``.
+
+    ``request`` retries what can be retried (no answer in time, a broker
+    shutting down or restarting, retriable storage errors) on a fresh socket
+    until ``retry_for`` seconds have passed since the first attempt.
+
+    ``keys`` are the CURVE keys from the reader's or writer's options (they
+    travel to the executors with it); without them, the process's.
+
+    With ``auto_reconnect=False`` the socket is one TCP connection and no
+    more: ZeroMQ does not quietly re-establish it, so when the broker dies,
+    everything sent after the loss fails too, instead of reaching the
+    restarted broker ahead of the lost messages. The publisher needs that.
+    """
+
+    def __init__(
+        self,
+        address: str,
+        *,
+        request_timeout: float = 10.0,
+        retry_for: float = 120.0,
+        auto_reconnect: bool = True,
+        keys: ClientKeys | None = None,
+        context: zmq.Context[Any] | None = None,
+    ) -> None:
+        super().__init__(
+            address,
+            context=context,
+            keys=keys,
+            timeout=request_timeout,
+            retry_for=retry_for,
+            auto_reconnect=auto_reconnect,
+            hwm=DEFAULT_HWM,
+        )
+
+    @property
+    def request_timeout(self) -> float:
+        return self.timeout
+
+    def refusal(self, refused: AuthFailed) -> AuthFailed:
+        return AuthFailed(
+            f"{refused.message}; the Spark connector takes its keys as the options {CURVE_OPTIONS}", **refused.fields
+        )
+
+    def admin(self, op: str, **args: Any) -> Any:
+        return self.request(Command.ADMIN, {"op": op, **args}).get("result")
+
+    def __enter__(self) -> Connection:
+        return self
+
+
+# --- topic metadata -------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class TopicBounds:
+    """What a reader may read: ``[start, end)``, where end is the durable offset."""
+
+    start: int
+    end: int
+
+
+def topic_bounds(conn: Connection, topic: str) -> TopicBounds:
+    """Log start and durable end of ``topic`` (an unknown topic reads as empty)."""
+
+    def describe() -> TopicBounds:
+        try:
+            info = conn.wait_for(conn.send(Command.ADMIN, {"op": "describe_topic", "topic": topic})).get("result")
+        except ConveyorError as exc:
+            if exc.name == "UNKNOWN_TOPIC":
+                return TopicBounds(0, 0)
+            raise
+        end = int(info.get("durable_offset", info["end_offset"]))
+        return TopicBounds(int(info.get("start_offset", 0)), end)
+
+    return conn.retrying(describe)
+
+
+def fetch_header(topic: str, offset: int, max_messages: int, max_bytes: int, wait_ms: int = 0) -> dict[str, Any]:
+    return {"topic": topic, "offset": offset, "max_messages": max_messages, "max_bytes": max_bytes, "wait_ms": wait_ms}
+
+
+def batch_timestamp_at(conn: Connection, topic: str, offset: int) -> int:
+    """The append time (ms) of the batch holding ``offset``."""
+
+    def one() -> int:
+        reply = conn.wait_for(conn.send(Command.FETCH, fetch_header(topic, offset, 1, 1)))
+        entries = reply.get("entries") or []
+        if not entries:
+            raise DataLoss(f"offset {offset} of {topic} is not readable", topic=topic, offset=offset)
+        return int(entries[0]["t"])
+
+    return conn.retrying(one)
+
+
+def offset_for_timestamp(conn: Connection, topic: str, timestamp_ms: int, bounds: TopicBounds | None = None) -> int:
+    """The first offset whose batch was appended at or after ``timestamp_ms``.
+
+    Bisects over FETCH of one record (about log2(n) requests), relying
+    on broker append times being non-decreasing along the log, as the broker's
+    own ``reset_offsets`` to a time does. Returns the end when nothing is that new.
+    """
+    bounds = bounds or topic_bounds(conn, topic)
+    lo, hi = bounds.start, bounds.end
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if batch_timestamp_at(conn, topic, mid) >= timestamp_ms:
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo

@@ -12,9 +12,9 @@ import shutil
 
 import pytest
 from conveyor.broker.net import security
-from spark_helpers import read
 
 from conveyor.testing import BrokerProcess
+from tests.spark.spark_helpers import read
 
 pytestmark = pytest.mark.spark
 

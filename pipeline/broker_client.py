@@ -19,6 +19,7 @@ import zmq
 from conveyor.broker.net.connection import DEFAULT_HWM
 from conveyor.broker.net.requester import Requester
 from conveyor.broker.net.security import ClientKeys
+from conveyor.broker.wire.entry import entries_from_wire
 from conveyor.broker.wire.protocol import Command
 
 from conveyor.errors import (
@@ -138,10 +139,10 @@ def batch_timestamp_at(conn: Connection, topic: str, offset: int) -> int:
 
     def one() -> int:
         reply = conn.wait_for(conn.send(Command.FETCH, fetch_header(topic, offset, 1, 1)))
-        entries = reply.get("entries") or []
+        entries = entries_from_wire(reply.get("entries"))
         if not entries:
             raise DataLoss(f"offset {offset} of {topic} is not readable", topic=topic, offset=offset)
-        return int(entries[0]["t"])
+        return entries[0].timestamp_ms
 
     return conn.retrying(one)
 

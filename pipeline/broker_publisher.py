@@ -251,7 +251,7 @@ class BatchPublisher:
             self.address, request_timeout=self.request_timeout, retry_for=self.delivery_timeout, keys=self.keys
         ) as conn:
             entries, bodies, _, _ = next(iter(fetch_range(conn, self.topic, base, base + flight.count)))
-        stored = [bytes(body) for entry, body in zip(entries, bodies, strict=False) if entry["b"] == base]
+        stored = [bytes(body) for entry, body in zip(entries, bodies, strict=False) if entry.base_offset == base]
         if stored != [flight.body]:
             raise NonDeterministicRetry(
                 f"batch {flight.seq} of producer {self.producer_id} was stored with other records at offset {base} "

@@ -17,6 +17,7 @@ from typing import Any
 
 import msgpack
 import pyarrow as pa
+from conveyor.broker.wire.entry import DeliveryEntry, entries_from_wire
 from conveyor.broker.wire.protocol import Command
 from conveyor.pipeline.broker_client import Connection, DataLoss, fetch_header
 
@@ -44,7 +45,7 @@ ARROW_SCHEMA = pa.schema(
 _KEY, _HEADERS, _VALUE = itemgetter(0), itemgetter(1), itemgetter(2)
 
 
-Chunk = tuple[list[dict[str, Any]], list[Any], int, int]  # entries, bodies, from, to
+Chunk = tuple[list[DeliveryEntry], list[Any], int, int]  # entries, bodies, from, to
 
 
 def fetch_range(
@@ -108,7 +109,7 @@ def fetch_range(
             pending = ask(pos)
             continue
         deadline = time.monotonic() + conn.retry_for
-        entries = reply.get("entries") or []
+        entries = entries_from_wire(reply.get("entries"))
         if not entries:
             # Planned offsets are durable, so they must come; wait a little (a broker
             # still recovering its log), then call it data loss.
@@ -119,7 +120,7 @@ def fetch_range(
             pending = ask(pos)
             continue
         empty_since = None
-        stop = min(int(entries[-1]["e"]), end)
+        stop = min(entries[-1].end, end)
         if stop < end:
             pending = ask(stop)  # pipelined: the broker works on it while we decode
         yield entries, list(reply.payload), pos, stop
@@ -127,7 +128,7 @@ def fetch_range(
 
 
 def bodies_to_arrow(
-    topic: str, entries: list[dict[str, Any]], bodies: list[Any], first: int, stop: int
+    topic: str, entries: list[DeliveryEntry], bodies: list[Any], first: int, stop: int
 ) -> pa.RecordBatch:
     """One record batch for offsets ``[first, stop)`` of the given FETCHED chunk."""
     keys: list[Any] = []
@@ -138,9 +139,9 @@ def bodies_to_arrow(
     gc.disable()  # millions of fresh tuples would trigger the cyclic collector for nothing
     try:
         for entry, body in zip(entries, bodies, strict=False):
-            base = int(entry["b"])
-            lo = max(first, int(entry["f"]), base)
-            hi = min(stop, int(entry["e"]))
+            base = entry.base_offset
+            lo = max(first, entry.first, base)
+            hi = min(stop, entry.end)
             if hi <= lo:
                 continue
             records = msgpack.unpackb(body, raw=False, use_list=False, strict_map_key=False, unicode_errors="replace")
@@ -149,7 +150,7 @@ def bodies_to_arrow(
             keys.extend(map(_KEY, records))
             headers.extend(map(_HEADERS, records))
             values.extend(map(_VALUE, records))
-            stamps.extend(itertools.repeat(int(entry["t"]) * 1000, len(records)))
+            stamps.extend(itertools.repeat(entry.timestamp_ms * 1000, len(records)))
     finally:
         if gc_was_enabled:
             gc.enable()

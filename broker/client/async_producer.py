@@ -23,7 +23,8 @@ from conveyor.broker.client.options import check_producer_options
 from conveyor.broker.config.addresses import broker_address
 from conveyor.broker.net.connection import DEFAULT_HWM, new_dealer
 from conveyor.broker.net.security import HandshakeWatch
-from conveyor.broker.wire.protocol import Command, decode, encode, error_from_header
+from conveyor.broker.wire import commands
+from conveyor.broker.wire.protocol import Command, decode, error_from_header
 from conveyor.broker.wire.record import pack_records
 from conveyor.broker.wire.values import make_record
 
@@ -219,10 +220,10 @@ class AsyncProducer:
 
     def _transmit(self, rid: int, batch: _Batch) -> None:
         assert self._sock is not None
-        header = {"rid": rid, "topic": batch.topic, "pid": self.producer_id, "seq": batch.seq}
+        frames = commands.publish(batch.topic, batch.body, pid=self.producer_id, seq=batch.seq, rid=rid)
         batch.sent_at = time.monotonic()
         batch.attempts += 1
-        self._sock.send_multipart(encode(Command.PUBLISH, header, batch.body))
+        self._sock.send_multipart(frames)
 
     async def _reader(self) -> None:
         while True:

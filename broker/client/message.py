@@ -7,6 +7,7 @@ from itertools import repeat
 from operator import attrgetter, itemgetter
 from typing import TYPE_CHECKING, Any
 
+from conveyor.broker.wire.entry import entries_from_wire
 from conveyor.broker.wire.record import unpack_records
 from conveyor.broker.wire.values import CONTENT_TYPE, decode_value
 
@@ -169,19 +170,22 @@ def _build(records: Any, offsets: Any, origin: _Origin) -> list[Message]:
     return out
 
 
-def messages_from_entries(topic: str, entries: list[dict[str, Any]], bodies: list[bytes]) -> list[Message]:
-    """Expand DELIVER/FETCHED entries into messages, honouring each slice."""
+def messages_from_entries(topic: str, entries: Any, bodies: list[bytes]) -> list[Message]:
+    """Expand the ``entries`` of a DELIVER/FETCHED/EVENT header into messages, honouring each slice.
+
+    A damaged entry is ``MalformedFrame`` (see ``DeliveryEntry.from_wire``).
+    """
     out: list[Message] = []
-    for entry, body in zip(entries, bodies, strict=False):
+    for entry, body in zip(entries_from_wire(entries), bodies, strict=False):
         records = unpack_records(body)
-        base = entry["b"]
-        first = entry.get("fd")
-        origin = _Origin(topic, entry["t"] / 1000, entry.get("d", 0) or 1, first / 1000 if first else None)
-        picked = entry.get("o")
+        base = entry.base_offset
+        first_ms = entry.first_delivered_ms
+        origin = _Origin(topic, entry.timestamp_ms / 1000, entry.deliveries or 1, first_ms / 1000 if first_ms else None)
+        picked = entry.offsets
         if picked:
             out += _build([records[offset - base] for offset in picked], picked, origin)
             continue
-        first, end = entry["f"], entry["e"]
+        first, end = entry.first, entry.end
         if first != base or end - base != len(records):
             records = records[first - base : end - base]
         out += _build(records, range(first, first + len(records)), origin)

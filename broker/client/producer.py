@@ -49,7 +49,8 @@ from conveyor.broker.client.options import check_producer_options
 from conveyor.broker.config.addresses import broker_address
 from conveyor.broker.net.connection import backoff_seconds, new_dealer
 from conveyor.broker.net.transport import NOBLOCK, recv_frames, send_frames
-from conveyor.broker.wire.protocol import Command, decode, encode, error_from_header
+from conveyor.broker.wire import commands
+from conveyor.broker.wire.protocol import Command, decode, error_from_header
 from conveyor.broker.wire.values import make_record
 
 from conveyor.errors import ConveyorError, RequestTimeout, buffer_full, delivery_timed_out
@@ -565,10 +566,10 @@ class _ProducerIO:
         self._transmit(flight)
 
     def _transmit(self, flight: _InFlight) -> None:
-        header = {"rid": flight.rid, "topic": flight.topic, "pid": self.p.producer_id, "seq": flight.seq}
+        frames = commands.publish(flight.topic, flight.body, pid=self.p.producer_id, seq=flight.seq, rid=flight.rid)
         flight.sent_at = time.monotonic()
         try:
-            send_frames(self.sock, encode(Command.PUBLISH, header, flight.body), NOBLOCK)
+            send_frames(self.sock, frames, NOBLOCK)
         except zmq.Again:
             # No connection (the socket does not reconnect by itself): start over on a new one now.
             flight.sent_at = -self.p.request_timeout

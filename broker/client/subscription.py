@@ -27,7 +27,8 @@ from conveyor.broker.config.addresses import broker_address
 from conveyor.broker.net.connection import DEFAULT_HWM, new_dealer
 from conveyor.broker.net.security import HandshakeWatch
 from conveyor.broker.net.transport import NOBLOCK, recv_frames, send_frames
-from conveyor.broker.wire.protocol import Command, Frame, decode, encode, error_from_header
+from conveyor.broker.wire import commands
+from conveyor.broker.wire.protocol import Command, Frame, decode, error_from_header
 from conveyor.broker.wire.ranges import to_ranges
 
 from conveyor.errors import ConveyorError
@@ -128,18 +129,17 @@ class Subscription:
     def _connect(self) -> None:
         # rcvhwm 0: credit bounds what can arrive
         self._sock, self._watch = new_dealer(self._ctx, self.address, sndhwm=DEFAULT_HWM, rcvhwm=0)
-        self._send(Command.HELLO, {"rid": next(self._rids), "client": f"conveyor-consumer/{os.getpid()}"})
+        self._send(commands.hello(f"conveyor-consumer/{os.getpid()}", rid=next(self._rids)))
         self._send(
-            Command.SUBSCRIBE,
-            {
-                "rid": next(self._rids),
-                "sub": 1,
-                "topic": self.topic,
-                "group": self.group,
-                "credit": self.credit,
-                "batch_size": self.batch_size,
-                **self.options,
-            },
+            commands.subscribe(
+                1,
+                self.topic,
+                self.group,
+                credit=self.credit,
+                batch_size=self.batch_size,
+                settings=self.options,
+                rid=next(self._rids),
+            )
         )
         self._last_heard = time.monotonic()
         self.subscribed = False
@@ -155,9 +155,9 @@ class Subscription:
             self._sock.close(linger=0)
         self._connect()
 
-    def _send(self, command: Command, header: dict[str, Any]) -> None:
+    def _send(self, frames: list[Any]) -> None:
         assert self._sock is not None
-        send_frames(self._sock, encode(command, header))
+        send_frames(self._sock, frames)
         self._last_sent = time.monotonic()
 
     # --- receiving --------------------------------------------------------------------
@@ -224,7 +224,7 @@ class Subscription:
         elif now - self._last_sent >= self.heartbeat:
             assert self._sock is not None
             try:  # never blocks: without a connection there is no one to tell, and the silence check reconnects
-                send_frames(self._sock, encode(Command.HEARTBEAT, {}), NOBLOCK)
+                send_frames(self._sock, commands.heartbeat(), NOBLOCK)
             except zmq.Again:
                 pass
             self._last_sent = now
@@ -294,32 +294,30 @@ class Subscription:
     # --- settling --------------------------------------------------------------------------
 
     def ack(self, messages: Iterable[Message | int]) -> None:
-        self._settle(Command.ACK, messages)
+        self._settle(commands.ack, messages)
 
     def nack(
         self, messages: Iterable[Message | int], *, delay_ms: int = 0, error: str = "", release: bool = False
     ) -> None:
         """Give messages back; ``release`` for ones never tried (not counted as a delivery)."""
-        extra: dict[str, Any] = {"delay_ms": int(delay_ms), "error": error[:4096]}
-        if release:
-            extra["release"] = True
-        self._settle(Command.NACK, messages, **extra)
+        self._settle(commands.nack, messages, delay_ms=int(delay_ms), error=error[:4096], release=release)
 
     def in_progress(self, messages: Iterable[Message | int]) -> None:
-        self._settle(Command.IN_PROGRESS, messages)
+        self._settle(commands.in_progress, messages)
 
     def term(self, messages: Iterable[Message | int], *, reason: str = "") -> None:
-        self._settle(Command.TERM, messages, reason=reason[:4096])
+        self._settle(commands.term, messages, reason=reason[:4096])
 
-    def _settle(self, command: Command, messages: Iterable[Message | int], **extra: Any) -> None:
+    def _settle(self, settle: Callable[..., list[Any]], messages: Iterable[Message | int], **extra: Any) -> None:
+        """``settle``: the encoder of ACK, NACK, IN_PROGRESS or TERM (``broker/wire/commands.py``)."""
         ranges = offset_ranges(messages)
         for start in range(0, len(ranges), MAX_RANGES_PER_FRAME):  # scattered offsets: several frames
-            self._send(command, {"sub": 1, "ranges": ranges[start : start + MAX_RANGES_PER_FRAME], **extra})
+            self._send(settle(1, ranges[start : start + MAX_RANGES_PER_FRAME], **extra))
 
     def set_credit(self, credit: int, batch_size: int | None = None) -> None:
         self.credit = credit
         self.batch_size = batch_size or credit
-        self._send(Command.CREDIT, {"sub": 1, "credit": credit, "batch_size": self.batch_size})
+        self._send(commands.credit(1, credit, batch_size=self.batch_size))
 
     # --- lifecycle ----------------------------------------------------------------------------
 
@@ -329,7 +327,7 @@ class Subscription:
             return
         try:
             # Never blocks: with no connection (the broker is down, or refused this client) there is no one to tell.
-            send_frames(self._sock, encode(Command.BYE, {}), NOBLOCK)
+            send_frames(self._sock, commands.bye(), NOBLOCK)
         except zmq.Again:
             pass
         finally:

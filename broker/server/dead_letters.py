@@ -251,10 +251,11 @@ class DeadLetters:
             frames = commands.dead_lettered(
                 member.sub_id,
                 group.topic,
+                offset=part[0].first,
                 reason=letter.reason,
                 deliveries=letter.deliveries,
                 dead_letter_topic=write.log.name,
-                entries=[e.wire() for e in part],
+                entries=[e.to_wire() for e in part],
                 bodies=[e.batch.body for e in part],
             )
             self._send(member.peer, frames)

@@ -143,7 +143,7 @@ class Dispatcher:
             return
         entries = plan.entries
         frames = commands.deliver(
-            plan.member.sub_id, group.topic, [e.wire() for e in entries], [e.batch.body for e in entries]
+            plan.member.sub_id, group.topic, [e.to_wire() for e in entries], [e.batch.body for e in entries]
         )
         if not self._send(plan.member.peer, frames):
             if self.peers.mark_busy(plan.member.peer, group, plan.member):

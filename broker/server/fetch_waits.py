@@ -20,7 +20,7 @@ from conveyor.broker.log.topic_log import TopicLog
 from conveyor.broker.server.confirms import ReplyError, Send
 from conveyor.broker.server.groups import MAX_ENTRIES
 from conveyor.broker.wire import commands
-from conveyor.broker.wire.entry import DeliveryEntry
+from conveyor.broker.wire.entry import wire_entry
 from conveyor.broker.wire.protocol import Frame
 from conveyor.broker.wire.protocol import field as hfield
 
@@ -142,7 +142,7 @@ class FetchWaits:
                 return
             batches = [b for b in batches if b.base_offset < log_.durable_offset][:MAX_ENTRIES]  # fits a header
         entries = [
-            DeliveryEntry(b.base_offset, b.count, b.timestamp_ms, max(offset, b.base_offset), b.next_offset)
+            wire_entry(b.base_offset, b.count, b.timestamp_ms, max(offset, b.base_offset), b.next_offset)
             for b in batches
         ]
         self._send(

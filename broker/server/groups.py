@@ -17,7 +17,7 @@ from typing import Any
 
 import msgpack
 from conveyor.broker.log.topic_log import TopicLog
-from conveyor.broker.wire.entry import DeliveryEntry
+from conveyor.broker.wire.entry import wire_entry
 from conveyor.broker.wire.ranges import Range, count, intersect, normalize, subtract, to_ranges, window
 from conveyor.broker.wire.record import Batch, pack_records, unpack_records
 
@@ -109,10 +109,10 @@ class Entry:
     offsets: list[int] | None = None  # a non-contiguous subset (key affinity)
     first_ms: int = 0  # first delivery of these messages, wall clock ms
 
-    def wire(self) -> DeliveryEntry:
-        """What the DELIVER (or EVENT) that carries this entry says of it."""
+    def to_wire(self) -> dict[str, Any]:
+        """What the DELIVER (or EVENT) that carries this entry says of it (a ``DeliveryEntry`` map)."""
         batch = self.batch
-        return DeliveryEntry(
+        return wire_entry(
             batch.base_offset,
             batch.count,
             batch.timestamp_ms,

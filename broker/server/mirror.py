@@ -24,6 +24,7 @@ import zmq
 from conveyor.broker.log.data_dir import Store
 from conveyor.broker.net.connection import DEFAULT_HWM, backoff_seconds, new_dealer
 from conveyor.broker.net.security import HandshakeWatch
+from conveyor.broker.wire.entry import entries_from_wire
 from conveyor.broker.wire.protocol import Command, Frame, decode, encode, error_from_header
 from conveyor.broker.wire.record import Batch, pack_records, unpack_records
 from conveyor.monitoring.health import DEGRADED, HEALTHY, UNHEALTHY
@@ -267,10 +268,10 @@ class Mirror:
         log_ = self.host.store.topic(mirror.topic)
         mirror.parent_end = int(reply.get("end_offset", mirror.parent_end))
         mirror.parent_start = int(reply.get("start_offset", mirror.parent_start))
-        entries = reply.get("entries") or []
+        entries = entries_from_wire(reply.get("entries"))
         appended = 0
         for entry, body in zip(entries, reply.payload, strict=False):
-            stored = Batch(int(entry["b"]), int(entry["n"]), int(entry["t"]), bytes(body))
+            stored = Batch(entry.base_offset, entry.count, entry.timestamp_ms, bytes(body))
             batch = _from(stored, log_.end_offset)
             if batch is None:
                 continue

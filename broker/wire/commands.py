@@ -5,8 +5,8 @@ frame list ``protocol.encode`` makes, ready for ``send_multipart``. The
 header keys of each command are spelled here and nowhere else, so a
 field's name cannot drift between the broker and its clients. Pure
 functions: no sockets, no state. Optional fields left at ``None`` are not
-sent (the receiver applies its default); a request's ``rid`` goes last,
-after its fields, and a reply's first, as the callers always wrote them.
+sent (the receiver applies its default); ``rid`` comes first, as in the
+table of docs/protocol.md.
 
 See docs/protocol.md for what each field means.
 """
@@ -16,12 +16,12 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from conveyor.broker.wire.entry import DeliveryEntry
 from conveyor.broker.wire.protocol import Command, encode, error_header
 
 from conveyor.errors import ConveyorError
 
 Body = bytes | memoryview
+WireEntries = list[dict[str, Any]]  # entry maps made by ``DeliveryEntry.to_wire`` or ``entry.wire_entry``
 Ranges = Sequence[Sequence[int]] | Sequence[tuple[int, int]]
 
 
@@ -33,16 +33,23 @@ def _with(header: dict[str, Any], **optional: Any) -> dict[str, Any]:
     return header
 
 
+def _request(rid: Any, fields: dict[str, Any]) -> dict[str, Any]:
+    """A request's header: its ``rid`` first (when it has one), then its fields."""
+    return fields if rid is None else {"rid": rid, **fields}
+
+
 # --- client -> broker ------------------------------------------------------------------
+# Every request encoder takes ``rid`` by keyword, so a client can bind the fields first
+# (``functools.partial``) and add the rid it picks when it sends.
 
 
-def hello(client: str, *, rid: Any = None) -> list[Any]:
-    return encode(Command.HELLO, _with({"client": client}, rid=rid))
+def hello(client: str | None, *, rid: Any = None) -> list[Any]:
+    return encode(Command.HELLO, _request(rid, {"client": client}))
 
 
 def publish(topic: str, body: Body, *, pid: int | None = None, seq: int | None = None, rid: Any = None) -> list[Any]:
     """One batch body for ``topic``; ``pid`` and ``seq`` make it idempotent."""
-    return encode(Command.PUBLISH, _with({"topic": topic}, pid=pid, seq=seq, rid=rid), body)
+    return encode(Command.PUBLISH, _request(rid, _with({"topic": topic}, pid=pid, seq=seq)), body)
 
 
 def subscribe(
@@ -56,7 +63,7 @@ def subscribe(
     rid: Any = None,
 ) -> list[Any]:
     header = _with({"sub": sub, "topic": topic, "group": group}, credit=credit, batch_size=batch_size)
-    return encode(Command.SUBSCRIBE, _with({**header, **(settings or {})}, rid=rid))
+    return encode(Command.SUBSCRIBE, _request(rid, {**header, **(settings or {})}))
 
 
 def unsubscribe(sub: int) -> list[Any]:
@@ -68,12 +75,11 @@ def ack(sub: int, ranges: Ranges) -> list[Any]:
 
 
 def nack(
-    sub: int, ranges: Ranges, *, delay_ms: int | None = None, error: str | None = None, release: bool | None = None
+    sub: int, ranges: Ranges, *, delay_ms: int | None = None, error: str | None = None, release: bool = False
 ) -> list[Any]:
     """Give offsets back; ``release`` (sent only when true) for ones never tried: not counted as a delivery."""
-    return encode(
-        Command.NACK, _with({"sub": sub, "ranges": ranges}, delay_ms=delay_ms, error=error, release=release or None)
-    )
+    header = _with({"sub": sub, "ranges": ranges}, delay_ms=delay_ms, error=error, release=True if release else None)
+    return encode(Command.NACK, header)
 
 
 def in_progress(sub: int, ranges: Ranges) -> list[Any]:
@@ -89,15 +95,22 @@ def credit(sub: int, credit: int, *, batch_size: int | None = None) -> list[Any]
 
 
 def fetch(
-    topic: str, offset: int, *, max_messages: int, wait_ms: int = 0, max_bytes: int = 1 << 20, rid: Any = None
+    topic: str, offset: int, *, max_messages: int, max_bytes: int = 1 << 20, wait_ms: int = 0, rid: Any = None
 ) -> list[Any]:
-    header = {"topic": topic, "offset": offset, "max_messages": max_messages, "wait_ms": wait_ms}
-    return encode(Command.FETCH, _with(header, max_bytes=max_bytes, rid=rid))
+    """Read from ``offset`` without a group; ``wait_ms`` > 0 parks it until data comes (long poll)."""
+    header = {
+        "topic": topic,
+        "offset": offset,
+        "max_messages": max_messages,
+        "max_bytes": max_bytes,
+        "wait_ms": wait_ms,
+    }
+    return encode(Command.FETCH, _request(rid, header))
 
 
 def admin(op: str, args: Mapping[str, Any] | None = None, *, rid: Any = None) -> list[Any]:
     """An ADMIN op; its arguments go in the header next to ``op``."""
-    return encode(Command.ADMIN, _with({"op": op, **(args or {})}, rid=rid))
+    return encode(Command.ADMIN, _request(rid, {"op": op, **(args or {})}))
 
 
 # --- both ways -------------------------------------------------------------------------
@@ -159,9 +172,9 @@ def subscribed(
     return encode(Command.SUBSCRIBED, header)
 
 
-def deliver(sub: int, topic: str, entries: Iterable[DeliveryEntry], bodies: Iterable[Body]) -> list[Any]:
+def deliver(sub: int, topic: str, entries: WireEntries, bodies: Iterable[Body]) -> list[Any]:
     """Batches for a subscription: one body per entry, in the same order."""
-    header = {"sub": sub, "topic": topic, "entries": [e.to_wire() for e in entries]}
+    header = {"sub": sub, "topic": topic, "entries": entries}
     return encode(Command.DELIVER, header, *bodies)
 
 
@@ -171,7 +184,7 @@ def fetched(
     *,
     start_offset: int,
     end_offset: int,
-    entries: Iterable[DeliveryEntry],
+    entries: WireEntries,
     bodies: Iterable[Body],
 ) -> list[Any]:
     """The answer to a FETCH: where the log starts and (durably) ends, and one body per entry."""
@@ -180,7 +193,7 @@ def fetched(
         "topic": topic,
         "start_offset": start_offset,
         "end_offset": end_offset,
-        "entries": [e.to_wire() for e in entries],
+        "entries": entries,
     }
     return encode(Command.FETCHED, header, *bodies)
 
@@ -203,10 +216,11 @@ def dead_lettered(
     sub: int,
     topic: str,
     *,
+    offset: int,
     reason: str,
     deliveries: int,
     dead_letter_topic: str,
-    entries: Sequence[DeliveryEntry],
+    entries: WireEntries,
     bodies: Iterable[Body],
 ) -> list[Any]:
     """An EVENT ``DEAD_LETTERED``: the messages the broker moved past ``max_deliveries``, as DELIVER carries them."""
@@ -214,10 +228,10 @@ def dead_lettered(
         "sub": sub,
         "topic": topic,
         "event": "DEAD_LETTERED",
-        "offset": entries[0].first,
+        "offset": offset,
         "reason": reason,
         "deliveries": deliveries,
         "dead_letter_topic": dead_letter_topic,
-        "entries": [e.to_wire() for e in entries],
+        "entries": entries,
     }
     return encode(Command.EVENT, header, *bodies)

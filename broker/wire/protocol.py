@@ -189,11 +189,11 @@ def _check_payload(command: Command, payload: tuple[bytes | memoryview, ...], ma
 def field(frame: Frame, key: str, kind: type | tuple[type, ...], default: Any = ...) -> Any:
     """A header field of the expected type, or ``InvalidRequest`` naming it.
 
-    Only fields ``broker/wire_schema.py`` declares can be read: their type and
+    Only fields ``broker/wire/schema.py`` declares can be read: their type and
     range were checked when the frame was decoded.
     """
     if not declared(frame.command.name, frame.header.get("op"), key):
-        raise LookupError(f"{frame.command.name} field {key!r} is not declared in broker/wire_schema.py")
+        raise LookupError(f"{frame.command.name} field {key!r} is not declared in broker/wire/schema.py")
     value = frame.header.get(key, default)
     if value is ...:
         raise InvalidRequest(f"{frame.command.name} needs field {key!r}", field=key)

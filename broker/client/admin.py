@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import os
 import threading
+from functools import partial
 from typing import Any
 
 import zmq
 from conveyor.broker.client.message import Message, messages_from_entries
 from conveyor.broker.config.addresses import broker_address
 from conveyor.broker.net.requester import FramesFor, Requester
+from conveyor.broker.wire import commands
 from conveyor.broker.wire.protocol import Command, Frame, encode
 
 
@@ -40,7 +42,7 @@ class Admin:
             return self._requester.call(frames_for, timeout=self.timeout if timeout is None else timeout)
 
     def _admin(self, op: str, **args: Any) -> Any:
-        return self.request(Command.ADMIN, {"op": op, **args}).get("result")
+        return self._call(partial(commands.admin, op, args)).get("result")
 
     def create_topic(self, name: str, **config: Any) -> dict[str, Any]:
         return self._admin("create_topic", topic=name, config=config)
@@ -86,7 +88,7 @@ class Admin:
         return self._admin("mirror_status")
 
     def hello(self) -> dict[str, Any]:
-        return self.request(Command.HELLO, {"client": f"conveyor-admin/{os.getpid()}"}).header
+        return self._call(partial(commands.hello, f"conveyor-admin/{os.getpid()}")).header
 
     def fetch(
         self, topic: str, offset: int, max_messages: int = 1000, *, wait_ms: int = 0, max_bytes: int = 1 << 20
@@ -98,14 +100,10 @@ class Admin:
         self, topic: str, offset: int, max_messages: int = 1000, *, wait_ms: int = 0, max_bytes: int = 1 << 20
     ) -> tuple[list[Message], dict[str, Any]]:
         """Messages and the reply header (``start_offset``, ``end_offset``)."""
-        header = {
-            "topic": topic,
-            "offset": offset,
-            "max_messages": max_messages,
-            "wait_ms": wait_ms,
-            "max_bytes": max_bytes,
-        }
-        reply = self.request(Command.FETCH, header, timeout=self.timeout + wait_ms / 1000)
+        request = partial(
+            commands.fetch, topic, offset, max_messages=max_messages, max_bytes=max_bytes, wait_ms=wait_ms
+        )
+        reply = self._call(request, timeout=self.timeout + wait_ms / 1000)
         messages = messages_from_entries(topic, reply.get("entries", []), [bytes(b) for b in reply.payload])
         return messages[:max_messages], reply.header
 

@@ -2,8 +2,9 @@
 
 The broker writes an entry per batch (never per message) as a short-keyed
 msgpack map, ``{b, n, t, f, e, d}`` plus the optional ``o`` and ``fd``
-(docs/protocol.md, "DELIVER entries"). Every producer and every reader of
-entries goes through ``DeliveryEntry``, so the keys are spelled in one
+(docs/protocol.md, "DELIVER entries"). Every reader of entries goes
+through ``DeliveryEntry.from_wire`` and every writer through ``wire_entry``
+(which ``DeliveryEntry.to_wire`` calls), so the keys are spelled in one
 place, and a reader handed a damaged entry gets ``MalformedFrame`` naming
 the key instead of a ``KeyError`` from deep inside a consumer.
 """

@@ -13,14 +13,15 @@ Reading is in ``broker_reader``, writing in ``broker_publisher``.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import zmq
 from conveyor.broker.net.connection import DEFAULT_HWM
-from conveyor.broker.net.requester import Requester
+from conveyor.broker.net.requester import FramesFor, Requester
 from conveyor.broker.net.security import ClientKeys
+from conveyor.broker.wire import commands
 from conveyor.broker.wire.entry import entries_from_wire
-from conveyor.broker.wire.protocol import Command
 
 from conveyor.errors import (
     AuthFailed,
@@ -33,7 +34,7 @@ __all__ = [
     "DataLoss",
     "TopicBounds",
     "batch_timestamp_at",
-    "fetch_header",
+    "fetch_request",
     "offset_for_timestamp",
     "topic_bounds",
 ]
@@ -97,7 +98,7 @@ class Connection(Requester):
         )
 
     def admin(self, op: str, **args: Any) -> Any:
-        return self.request(Command.ADMIN, {"op": op, **args}).get("result")
+        return self.call(partial(commands.admin, op, args)).get("result")
 
     def __enter__(self) -> Connection:
         return self
@@ -119,7 +120,8 @@ def topic_bounds(conn: Connection, topic: str) -> TopicBounds:
 
     def describe() -> TopicBounds:
         try:
-            info = conn.wait_for(conn.send(Command.ADMIN, {"op": "describe_topic", "topic": topic})).get("result")
+            described = conn.wait_for(conn.send_built(partial(commands.admin, "describe_topic", {"topic": topic})))
+            info = described.get("result")
         except ConveyorError as exc:
             if exc.name == "UNKNOWN_TOPIC":
                 return TopicBounds(0, 0)
@@ -130,15 +132,16 @@ def topic_bounds(conn: Connection, topic: str) -> TopicBounds:
     return conn.retrying(describe)
 
 
-def fetch_header(topic: str, offset: int, max_messages: int, max_bytes: int, wait_ms: int = 0) -> dict[str, Any]:
-    return {"topic": topic, "offset": offset, "max_messages": max_messages, "max_bytes": max_bytes, "wait_ms": wait_ms}
+def fetch_request(topic: str, offset: int, max_messages: int, max_bytes: int, wait_ms: int = 0) -> FramesFor:
+    """A FETCH for ``Connection.send_built`` (which adds the rid)."""
+    return partial(commands.fetch, topic, offset, max_messages=max_messages, max_bytes=max_bytes, wait_ms=wait_ms)
 
 
 def batch_timestamp_at(conn: Connection, topic: str, offset: int) -> int:
     """The append time (ms) of the batch holding ``offset``."""
 
     def one() -> int:
-        reply = conn.wait_for(conn.send(Command.FETCH, fetch_header(topic, offset, 1, 1)))
+        reply = conn.wait_for(conn.send_built(fetch_request(topic, offset, 1, 1)))
         entries = entries_from_wire(reply.get("entries"))
         if not entries:
             raise DataLoss(f"offset {offset} of {topic} is not readable", topic=topic, offset=offset)

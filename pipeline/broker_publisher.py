@@ -12,11 +12,13 @@ import hashlib
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import msgpack
 import zmq
 from conveyor.broker.net.security import ClientKeys
+from conveyor.broker.wire import commands
 from conveyor.broker.wire.protocol import Command, Frame, error_from_header
 from conveyor.pipeline.broker_client import Connection
 from conveyor.pipeline.broker_reader import fetch_range
@@ -160,10 +162,10 @@ class BatchPublisher:
     # --- internals -----------------------------------------------------------------------
 
     def _transmit(self, flight: _Flight) -> None:
-        header = {"topic": self.topic, "pid": self.producer_id, "seq": flight.seq}
+        request = partial(commands.publish, self.topic, flight.body, pid=self.producer_id, seq=flight.seq)
         self._flights.pop(flight.rid, None)
         try:
-            flight.rid = self.conn.send(Command.PUBLISH, header, flight.body, block=False)
+            flight.rid = self.conn.send_built(request, block=False)
         except zmq.Again:  # the connection is gone: everything goes again on a new one
             self._connection_lost()
             flight.rid = -flight.seq - 1

@@ -18,8 +18,7 @@ from typing import Any
 import msgpack
 import pyarrow as pa
 from conveyor.broker.wire.entry import DeliveryEntry, entries_from_wire
-from conveyor.broker.wire.protocol import Command
-from conveyor.pipeline.broker_client import Connection, DataLoss, fetch_header
+from conveyor.pipeline.broker_client import Connection, DataLoss, fetch_request
 
 from conveyor.errors import (
     ConveyorError,
@@ -70,7 +69,7 @@ def fetch_range(
         return
 
     def ask(offset: int) -> int:
-        return conn.send(Command.FETCH, fetch_header(topic, offset, min(max_messages, end - offset), max_bytes))
+        return conn.send_built(fetch_request(topic, offset, min(max_messages, end - offset), max_bytes))
 
     deadline = time.monotonic() + conn.retry_for
     pending = ask(pos)

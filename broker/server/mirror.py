@@ -17,6 +17,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, Protocol
 
 import tenacity
@@ -24,8 +25,9 @@ import zmq
 from conveyor.broker.log.data_dir import Store
 from conveyor.broker.net.connection import DEFAULT_HWM, backoff_seconds, new_dealer
 from conveyor.broker.net.security import HandshakeWatch
+from conveyor.broker.wire import commands
 from conveyor.broker.wire.entry import entries_from_wire
-from conveyor.broker.wire.protocol import Command, Frame, decode, encode, error_from_header
+from conveyor.broker.wire.protocol import Command, Frame, decode, error_from_header
 from conveyor.broker.wire.record import Batch, pack_records, unpack_records
 from conveyor.monitoring.health import DEGRADED, HEALTHY, UNHEALTHY
 
@@ -162,7 +164,7 @@ class Mirror:
             self._reconnect(f"no answer for {silent:.1f} s")
             return now + 0.05
         if now >= self._next_discovery and self._list_rid is None:
-            self._list_rid = self._request(Command.ADMIN, {"op": "list_topics"})
+            self._list_rid = self._request(partial(commands.admin, "list_topics"))
             self._next_discovery = now + self.settings.discover_every
         for mirror in self.topics.values():
             if mirror.rid is None and not mirror.stopped:
@@ -244,21 +246,23 @@ class Mirror:
         log_ = self.host.store.logs.get(mirror.topic)
         if log_ is None:
             return
-        header = {
-            "topic": mirror.topic,
-            "offset": log_.end_offset,
-            "max_messages": 1_000_000,
-            "max_bytes": self.settings.fetch_max_bytes,
-            "wait_ms": self.settings.fetch_wait_ms,
-        }
-        mirror.rid = self._request(Command.FETCH, header)
+        request = partial(
+            commands.fetch,
+            mirror.topic,
+            log_.end_offset,
+            max_messages=1_000_000,
+            max_bytes=self.settings.fetch_max_bytes,
+            wait_ms=self.settings.fetch_wait_ms,
+        )
+        mirror.rid = self._request(request)
         mirror.sent_at = self.clock()
 
-    def _request(self, command: Command, header: dict[str, Any]) -> int:
+    def _request(self, frames_for: Callable[..., list[Any]]) -> int:
+        """Send ``frames_for(rid=...)`` (an encoder of ``broker/wire/commands.py``); its rid."""
         assert self.socket is not None
         rid = next(self._rids)
         try:  # never blocks the broker's loop: a socket without a connection (a refused handshake) has no pipe
-            self.socket.send_multipart(encode(command, {**header, "rid": rid}), zmq.NOBLOCK)
+            self.socket.send_multipart(frames_for(rid=rid), zmq.NOBLOCK)
         except zmq.Again:
             pass  # no answer will come: the silence check reconnects
         return rid

@@ -25,7 +25,8 @@ from conveyor.broker.client.admin import Admin
 from conveyor.broker.client.producer import _array_header, _record_prefix
 from conveyor.broker.client.subscription import Subscription
 from conveyor.broker.net.transport import recv_frames_blocking, send_frames
-from conveyor.broker.wire.protocol import Command, decode, encode
+from conveyor.broker.wire import commands
+from conveyor.broker.wire.protocol import decode
 
 from conveyor.testing import BrokerProcess
 
@@ -55,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
         sock.connect(broker.address)
 
         def cycle(i: int) -> None:
-            send_frames(sock, encode(Command.PUBLISH, {"rid": i, "topic": "pass", "pid": 7, "seq": i}, body))
+            send_frames(sock, commands.publish("pass", body, pid=7, seq=i, rid=i))
             decode(recv_frames_blocking(sock))
             got: list[Any] = []
             while len(got) < args.batch:

@@ -25,13 +25,12 @@ from typing import Any
 
 import zmq
 from conveyor.broker.config.broker_settings import BrokerSettings
-from conveyor.broker.config.fsync import FsyncPolicy
 from conveyor.broker.log.data_dir import Store, check_name
-from conveyor.broker.log.topic_log import TopicConfig, TopicLog
-from conveyor.broker.net.security import ServerSecurity, check_server_options
+from conveyor.broker.log.topic_log import TopicLog
 from conveyor.broker.net.transport import NOBLOCK, recv_frames, send_frames
 from conveyor.broker.net.wakeup import drain
 from conveyor.broker.server import admin
+from conveyor.broker.server.admission import Admission
 from conveyor.broker.server.confirms import Confirm, Confirms
 from conveyor.broker.server.containment import Containment
 from conveyor.broker.server.dead_letters import DeadLetters
@@ -40,29 +39,23 @@ from conveyor.broker.server.fetch_waits import FetchWaits
 from conveyor.broker.server.group_table import GroupTable
 from conveyor.broker.server.groups import Group, GroupSettings, Member
 from conveyor.broker.server.health import LoopTimes, broker_health, broker_live, broker_ready
-from conveyor.broker.server.limits import TokenBucket, TopicLimits
+from conveyor.broker.server.limits import TopicLimits
 from conveyor.broker.server.metrics_state import state_snapshot
-from conveyor.broker.server.mirror import Mirror, MirrorSettings
+from conveyor.broker.server.mirror import Mirror
 from conveyor.broker.server.peers import Peers
+from conveyor.broker.server.startup import bind_router, open_mirror, open_store
+from conveyor.broker.server.subscription_fields import check_dead_letter_topic, checked_credit, group_settings
 from conveyor.broker.server.topology import RegistryWatch
 from conveyor.broker.wire import commands
 from conveyor.broker.wire.protocol import Command, Frame, decode, request_id
 from conveyor.broker.wire.protocol import field as hfield
 from conveyor.broker.wire.protocol import ranges as hranges
-from conveyor.broker.wire.record import NO_PRODUCER, validate_body
+from conveyor.broker.wire.record import NO_PRODUCER
 from conveyor.monitoring.http import MetricsServer
 from conveyor.monitoring.metrics import BrokerMetrics, HealthCollector, NullMetrics, StateCollector
 from prometheus_client import CollectorRegistry
 
-from conveyor.errors import (
-    ConfigError,
-    ConveyorError,
-    InvalidRequest,
-    MessageTooLarge,
-    ReadOnlyTopic,
-    TooManyOpenFiles,
-    UnknownTopic,
-)
+from conveyor.errors import ConveyorError, InvalidRequest, TooManyOpenFiles
 
 log = logging.getLogger("conveyor.broker")
 
@@ -83,19 +76,7 @@ class Broker:
         if settings.metrics:
             self.registry.register(StateCollector(lambda: state_snapshot(self)))
         self.registry.register(HealthCollector(self.health))
-        self.store: Store = Store(
-            settings.data_dir,
-            fsync=FsyncPolicy.parse(settings.fsync),
-            defaults=TopicConfig(
-                segment_bytes=settings.segment_bytes,
-                retention_bytes=settings.retention_bytes,
-                retention_ms=settings.retention_ms,
-            ),
-            quarantine=settings.quarantine,
-            offsets_write_errors=self.metrics.offsets_write_errors,
-            topic_config_errors=self.metrics.topic_config_errors,
-            create_in_background=True,
-        )
+        self.store: Store = open_store(settings, self.metrics)
         # The loop's sets, shared with the small classes: work follows what changed, never the number
         # of topics or groups.
         self.to_dispatch: set[Group] = set()  # groups to dispatch this pass
@@ -109,7 +90,7 @@ class Broker:
             to_dispatch=self.to_dispatch,
             clock=self.clock,
         )
-        self.peers = Peers(self.clock, self.to_dispatch)
+        self.peers = Peers(self.clock, self.to_dispatch, self.metrics.redelivered_messages)
         self.confirms = Confirms(self._send, self._reply_error, self.metrics.publish_seconds, self.clock)
         self.fetches = FetchWaits(
             self.store,
@@ -147,7 +128,6 @@ class Broker:
         self.metrics_server: MetricsServer | None = None
         self._next_housekeeping = 0.0
         self._next_commit = 0.0
-        self._pass_creations = 0  # topics auto-created in this pass's reads
         self.loop_times = LoopTimes(last_pass=self.clock())
         self.poller = zmq.Poller()
         self.mirror: Mirror | None = None
@@ -155,14 +135,16 @@ class Broker:
         self._next_mirror_tick = 0.0
         self.topic_limits = TopicLimits(settings.max_topics, settings.auto_create_rate, clock=self.clock)
         self.topic_limits.refresh(len(self.store.logs))
+        self.admission = Admission(
+            self.store,
+            self.peers,
+            self.topic_limits,
+            auto_create=settings.auto_create_topics,
+            client_rate=settings.auto_create_client_rate,
+            max_message_bytes=settings.max_message_bytes,
+            clock=self.clock,
+        )
         self.groups.load()
-        for topic in self.store:
-            if topic.truncated_bytes:
-                self.metrics.truncated_bytes.labels(topic.name).inc(topic.truncated_bytes)
-            if topic.quarantined_segments:
-                self.metrics.quarantined_segments.labels(topic.name).inc(topic.quarantined_segments)
-            for lost in topic.lost_ranges:
-                self.metrics.lost_offsets.labels(topic.name).inc(lost["end"] - lost["start"])
 
     def _group_defaults(self) -> GroupSettings:
         return GroupSettings(max_deliveries=self.settings.max_deliveries, ack_timeout_ms=self.settings.ack_timeout_ms)
@@ -175,70 +157,19 @@ class Broker:
 
     def bind(self) -> str:
         self.ctx = zmq.Context()
-        self.security: ServerSecurity | None = None
-        s = self.settings
-        check_server_options(s.curve_secret_key, s.curve_authorized_keys, s.curve_allow_any_client)
-        if s.curve_secret_key:
-            self.security = ServerSecurity(
-                self.ctx,
-                s.curve_secret_key,
-                s.curve_authorized_keys,
-                allow_any_client=s.curve_allow_any_client,
-                failures=self.metrics.auth_failures,
-            )
-        sock = self.ctx.socket(zmq.ROUTER)
-        if self.security is not None:
-            self.security.apply(sock)
-        sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
-        sock.setsockopt(zmq.LINGER, 1000)
-        sock.setsockopt(zmq.SNDHWM, s.sndhwm)
-        sock.setsockopt(zmq.RCVHWM, s.rcvhwm)
-        sock.setsockopt(zmq.MAXMSGSIZE, s.max_batch_bytes + 65536)
-        try:
-            sock.bind(s.bind)
-        except zmq.ZMQError as exc:
-            sock.close(linger=0)
-            raise ConfigError(
-                f"cannot bind {s.bind}: {exc.strerror} (another broker there? "
-                "--bind takes tcp://HOST:PORT, port * for any free one)",
-                bind=s.bind,
-            ) from None
-        self.socket = sock
-        self.endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
-        self._setup_mirror()
-        if s.metrics_port >= 0:
+        self.socket, self.security = bind_router(self.ctx, self.settings, self.metrics)
+        self.endpoint = self.socket.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.mirror, self.registry_watch = open_mirror(self.settings, self, self.stop_wake)
+        if self.settings.metrics_port >= 0:
             self.metrics_server = MetricsServer(
                 self.registry,
                 self.health,
-                host=s.metrics_bind,
-                port=s.metrics_port,
+                host=self.settings.metrics_bind,
+                port=self.settings.metrics_port,
                 live=lambda: broker_live(self),
                 ready=lambda: broker_ready(self),
             ).start()
         return self.endpoint
-
-    def _setup_mirror(self) -> None:
-        s = self.settings
-        patterns = tuple(p.strip() for p in s.mirror.split(",") if p.strip())
-        upstream = s.upstream
-        if s.registry:
-            interval = s.registry_poll_ms / 1000
-            self.registry_watch = RegistryWatch(s.registry, s.node, interval=interval, wake=self.stop_wake)
-            upstream = self.registry_watch.read_parent() or s.upstream
-        if not (upstream or s.registry):
-            return
-        if s.mirror_gap_policy not in ("resync", "stop"):
-            raise ConfigError("--mirror-gap-policy must be resync or stop")
-        settings = MirrorSettings(
-            upstream=upstream,
-            patterns=patterns or ("*",),
-            gap_policy=s.mirror_gap_policy,
-            lag_threshold=s.mirror_lag_threshold,
-            unreachable_after=s.mirror_unreachable_after_ms / 1000,
-        )
-        self.mirror = Mirror(self, settings)
-        if not upstream:
-            self.mirror.socket = None  # wait for the registry to name a parent
 
     def stop_wake(self) -> None:
         """Wake the loop from another thread (the registry watcher)."""
@@ -296,13 +227,14 @@ class Broker:
 
     def _read_burst(self) -> None:
         sock = self.socket
-        self._pass_creations = 0
+        admission = self.admission
+        admission.creations = 0
         for _ in range(READ_BURST):
             frames = recv_frames(sock)
             if frames is None:
                 return
             self._handle(frames)
-            if self._pass_creations >= CREATIONS_PER_PASS:
+            if admission.creations >= CREATIONS_PER_PASS:
                 return
 
     def _after_reads(self) -> None:
@@ -383,7 +315,7 @@ class Broker:
             if exc.errno != errno.EHOSTUNREACH:
                 raise
             self.metrics.router_send_errors.labels("EHOSTUNREACH").inc()
-            self._peer_gone(peer, "unreachable")
+            self.peers.gone(peer, "unreachable")
             return False
         self.peers.sent(peer)
         return True
@@ -438,7 +370,7 @@ class Broker:
         return None  # touching the peer already counted it
 
     def _on_bye(self, peer: bytes, frame: Frame) -> None:
-        self._peer_gone(peer, "member_gone")
+        self.peers.gone(peer, "member_gone")
 
     def _on_publish(self, peer: bytes, frame: Frame) -> None:
         received = self.clock()
@@ -448,8 +380,8 @@ class Broker:
         if producer_id != NO_PRODUCER and sequence < 0:
             raise InvalidRequest("an idempotent PUBLISH needs seq >= 0", field="seq")
         body = bytes(frame.payload[0])
-        count = self._validate(body)
-        log_ = self._topic_for_write(topic, peer)
+        count = self.admission.validate(body)
+        log_ = self.admission.topic_for_write(topic, peer)
         started = time.perf_counter()
         try:
             result = log_.append(body, count, producer_id=producer_id, sequence=sequence)
@@ -468,66 +400,29 @@ class Broker:
         rid = frame.get("rid")
         self.confirms.add(Confirm(peer, rid, log_, result.base_offset, count, result.duplicate, received))
 
-    def _validate(self, body: bytes) -> int:
-        try:
-            return validate_body(body, max_message_bytes=self.settings.max_message_bytes)
-        except ConveyorError as exc:
-            if "exceeds max" in exc.message:
-                limit = self.settings.max_message_bytes
-                raise MessageTooLarge(f"a message exceeds the limit of {limit} bytes", limit=limit) from None
-            raise
-
-    def _topic_for_write(self, topic: str, peer: bytes | None = None) -> TopicLog:
-        if topic not in self.store.logs:
-            if not self.settings.auto_create_topics:
-                raise UnknownTopic(f"no topic {topic} (auto-create is off)", topic=topic)
-            self._admit_auto_create(topic, peer)
-            self._pass_creations += 1
-            self.store.create_topic(topic, background=True)  # no fsync here: see broker.creator
-        log_ = self.store.topic(topic)
-        if log_.config.read_only:
-            raise ReadOnlyTopic(f"topic {topic} is read-only", topic=topic)
-        return log_
-
-    def _admit_auto_create(self, topic: str, identity: bytes | None) -> None:
-        """TOPIC_LIMIT past the topic limit; RATE_LIMITED past the broker's or this connection's auto-create rate."""
-        check_name(topic)
-        self.topic_limits.check_room(len(self.store.logs), topic)
-        peer = self.peers.get(identity) if identity is not None else None
-        if peer is not None and peer.creations is None:
-            peer.creations = TokenBucket(self.settings.auto_create_client_rate, self.clock)
-        client = peer.creations if peer is not None and peer.creations is not None else TokenBucket(1e9)
-        self.topic_limits.check_rate(topic, client)
-
     def check_topic_room(self, topic: str) -> None:
-        """For ADMIN create_topic: the topic limit holds there too (its rate does not: an operator asks)."""
-        self.topic_limits.check_room(len(self.store.logs), topic)
+        self.admission.check_room(topic)
 
     def _on_subscribe(self, peer: bytes, frame: Frame) -> None:
         topic = check_name(hfield(frame, "topic", str))
         name = check_name(hfield(frame, "group", str), "group")
         sub_id = hfield(frame, "sub", int)
-        credit = self._credit(hfield(frame, "credit", int, self.settings.default_credit))
+        credit = checked_credit(hfield(frame, "credit", int, self.settings.default_credit), self.settings.max_credit)
         batch_size = max(1, min(hfield(frame, "batch_size", int, credit), credit))
         known = self.peers[peer]
         if sub_id in known.members:  # before anything changes: a refused SUBSCRIBE sets nothing
             raise InvalidRequest(f"subscription {sub_id} already exists on this connection", field="sub")
-        if hfield(frame, "dead_letter_topic", str, "") == topic:
-            raise InvalidRequest(
-                f"dead_letter_topic {topic} is the subscribed topic itself: a dead letter would be delivered "
-                "to the group again, and again (name another topic, or leave it out for <topic>.dlq)",
-                field="dead_letter_topic",
-            )
+        check_dead_letter_topic(frame, topic)
         if (topic, name) not in self.groups:
             self.groups.check_room(topic, name)  # before the topic is made for it
         if topic not in self.store.logs:
-            self._topic_for_write(topic, peer)  # subscribing first is normal: create it
+            self.admission.topic_for_write(topic, peer)  # subscribing first is normal: create it
         group = self.groups.get((topic, name))
         if group is None:
-            settings = self._subscription_settings(frame, self._group_defaults())
+            settings = group_settings(frame, self._group_defaults())
             group = self.groups.create(topic, name, frame.get("start", "earliest"), settings)
         else:
-            self.groups.apply_settings(group, self._subscription_settings(frame, group.settings), peer)
+            self.groups.apply_settings(group, group_settings(frame, group.settings), peer)
         member = Member(peer, sub_id, credit, batch_size)
         group.join(member)
         known.members[sub_id] = (group, member)
@@ -546,35 +441,13 @@ class Broker:
             ),
         )
 
-    def _credit(self, credit: int, *, minimum: int = 1) -> int:
-        if not minimum <= credit <= self.settings.max_credit:
-            limit = self.settings.max_credit
-            raise InvalidRequest(f"credit must be between {minimum} and {limit}", limit=limit)
-        return credit
-
-    def _subscription_settings(self, frame: Frame, current: GroupSettings) -> GroupSettings:
-        """The group settings a SUBSCRIBE asks for; a field it leaves out keeps ``current``."""
-        settings = GroupSettings(
-            max_deliveries=hfield(frame, "max_deliveries", int, current.max_deliveries),
-            ack_timeout_ms=hfield(frame, "ack_timeout_ms", int, current.ack_timeout_ms),
-            dead_letter_topic=hfield(frame, "dead_letter_topic", str, current.dead_letter_topic),
-            key_affinity=hfield(frame, "key_affinity", bool, current.key_affinity),
-        )
-        if settings.max_deliveries < 1:
-            raise InvalidRequest("max_deliveries must be at least 1", field="max_deliveries")
-        if settings.ack_timeout_ms < 1:
-            raise InvalidRequest("ack_timeout_ms must be at least 1", field="ack_timeout_ms")
-        if settings.dead_letter_topic:
-            check_name(settings.dead_letter_topic)
-        return settings
-
     def _member(self, peer: bytes, frame: Frame) -> tuple[Group, Member]:
         return self.peers.subscription(peer, hfield(frame, "sub", int))
 
     def _on_unsubscribe(self, peer: bytes, frame: Frame) -> None:
         group, member = self._member(peer, frame)
         self.peers[peer].members.pop(member.sub_id, None)
-        self._leave(group, member, "member_gone")
+        self.peers.leave(group, member, "member_gone")
 
     def _on_ack(self, peer: bytes, frame: Frame) -> None:
         group, member = self._member(peer, frame)
@@ -613,7 +486,7 @@ class Broker:
 
     def _on_credit(self, peer: bytes, frame: Frame) -> None:
         group, member = self._member(peer, frame)
-        member.credit = self._credit(hfield(frame, "credit", int), minimum=0)  # 0 pauses the member
+        member.credit = checked_credit(hfield(frame, "credit", int), self.settings.max_credit, minimum=0)  # 0: paused
         member.batch_size = max(1, min(hfield(frame, "batch_size", int, member.batch_size), member.credit))
         self.to_dispatch.add(group)
 
@@ -693,7 +566,7 @@ class Broker:
     def _heartbeats(self, now: float, interval: float) -> None:
         gone, owed = self.peers.sweep(now, interval, self.settings.liveness)
         for identity in gone:
-            self._peer_gone(identity, "member_gone")
+            self.peers.gone(identity, "member_gone")
         for identity in owed:
             self._send(identity, commands.heartbeat())
 
@@ -702,19 +575,6 @@ class Broker:
         moved = list(self.groups.values()) if every else [*self._moved, *(w.group for w in self.dead_letters.writes)]
         self._moved.clear()
         self.groups.commit(moved, self.dead_letters.dying())
-
-    def _peer_gone(self, identity: bytes, reason: str) -> None:
-        peer = self.peers.pop(identity, None)
-        if peer is not None:
-            for group, member in peer.members.values():
-                self._leave(group, member, reason)
-
-    def _leave(self, group: Group, member: Member, reason: str) -> None:
-        held = member.in_flight
-        group.leave(member, reason=reason)
-        if held:
-            self.metrics.redelivered_messages.labels(group.topic, group.name, reason).inc(held)
-        self.to_dispatch.add(group)
 
     # --- shutdown and health ----------------------------------------------------------------
 

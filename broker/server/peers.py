@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from conveyor.broker.server.groups import Group, Member
 from conveyor.broker.server.limits import TokenBucket
@@ -33,12 +34,16 @@ class Peer:
 
 
 class Peers(dict[bytes, Peer]):
-    """``{identity: Peer}``; ``to_dispatch`` is the loop's set of groups to dispatch this pass."""
+    """``{identity: Peer}``; ``to_dispatch`` is the loop's set of groups to dispatch this pass.
 
-    def __init__(self, clock: Callable[[], float], to_dispatch: set[Group]) -> None:
+    ``redelivered`` counts the messages a leaving member held (labelled topic, group, reason).
+    """
+
+    def __init__(self, clock: Callable[[], float], to_dispatch: set[Group], redelivered: Any) -> None:
         super().__init__()
         self.clock = clock
         self.to_dispatch = to_dispatch
+        self.redelivered = redelivered
 
     def touch(self, identity: bytes) -> Peer:
         """A message came from ``identity``: it lives, and it reads (its busy members may be sent to again)."""
@@ -97,3 +102,18 @@ class Peers(dict[bytes, Peer]):
             elif peer.members and now - peer.last_sent >= interval:
                 ping.append(identity)
         return gone, ping
+
+    def gone(self, identity: bytes, reason: str) -> None:
+        """The peer left (BYE, silence, unreachable): each of its members leaves its group."""
+        peer = self.pop(identity, None)
+        if peer is not None:
+            for group, member in peer.members.values():
+                self.leave(group, member, reason)
+
+    def leave(self, group: Group, member: Member, reason: str) -> None:
+        """What the member held is redelivered (to another member where there is one)."""
+        held = member.in_flight
+        group.leave(member, reason=reason)
+        if held:
+            self.redelivered.labels(group.topic, group.name, reason).inc(held)
+        self.to_dispatch.add(group)

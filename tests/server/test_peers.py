@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 from conveyor.broker.server.groups import Group, GroupSettings, Member
 from conveyor.broker.server.peers import Peers
+from conveyor.monitoring.metrics import NullMetrics
 
 from conveyor.errors import NotSubscribed
 from tests.server.server_fakes import Clock
@@ -12,7 +13,7 @@ from tests.server.server_fakes import Clock
 
 def peers_at(clock: Clock) -> tuple[Peers, set[Group]]:
     to_dispatch: set[Group] = set()
-    return Peers(clock, to_dispatch), to_dispatch
+    return Peers(clock, to_dispatch, NullMetrics().redelivered_messages), to_dispatch
 
 
 def subscribed(peers: Peers, identity: bytes, sub_id: int = 1) -> tuple[Group, Member]:
@@ -67,3 +68,15 @@ def test_subscriptions_are_found_by_id_and_forgotten():
     with pytest.raises(NotSubscribed):
         peers.subscription(b"p", 7)
     assert peers.subscribers() == []
+
+
+def test_a_peer_that_goes_leaves_every_group_it_was_in():
+    # Given a peer with a subscription in a group
+    peers, to_dispatch = peers_at(Clock())
+    group, member = subscribed(peers, b"p")
+    group.join(member)
+    # When it goes
+    peers.gone(b"p", "member_gone")
+    # Then it is forgotten, left its group, and the group is dispatched (its messages go to others)
+    assert b"p" not in peers and member not in group.members + group.joining and to_dispatch == {group}
+    peers.gone(b"p", "member_gone")  # twice is nothing

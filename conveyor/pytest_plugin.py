@@ -1,6 +1,7 @@
 """The pytest plugin: a real broker on a free port, in a temporary directory.
 
-Installed with Conveyor (entry point ``pytest11``), so in any project::
+Installed with Conveyor (entry point ``pytest11``); the fixtures can also be imported from
+``conveyor.testing``. In any project::
 
     def test_orders(conveyor_broker):
         with Producer(conveyor_broker.address) as producer:
@@ -14,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from conveyor.testing import BrokerProcess
+from conveyor.broker_process import BrokerProcess
 
 
 @pytest.fixture

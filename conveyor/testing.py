@@ -1,158 +1,26 @@
-"""A real broker in a subprocess, for tests and benchmarks.
+"""Test your consumers against a real broker: ``BrokerProcess`` and the pytest fixtures.
 
-Starts ``python -m conveyor`` on a free loopback port in a directory of your
-choice, waits for its ready line, and can stop (SIGTERM), kill (-9) and
-restart it on the same port and data.
+``BrokerProcess`` (from ``conveyor.broker_process``) starts ``python -m conveyor``
+on a free loopback port and can stop, kill and restart it; it needs no pytest, so
+benchmarks use it too. The fixtures ``conveyor_broker`` and ``conveyor_broker_factory``
+are defined in ``conveyor.pytest_plugin``, which pytest loads by itself; importing them
+from here (in a conftest.py, or with plugin autoloading off) loads pytest on first use.
 """
 
 from __future__ import annotations
 
-import os
-import re
-import signal
-import subprocess
-import sys
-import threading
-import time
-import urllib.request
-from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
-READY = re.compile(r"ready on (tcp://\S+) .*metrics (\S+)\)")
+from conveyor.broker_process import BrokerProcess, scrape_metric
+
+FIXTURES = ("conveyor_broker", "conveyor_broker_factory")
+__all__ = ["BrokerProcess", "scrape_metric", *FIXTURES]
 
 
-class BrokerProcess:
-    def __init__(
-        self,
-        data_dir: str | os.PathLike[str],
-        *,
-        fsync: str = "batch",
-        extra: list[str] | None = None,
-        env: dict[str, str] | None = None,
-    ) -> None:
-        self.data_dir = Path(data_dir)
-        self.fsync = fsync
-        self.extra = list(extra or [])
-        self.env = env
-        self.address = ""
-        self.metrics_url = ""
-        self.proc: subprocess.Popen[str] | None = None
-        self.output: list[str] = []
-        self._bind = "tcp://127.0.0.1:*"
-        self._metrics_port = "0"
+def __getattr__(name: str) -> Any:
+    """The fixtures, imported when first asked for: a module that only starts brokers needs no pytest."""
+    if name in FIXTURES:
+        from conveyor import pytest_plugin
 
-    def start(self, timeout: float = 20.0) -> BrokerProcess:
-        cmd = [
-            sys.executable,
-            "-m",
-            "conveyor",
-            "--bind",
-            self._bind,
-            "--data-dir",
-            str(self.data_dir),
-            "--fsync",
-            self.fsync,
-            "--metrics-port",
-            self._metrics_port,
-            *self.extra,
-        ]
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", **(self.env or {})}
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-        self._wait_ready(timeout)
-        return self
-
-    def _wait_ready(self, timeout: float) -> None:
-        assert self.proc is not None and self.proc.stdout is not None
-        deadline = time.monotonic() + timeout
-        ready = threading.Event()
-
-        def pump() -> None:
-            assert self.proc is not None and self.proc.stdout is not None
-            for line in self.proc.stdout:
-                self.output.append(line)
-                match = READY.search(line)
-                if match and not ready.is_set():
-                    self.address = match.group(1)
-                    self.metrics_url = match.group(2)
-                    ready.set()
-
-        threading.Thread(target=pump, daemon=True).start()
-        while not ready.wait(0.05):
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                self.kill()
-                raise RuntimeError("broker did not start:\n" + "".join(self.output))
-        # Restarts reuse the same endpoints so clients reconnect to the same place.
-        self._bind = self.address
-        self._metrics_port = self.metrics_url.rsplit(":", 1)[1].split("/")[0]
-
-    @property
-    def pid(self) -> int:
-        assert self.proc is not None
-        return self.proc.pid
-
-    def stop(self, timeout: float = 20.0) -> int:
-        """SIGTERM and wait: the broker syncs everything and exits 0."""
-        if self.proc is None or self.proc.poll() is not None:
-            return self.proc.returncode if self.proc else 0
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            return self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self.kill()
-            raise
-
-    def kill(self) -> None:
-        """SIGKILL: no chance to sync, like a crash."""
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(10)
-
-    def signal(self, sig: int) -> None:
-        assert self.proc is not None
-        self.proc.send_signal(sig)
-
-    def metric(self, name: str, labels: str = "") -> float:
-        """The sum of the broker's samples of ``name`` whose labels contain ``labels`` (e.g. ``'topic="t"'``)."""
-        return scrape_metric(self.metrics_url, name, labels)
-
-    def restart(self, *, kill: bool = False, timeout: float = 20.0) -> BrokerProcess:
-        self.kill() if kill else self.stop()
-        for _ in range(50):  # the port may take a moment to be free again
-            try:
-                return self.start(timeout)
-            except RuntimeError:
-                if "Address already in use" not in "".join(self.output[-5:]):
-                    raise
-                time.sleep(0.1)
-        raise RuntimeError("could not rebind " + self._bind)
-
-    def __enter__(self) -> BrokerProcess:
-        return self.start() if self.proc is None else self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.stop()
-
-
-def scrape_metric(url: str, name: str, labels: str = "") -> float:
-    """Sum of the samples of ``name`` at a ``/metrics`` URL whose labels contain ``labels``."""
-    text = urllib.request.urlopen(url, timeout=5).read().decode()
-    total = 0.0
-    for match in re.finditer(rf"^{re.escape(name)}(\{{[^}}]*\}})? (\S+)$", text, re.M):
-        if labels in (match.group(1) or ""):
-            total += float(match.group(2))
-    return total
-
-
-def wait_for(predicate: Callable[[], object], timeout: float = 10.0, interval: float = 0.02) -> bool:
-    """Poll ``predicate`` until it is true or ``timeout`` passes; its last answer, as a bool.
-
-    For tests that watch another process (a broker, a runner) reach a state it
-    announces nowhere else; every loop ends by itself.
-    """
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(interval)
-    return bool(predicate())
+        return getattr(pytest_plugin, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -70,8 +70,9 @@ LAYERS: dict[str, set[str]] = {
         "conveyor.broker.client",
         "conveyor.testing",
     },
-    "conveyor.testing": set(),
-    "conveyor.pytest_plugin": {"conveyor.testing"},
+    "conveyor.broker_process": set(),
+    "conveyor.pytest_plugin": {"conveyor.broker_process"},
+    "conveyor.testing": {"conveyor.broker_process", "conveyor.pytest_plugin"},  # hands out both
     "conveyor.broker.cli": {"*", "conveyor.benchmarks"},  # the top: `conveyor bench` runs the benchmarks
     "conveyor.benchmarks": {"*"},
     "conveyor.broker": set(),  # the package's own __init__

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -49,13 +48,6 @@ def quiet(subs: Sequence[Subscription], seconds: float) -> list[Message]:
             if batch:
                 sub.ack(batch)
     return extra
-
-
-def free_address() -> str:
-    """A loopback address where nothing listens (a broker that is down)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return f"tcp://127.0.0.1:{s.getsockname()[1]}"
 
 
 REPO = Path(__file__).resolve().parents[2]

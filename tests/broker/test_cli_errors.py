@@ -8,14 +8,13 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
 from pathlib import Path
 
 from conveyor import Admin, Producer
-from conveyor.testing import wait_for
+from tests.helpers import free_port, wait_for
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -32,12 +31,6 @@ def assert_config_error(result: subprocess.CompletedProcess[str], *needles: str)
     assert "[CONFIG_ERROR]" in result.stderr, result.stderr
     for needle in needles:
         assert needle in result.stderr, result.stderr
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def test_an_address_without_a_scheme_says_what_an_address_looks_like():

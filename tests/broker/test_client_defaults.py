@@ -18,8 +18,7 @@ from conveyor.broker.client.async_producer import AsyncProducer
 
 from conveyor import Admin, Producer, Runner, Subscription, consumer
 from conveyor.errors import ConfigError, RequestTimeout
-from conveyor.testing import wait_for
-from tests.broker.broker_helpers import free_address
+from tests.helpers import free_address, wait_for
 
 
 @consumer("env-runner", group="g")

@@ -10,19 +10,13 @@ and ``tcp://127.0.0.1:70000`` served on port 4464. Every case runs the real
 from __future__ import annotations
 
 import re
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 from conveyor import Admin
 from tests.broker.broker_helpers import REPO, config_errors, conveyor_cli
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+from tests.helpers import free_port
 
 
 def refused_broker(tmp_path: Path, *args: str, env: dict[str, str] | None = None) -> list[str]:

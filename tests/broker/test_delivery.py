@@ -9,15 +9,8 @@ from conveyor.broker.client.subscription import Subscription
 
 from conveyor import Admin, Producer
 from conveyor.errors import UnknownTopic
-from conveyor.testing import wait_for
 from tests.broker.broker_helpers import drain, quiet
-
-
-def publish(address: str, topic: str, values: list, **kwargs) -> list[int]:
-    with Producer(address, linger_ms=1) as producer:
-        futures = [producer.send(topic, v, **kwargs) for v in values]
-        producer.flush(timeout=10)
-    return [f.result() for f in futures]
+from tests.helpers import publish, wait_for
 
 
 def end_offset(admin: Admin, topic: str) -> int:

@@ -13,17 +13,11 @@ import time
 import pytest
 from conveyor.broker.client.subscription import Subscription
 
-from conveyor import Admin, Message, Producer
-from conveyor.testing import BrokerProcess, wait_for
+from conveyor import Admin, Message
+from conveyor.testing import BrokerProcess
+from tests.helpers import publish, wait_for
 
 TOPIC = "counts"
-
-
-def publish(address: str, values: list) -> None:
-    with Producer(address, linger_ms=1) as producer:
-        for value in values:
-            producer.send(TOPIC, value)
-        producer.flush(timeout=30)
 
 
 def next_message(sub: Subscription, timeout: float = 30.0) -> Message:
@@ -52,7 +46,7 @@ def subscribe(broker: BrokerProcess, credit: int = 10, **options) -> Subscriptio
 @pytest.mark.parametrize("kill", [True, False], ids=["kill9", "sigterm"])
 def test_delivery_counts_continue_after_a_restart(conveyor_broker_factory, kill):
     broker = conveyor_broker_factory()
-    publish(broker.address, ["poison"])
+    publish(broker.address, TOPIC, ["poison"])
     sub = subscribe(broker, max_deliveries=10)
     attempts = []
     try:
@@ -81,7 +75,7 @@ def test_delivery_counts_continue_after_a_restart(conveyor_broker_factory, kill)
 
 def test_a_retry_delay_survives_a_kill(conveyor_broker_factory):
     broker = conveyor_broker_factory()
-    publish(broker.address, ["later"])
+    publish(broker.address, TOPIC, ["later"])
     sub = subscribe(broker)
     try:
         first = next_message(sub)
@@ -106,7 +100,7 @@ def test_a_retry_delay_survives_a_kill(conveyor_broker_factory):
 def test_a_poison_message_gets_no_fresh_attempts_when_the_broker_is_killed(conveyor_broker_factory):
     """Each delivery kills the broker (as a poison message that crashes what handles it might)."""
     broker = conveyor_broker_factory()
-    publish(broker.address, ["poison", "fine"])
+    publish(broker.address, TOPIC, ["poison", "fine"])
     attempts = []
     for _ in range(3):
         sub = subscribe(broker, credit=1, max_deliveries=3)

@@ -5,12 +5,13 @@ from __future__ import annotations
 import subprocess
 import sys
 import textwrap
+import time
 
 from conveyor.broker.client.subscription import Subscription
 
-from conveyor import Admin, Producer
-from conveyor.testing import wait_for
+from conveyor import Admin
 from tests.broker.broker_helpers import drain, quiet
+from tests.helpers import publish, wait_for
 
 HOLDER = textwrap.dedent(
     """
@@ -24,13 +25,6 @@ HOLDER = textwrap.dedent(
     time.sleep(600)
     """
 )
-
-
-def publish(address: str, topic: str, values: list) -> list[int]:
-    with Producer(address, linger_ms=1) as producer:
-        futures = [producer.send(topic, v) for v in values]
-        producer.flush(timeout=10)
-    return [f.result() for f in futures]
 
 
 def test_consumer_killed_with_unacked_messages_loses_nothing(conveyor_broker):
@@ -68,7 +62,7 @@ def _restart_keeps_everything(broker, *, kill: bool) -> None:
         assert wait_for(lambda: admin.describe_group("durable", "g")["committed_offset"] >= min(len(first), 700))
         committed = admin.describe_group("durable", "g")["committed_offset"]
     # Let the periodic offset commit reach the disk before the crash.
-    wait_for(lambda: False, timeout=0.4)
+    time.sleep(0.4)
     sub.close()
     broker.restart(kill=kill)
     with Admin(broker.address) as admin:

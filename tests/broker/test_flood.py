@@ -19,11 +19,12 @@ import pytest
 from conveyor.broker.client.subscription import Subscription
 from conveyor.broker.wire.protocol import Command
 
-import conveyor.testing
+import conveyor.broker_process
 from conveyor import Admin, Producer
 from conveyor.errors import GroupLimit, TopicLimit
-from conveyor.testing import BrokerProcess, wait_for
+from conveyor.testing import BrokerProcess
 from tests.broker.flood_helpers import RawClient, SteadyPair, cpu_per_cycle, outcomes, wait_until_idle
+from tests.helpers import wait_for
 
 
 def test_a_flood_of_new_topics_is_rate_limited_and_other_clients_stay_served(conveyor_broker_factory):
@@ -98,7 +99,7 @@ def _with_descriptors(soft: int, hard: int) -> None:
 
 def _broker_with_descriptors(tmp_path, monkeypatch, soft: int, hard: int, extra: list[str]) -> BrokerProcess:
     monkeypatch.setattr(
-        conveyor.testing.subprocess,
+        conveyor.broker_process.subprocess,
         "Popen",
         partial(subprocess.Popen, preexec_fn=partial(_with_descriptors, soft, hard)),
     )

@@ -14,17 +14,9 @@ from conveyor.broker.client.subscription import Subscription
 from conveyor.broker.wire.protocol import Command, decode, encode
 
 from conveyor import Admin, Producer
-from conveyor.testing import wait_for
+from tests.helpers import publish, wait_for
 
 INTERVAL = "interval:400"
-
-
-def publish(address: str, topic: str, values: list) -> list[int]:
-    """One batch, waiting for its confirm (it comes after the next sync)."""
-    with Producer(address, linger_ms=5) as producer:
-        futures = [producer.send(topic, value) for value in values]
-        producer.flush(timeout=30)
-    return [f.result() for f in futures]
 
 
 def test_messages_synced_in_a_later_pass_are_pushed_to_the_group(conveyor_broker_factory):
@@ -33,8 +25,8 @@ def test_messages_synced_in_a_later_pass_are_pushed_to_the_group(conveyor_broker
     try:
         assert wait_for(lambda: sub.receive(timeout=0.05) == [] and sub.subscribed, timeout=30)
         # The first append after a quiet interval syncs at once; the next ones wait for the interval.
-        assert publish(broker.address, "later", ["m0"]) == [0]
-        assert publish(broker.address, "later", ["m1", "m2", "m3"]) == [1, 2, 3]
+        assert publish(broker.address, "later", ["m0"], linger_ms=5) == [0]
+        assert publish(broker.address, "later", ["m1", "m2", "m3"], linger_ms=5) == [1, 2, 3]
         got: list = []
 
         def received_all() -> bool:
@@ -77,10 +69,10 @@ class ParkedFetch:
 
 def test_a_parked_fetch_gets_what_a_later_sync_makes_durable(conveyor_broker_factory):
     broker = conveyor_broker_factory(fsync=INTERVAL)
-    assert publish(broker.address, "parked", ["m0"]) == [0]
+    assert publish(broker.address, "parked", ["m0"], linger_ms=5) == [0]
     fetch = ParkedFetch(broker.address, "parked", 1)
     try:
-        assert publish(broker.address, "parked", ["m1", "m2", "m3"]) == [1, 2, 3]
+        assert publish(broker.address, "parked", ["m1", "m2", "m3"], linger_ms=5) == [1, 2, 3]
         assert fetch.answer(30_000) == [1, 2, 3]
     finally:
         fetch.close()
@@ -89,7 +81,7 @@ def test_a_parked_fetch_gets_what_a_later_sync_makes_durable(conveyor_broker_fac
 def test_a_parked_fetch_is_not_answered_before_its_offset_is_durable(conveyor_broker_factory):
     """An append the interval has not synced yet is no reason to answer a FETCH (with nothing)."""
     broker = conveyor_broker_factory(fsync="interval:3000")
-    assert publish(broker.address, "early", ["m0"]) == [0]
+    assert publish(broker.address, "early", ["m0"], linger_ms=5) == [0]
     fetch = ParkedFetch(broker.address, "early", 1)
     try:
         with Producer(broker.address, linger_ms=1) as producer:

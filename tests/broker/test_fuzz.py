@@ -17,8 +17,9 @@ from hypothesis import strategies as st
 
 from conveyor import Admin, Producer
 from conveyor.errors import ConveyorError, InvalidRequest
-from conveyor.testing import BrokerProcess, wait_for
+from conveyor.testing import BrokerProcess
 from tests.broker.bad_fields import ADMIN_OPS, COMMANDS, one_bad_field
+from tests.helpers import wait_for
 
 SILENT = {
     Command.HEARTBEAT,

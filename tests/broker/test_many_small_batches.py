@@ -17,8 +17,9 @@ from conveyor.broker.client.subscription import Subscription
 from conveyor.broker.server.groups import MAX_ENTRIES
 
 from conveyor import Admin, Producer
-from conveyor.testing import BrokerProcess, wait_for
+from conveyor.testing import BrokerProcess
 from tests.broker.broker_helpers import drain, quiet
+from tests.helpers import wait_for
 
 BATCHES = 3 * MAX_ENTRIES + 17  # several DELIVERs' worth of entries
 

@@ -23,7 +23,8 @@ from conveyor.broker.wire.protocol import SIGNATURE, Command, decode
 from conveyor.broker.wire.record import unpack_records
 
 from conveyor import Admin, Message
-from conveyor.testing import BrokerProcess, wait_for
+from conveyor.testing import BrokerProcess
+from tests.helpers import wait_for
 
 INVALID_REQUEST = 207
 COUNT = 40  # over 16 records, so a member with a credit of 5 gets slices re-encoded from it

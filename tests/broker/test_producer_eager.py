@@ -17,7 +17,8 @@ import pytest
 from conveyor.broker.client.async_producer import AsyncProducer
 
 from conveyor import Admin, Producer
-from conveyor.testing import BrokerProcess, wait_for
+from conveyor.testing import BrokerProcess
+from tests.helpers import wait_for
 
 LONG_LINGER_MS = 3000
 

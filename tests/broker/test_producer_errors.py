@@ -17,7 +17,8 @@ from conveyor.broker.log.syscalls import ENV_CONTROL
 
 from conveyor import Admin, Producer
 from conveyor.errors import RequestTimeout, StorageFull, StorageIOError
-from conveyor.testing import BrokerProcess, wait_for
+from conveyor.testing import BrokerProcess
+from tests.helpers import wait_for
 
 
 def refused_send(address: str, topic: str) -> BaseException | None:

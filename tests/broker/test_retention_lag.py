@@ -21,7 +21,8 @@ from conveyor.broker.client.subscription import Subscription
 
 from conveyor import Admin, Producer
 from conveyor.errors import OffsetOutOfRange
-from conveyor.testing import BrokerProcess, wait_for
+from conveyor.testing import BrokerProcess
+from tests.helpers import publish, wait_for
 
 # Members idle while a test publishes (seconds on a busy machine) must not be evicted meanwhile.
 HEARTBEAT_MS = 5000
@@ -29,13 +30,11 @@ SMALL_LOG = ["--segment-bytes", "1024", "--retention-bytes", "2048", "--heartbea
 SKIPPED = "conveyor_group_skipped_messages_total"
 
 
-def publish(address: str, topic: str, start: int, count: int, *, keys: int = 0) -> None:
+def publish_numbered(address: str, topic: str, start: int, count: int, *, keys: int = 0) -> None:
     """``count`` ~100-byte messages in batches of 5 (many small segments)."""
-    with Producer(address, linger_ms=1, batch_size=5) as producer:
-        for i in range(start, start + count):
-            key = f"k{i % keys}" if keys else None
-            producer.send(topic, {"i": i, "pad": "x" * 80}, key=key)
-        producer.flush(timeout=30)
+    numbers = range(start, start + count)
+    values = [{"i": i, "pad": "x" * 80} for i in numbers]
+    publish(address, topic, values, keys=[f"k{i % keys}" for i in numbers] if keys else None, batch_size=5)
 
 
 def start_of(admin: Admin, topic: str) -> int:
@@ -47,10 +46,13 @@ def push_start_past(address: str, topic: str, offset: int, *, first: int, keys: 
     with Admin(address) as admin:
         i = first
         for _ in range(20):
-            publish(address, topic, i, 100, keys=keys)
+            publish_numbered(address, topic, i, 100, keys=keys)
             i += 100
-            if wait_for(lambda: start_of(admin, topic) > offset, timeout=2):
-                return i
+            try:
+                wait_for(lambda: start_of(admin, topic) > offset, timeout=2)
+            except AssertionError:
+                continue  # not yet: publish more
+            return i
     raise AssertionError(f"retention never moved {topic}'s start past {offset}")
 
 
@@ -107,13 +109,13 @@ def test_a_slow_member_goes_on_from_the_log_start(broker, key_affinity):
     )
     try:
         keys = 3 if key_affinity else 0
-        publish(broker.address, topic, 0, 10, keys=keys)
+        publish_numbered(broker.address, topic, 0, 10, keys=keys)
         held = receive_until(sub, lambda got: len(got) >= 10, ack=False)
         assert [m.offset for m in held] == list(range(10))
         after = push_start_past(broker.address, topic, 20, first=10, keys=keys)
         with Admin(broker.address) as admin:
             sub.ack(held)  # credit comes back: the group's next offset is long gone
-            publish(broker.address, topic, after, 5, keys=keys)
+            publish_numbered(broker.address, topic, after, 5, keys=keys)
             end = admin.describe_topic(topic)["end_offset"]
             got = receive_until(sub, lambda got: got and got[-1].offset == end - 1)
             assert broker.proc.poll() is None, "".join(broker.output[-20:])
@@ -130,7 +132,7 @@ def test_a_slow_member_goes_on_from_the_log_start(broker, key_affinity):
 def test_nacked_delayed_and_terminated_messages_below_the_start_are_skipped(broker):
     sub = Subscription("held", "g", address=broker.address, credit=15, ack_timeout_ms=60_000, heartbeat_ms=HEARTBEAT_MS)
     try:
-        publish(broker.address, "held", 0, 15)
+        publish_numbered(broker.address, "held", 0, 15)
         held = receive_until(sub, lambda got: len(got) >= 15, ack=False)
         assert [m.offset for m in held] == list(range(15))
         sub.set_credit(0)  # paused: what it holds stays held while retention runs
@@ -230,7 +232,7 @@ def _fetch_frame(topic: str, offset: int, *, wait_ms: int) -> list[bytes]:
 
 
 def test_tail_overtaken_by_retention_goes_on_from_the_start(broker):
-    publish(broker.address, "tl", 0, 10)
+    publish_numbered(broker.address, "tl", 0, 10)
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     options = ["--broker", broker.address, "--from", "earliest", "--format", "json", "--idle-timeout", "3"]
     tail = subprocess.Popen(
@@ -269,7 +271,7 @@ def test_a_child_broker_resyncs_past_the_parents_retention(tmp_path, conveyor_br
     root = conveyor_broker_factory(extra=SMALL_LOG, name="root")
     child_options = ["--upstream", root.address, "--mirror", "mt", "--heartbeat-ms", str(HEARTBEAT_MS)]
     child = conveyor_broker_factory(extra=child_options, name="child")
-    publish(root.address, "mt", 0, 10)
+    publish_numbered(root.address, "mt", 0, 10)
     with Admin(child.address) as admin:
         assert wait_for(lambda: "mt" in [t["name"] for t in admin.list_topics()], timeout=30)
         assert wait_for(lambda: admin.describe_topic("mt")["end_offset"] == 10, timeout=30)
@@ -285,7 +287,7 @@ def test_a_child_broker_resyncs_past_the_parents_retention(tmp_path, conveyor_br
         finally:
             os.kill(child.pid, signal.SIGCONT)
         assert wait_for(lambda: child.metric("conveyor_mirror_gaps_total", 'topic="mt"') >= 1, timeout=30)
-        publish(root.address, "mt", after, 5)
+        publish_numbered(root.address, "mt", after, 5)
         with Admin(root.address) as admin:
             end = admin.describe_topic("mt")["end_offset"]
         rest = receive_until(sub, lambda got: got and got[-1].offset == end - 1)

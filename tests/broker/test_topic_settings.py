@@ -18,8 +18,9 @@ from conveyor.broker.client.subscription import Subscription
 
 from conveyor import Admin, Producer
 from conveyor.errors import ConfigError, ReadOnlyTopic, UnknownTopic
-from conveyor.testing import BrokerProcess, wait_for
+from conveyor.testing import BrokerProcess
 from tests.broker.broker_helpers import config_errors, conveyor_cli, drain
+from tests.helpers import wait_for
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +38,7 @@ def stored(broker: BrokerProcess, topic: str) -> dict[str, Any]:
     return json.loads((broker.data_dir / "topics" / topic / "topic.json").read_text())
 
 
-def publish(address: str, topic: str, count: int, size: int = 100) -> None:
+def publish_small_batches(address: str, topic: str, count: int, size: int = 100) -> None:
     with Producer(address, linger_ms=0) as producer:
         for i in range(count):
             producer.send(topic, b"x" * size, key=str(i).encode())
@@ -186,8 +187,9 @@ def test_a_bad_stored_setting_is_reported_and_the_broker_keeps_serving(conveyor_
     assert broker.metric("conveyor_topic_config_errors_total", 'topic="half"') == 1
     assert "topic hand: stored setting retention_ms" in "".join(broker.output), "".join(broker.output)
 
-    publish(broker.address, "hand", 300)  # rolls at the default 1 KiB; retention runs with the default 4 KB
-    publish(broker.address, "half", 50)
+    # Rolls at the default 1 KiB; retention runs with the default 4 KB.
+    publish_small_batches(broker.address, "hand", 300)
+    publish_small_batches(broker.address, "half", 50)
     with Admin(broker.address) as admin:
         assert wait_for(lambda: admin.describe_topic("hand")["start_offset"] > 0, timeout=30)
         info = admin.describe_topic("hand")
@@ -209,7 +211,7 @@ def test_alter_applies_settings_live_and_replaces_topic_json(conveyor_broker):
     address = conveyor_broker.address
     created = conveyor_cli("topics", "create", "live", "--set", "segment_bytes=1KiB", "--broker", address)
     assert created.returncode == 0, created.stderr
-    publish(address, "live", 200)
+    publish_small_batches(address, "live", 200)
     with Admin(address) as admin:
         before = admin.describe_topic("live")
     assert before["start_offset"] == 0 and before["segments"] > 5, before
@@ -253,10 +255,10 @@ def test_alter_on_a_memory_topic_and_its_segments_rolls_at_the_new_size(conveyor
         admin.create_topic("ephemeral", storage="memory")
         assert admin.alter_topic("ephemeral", retention_ms="1d")["config"]["retention_ms"] == 86_400_000
         admin.create_topic("rolls", segment_bytes="128MiB")
-        publish(address, "rolls", 30)
+        publish_small_batches(address, "rolls", 30)
         assert admin.describe_topic("rolls")["segments"] == 1
         admin.alter_topic("rolls", segment_bytes="1KiB")
-        publish(address, "rolls", 60)
+        publish_small_batches(address, "rolls", 60)
         assert admin.describe_topic("rolls")["segments"] > 3
     assert not (Path(conveyor_broker.data_dir) / "topics" / "ephemeral").exists()
 
@@ -264,7 +266,7 @@ def test_alter_on_a_memory_topic_and_its_segments_rolls_at_the_new_size(conveyor
 def test_a_stored_group_setting_out_of_range_is_replaced_by_the_default(conveyor_broker):
     """The same class as topic.json: a hand-edited groups.json must not make a group dead-letter everything."""
     address = conveyor_broker.address
-    publish(address, "grouped", 5)
+    publish_small_batches(address, "grouped", 5)
     with Admin(address) as admin:
         admin.reset_offsets("grouped", "g", "earliest")
     conveyor_broker.stop()

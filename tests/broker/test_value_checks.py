@@ -23,8 +23,9 @@ from conveyor.broker.wire.protocol import SIGNATURE, Command, decode
 
 from conveyor import Admin, Producer
 from conveyor.errors import ConfigError
-from conveyor.testing import BrokerProcess, wait_for
+from conveyor.testing import BrokerProcess
 from tests.broker.broker_helpers import config_errors, conveyor_cli
+from tests.helpers import wait_for
 
 BATCH_TOO_LARGE, MALFORMED_FRAME, INVALID_REQUEST = 205, 201, 207
 

@@ -15,17 +15,8 @@ import time
 
 import pytest
 
-from tests.faults.fault_helpers import (
-    Load,
-    consumers,
-    drain_group,
-    fetch_all,
-    judge,
-    judge_group,
-    report,
-    soak_seconds,
-    wait_for,
-)
+from tests.faults.fault_helpers import Load, consumers, drain_group, fetch_all, judge, judge_group, report, soak_seconds
+from tests.helpers import wait_for
 
 TOPIC = "chaos"
 

@@ -22,8 +22,9 @@ from conveyor.broker.wire.protocol import Command, decode, encode
 
 from conveyor import Producer
 from conveyor.errors import RequestTimeout, StorageFull
-from tests.faults.fault_helpers import consumers, drain_group, fetch_all, report, wait_for
+from tests.faults.fault_helpers import consumers, drain_group, fetch_all, report
 from tests.faults.test_io_errors import whole_batches_only
+from tests.helpers import wait_for
 
 TOPIC = "full"
 

@@ -17,7 +17,8 @@ from conveyor.broker.wire.record import HEADER_SIZE, decode_header
 
 from conveyor import Admin, Producer
 from conveyor.errors import OffsetOutOfRange, SegmentCorrupt
-from tests.faults.fault_helpers import consumers, drain_group, fetch_all, report, wait_for
+from tests.faults.fault_helpers import consumers, drain_group, fetch_all, report
+from tests.helpers import wait_for
 
 
 def batches_of(path) -> list[tuple[int, int]]:

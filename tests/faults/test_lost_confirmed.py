@@ -12,8 +12,9 @@ import urllib.request
 from conveyor.broker.wire.record import HEADER_SIZE
 
 from conveyor import Admin, Producer
-from tests.faults.fault_helpers import fetch_all, wait_for
+from tests.faults.fault_helpers import fetch_all
 from tests.faults.test_files import batches_of, consume_all, publish_batches
+from tests.helpers import wait_for
 
 FIRST, LAST = [f"a{i}" for i in range(10)], [f"b{i}" for i in range(10)]
 

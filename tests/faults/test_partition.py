@@ -12,7 +12,8 @@ import threading
 import time
 
 from conveyor import Admin, Producer
-from tests.faults.fault_helpers import ConsumerThread, Proxy, drain_group, fetch_all, judge_group, report, wait_for
+from tests.faults.fault_helpers import ConsumerThread, Proxy, drain_group, fetch_all, judge_group, report
+from tests.helpers import wait_for
 
 
 def publish_steadily(address: str, topic: str, count: int, seconds: float, stop: threading.Event) -> None:

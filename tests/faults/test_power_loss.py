@@ -22,17 +22,8 @@ import pytest
 from conveyor.broker.log.syscalls import ENV_JOURNAL, simulate_power_loss
 
 from conveyor import Producer
-from tests.faults.fault_helpers import (
-    Load,
-    consumers,
-    drain_group,
-    fetch_all,
-    judge,
-    judge_group,
-    report,
-    soak_seconds,
-    wait_for,
-)
+from tests.faults.fault_helpers import Load, consumers, drain_group, fetch_all, judge, judge_group, report, soak_seconds
+from tests.helpers import wait_for
 
 TOPIC = "power"
 

@@ -31,7 +31,8 @@ from conveyor.errors import ConveyorError
 from tests.broker.bad_fields import one_bad_field
 from tests.broker.test_fuzz import messages as malformed_messages
 from tests.broker.test_fuzz import nested
-from tests.faults.fault_helpers import ConsumerThread, Load, fetch_all, judge, judge_group, report, rss_bytes, wait_for
+from tests.faults.fault_helpers import ConsumerThread, Load, fetch_all, judge, judge_group, report, rss_bytes
+from tests.helpers import wait_for
 
 MiB = 1 << 20
 MAX_BATCH = 65536

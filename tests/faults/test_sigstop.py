@@ -30,8 +30,8 @@ from tests.faults.fault_helpers import (
     judge,
     judge_group,
     report,
-    wait_for,
 )
+from tests.helpers import wait_for
 
 
 def test_a_frozen_broker_stores_every_resent_batch_once(brokers):

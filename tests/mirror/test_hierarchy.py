@@ -16,7 +16,8 @@ from conveyor.broker.client.subscription import Subscription
 
 from conveyor import Admin, Producer
 from conveyor.errors import ReadOnlyTopic
-from conveyor.testing import BrokerProcess, wait_for
+from conveyor.testing import BrokerProcess
+from tests.helpers import publish, wait_for
 
 
 @pytest.fixture
@@ -59,13 +60,6 @@ def health(broker: BrokerProcess) -> dict:
         return json.loads(urllib.request.urlopen(url, timeout=5).read())
     except urllib.error.HTTPError as exc:
         return json.loads(exc.read())
-
-
-def publish(address: str, topic: str, values: list) -> None:
-    with Producer(address, linger_ms=1) as producer:
-        for value in values:
-            producer.send(topic, value)
-        producer.flush(timeout=20)
 
 
 def test_messages_reach_the_third_level_with_identical_offsets(chain):

@@ -8,7 +8,8 @@ import sys
 import time
 
 from conveyor.testing import BrokerProcess
-from tests.mirror.test_hierarchy import publish, read_all
+from tests.helpers import publish
+from tests.mirror.test_hierarchy import read_all
 
 
 def test_child_follows_a_parent_change_without_losing_offsets(tmp_path):

@@ -5,13 +5,11 @@ from __future__ import annotations
 import json
 import re
 import shutil
-import socket
 import subprocess
 import time
 import urllib.error
 import urllib.parse
 import urllib.request
-from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +18,7 @@ from conveyor.monitoring.metrics import BrokerMetrics, HealthCollector, RunnerMe
 from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
-from conveyor import Producer
+from tests.helpers import free_port, http_get
 from tests.runner.runner_helpers import RunnerProcess
 
 __all__ = ["RunnerProcess", "start_runner"]
@@ -64,34 +62,7 @@ def require_tool(name: str) -> str:
     return path
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def publish(address: str, topic: str, values: Iterable[Any]) -> None:
-    with Producer(address, linger_ms=1) as producer:
-        for value in values:
-            producer.send(topic, value)
-        producer.flush(timeout=20)
-
-
 # --- scraping ---------------------------------------------------------------------------------------------
-
-
-def http_get(url: str, timeout: float = 5.0) -> tuple[int, str]:
-    try:
-        with urllib.request.urlopen(url, timeout=timeout) as response:
-            return response.status, response.read().decode()
-    except urllib.error.HTTPError as exc:
-        return exc.code, exc.read().decode()
-
-
-def scrape(url: str) -> str:
-    status, body = http_get(url)
-    assert status == 200, f"{url} answered {status}: {body[:500]}"
-    return body
 
 
 def health(metrics_url: str) -> tuple[int, dict[str, Any]]:
@@ -99,28 +70,8 @@ def health(metrics_url: str) -> tuple[int, dict[str, Any]]:
     return status, json.loads(body)
 
 
-def sample_value(text: str, name: str, **labels: str) -> float | None:
-    """The value of one sample in an exposition, or None when it is absent."""
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name == name and sample.labels == labels:
-                return float(sample.value)
-    return None
-
-
 def label_sets(text: str, name: str) -> list[dict[str, str]]:
     return [s.labels for f in text_string_to_metric_families(text) for s in f.samples if s.name == name]
-
-
-def wait_for(check: Callable[[], Any], *, timeout: float = 15.0, message: str = "condition") -> Any:
-    deadline = time.monotonic() + timeout
-    last: Any = None
-    while time.monotonic() < deadline:
-        last = check()
-        if last:
-            return last
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {message} (last: {last!r})")
 
 
 def promtool_check_metrics(text: str) -> subprocess.CompletedProcess[str]:

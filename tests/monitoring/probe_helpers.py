@@ -16,11 +16,11 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from conveyor.testing import scrape_metric
+from tests.helpers import wait_for
 
 APPS = Path(__file__).parent / "apps"
 PHASE = 45.0  # every phase of a probe test gets this long: CI runs on 2 busy cores
@@ -47,18 +47,6 @@ def _body(raw: bytes, content_type: str) -> Any:
     if raw and content_type.startswith("application/json"):
         return json.loads(raw)
     return raw
-
-
-def until(check: Callable[[], Any], what: str, deadline: float = PHASE) -> Any:
-    """Call ``check`` until it returns something true; that value, or an AssertionError naming ``what``."""
-    end = time.monotonic() + deadline
-    last: Any = None
-    while time.monotonic() < end:
-        last = check()
-        if last:
-            return last
-        time.sleep(0.1)
-    raise AssertionError(f"timed out waiting for {what} (last: {last!r})")
 
 
 def health_is(base: str, status: str) -> tuple[int, dict[str, Any]] | None:
@@ -101,7 +89,7 @@ class ProbedRunner:
         )
         self.lines: list[str] = []
         threading.Thread(target=self._pump, daemon=True).start()
-        self.url = base_url(until(self._metrics_url, "the runner's metrics URL"))
+        self.url = base_url(wait_for(self._metrics_url, PHASE, message="the runner's metrics URL"))
 
     def _pump(self) -> None:
         assert self.proc.stdout is not None

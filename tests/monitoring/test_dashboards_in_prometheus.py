@@ -21,6 +21,7 @@ from conveyor.broker.wire.values import make_record
 
 from conveyor import Producer
 from conveyor.testing import BrokerProcess
+from tests.helpers import publish, sample_value, scrape, wait_for
 from tests.monitoring.dashboard_helpers import (
     all_queries,
     label_values_query,
@@ -29,14 +30,7 @@ from tests.monitoring.dashboard_helpers import (
     variable_query,
     variables,
 )
-from tests.monitoring.monitoring_helpers import (
-    PrometheusServer,
-    publish,
-    runner_metrics_url,
-    sample_value,
-    scrape,
-    wait_for,
-)
+from tests.monitoring.monitoring_helpers import PrometheusServer, runner_metrics_url
 
 TRAFFIC_SECONDS = 8.0
 VALUES = {

@@ -22,7 +22,8 @@ from prometheus_client import CollectorRegistry
 
 from conveyor import Producer, consumer
 from conveyor.testing import BrokerProcess
-from tests.monitoring.probe_helpers import PHASE, ProbedRunner, base_url, health_is, health_status_metric, probe, until
+from tests.helpers import wait_for
+from tests.monitoring.probe_helpers import PHASE, ProbedRunner, base_url, health_is, health_status_metric, probe
 
 ENDPOINTS = ("/healthz", "/livez", "/readyz", "/metrics")
 
@@ -78,12 +79,12 @@ def test_a_broker_whose_fsyncs_fail_is_unhealthy_until_an_fsync_works(
     base = base_url(broker.metrics_url)
     with Producer(broker.address, linger_ms=1, request_timeout_ms=2000) as producer:
         assert producer.send("disk", b"before").result(timeout=PHASE) == 0
-        assert until(lambda: health_is(base, "HEALTHY"), "HEALTHY")[0] == 200
+        assert wait_for(lambda: health_is(base, "HEALTHY"), PHASE, message="HEALTHY")[0] == 200
         # When every fsync fails, the producer's batch is refused (STORAGE_IO_ERROR) and retried
         control.write_text("fsync_eio\n")
         pending = producer.send("disk", b"during")
         # Then the broker is UNHEALTHY (503), not ready, still live, and says which operation failed
-        code, report = until(lambda: health_is(base, "UNHEALTHY"), "UNHEALTHY after failed fsyncs")
+        code, report = wait_for(lambda: health_is(base, "UNHEALTHY"), PHASE, message="UNHEALTHY after failed fsyncs")
         assert code == 503
         storage = report["checks"]["storage"]
         assert storage["status"] == "UNHEALTHY" and "fsync" in storage["failing"], storage
@@ -95,7 +96,7 @@ def test_a_broker_whose_fsyncs_fail_is_unhealthy_until_an_fsync_works(
         # When fsyncs work again, the resent batch is stored and health follows
         control.write_text("")
         assert pending.result(timeout=PHASE) == 1
-        assert until(lambda: health_is(base, "HEALTHY"), "HEALTHY once an fsync worked")[0] == 200
+        assert wait_for(lambda: health_is(base, "HEALTHY"), PHASE, message="HEALTHY once an fsync worked")[0] == 200
         assert probe(base, "/readyz")[0] == 200
         assert health_status_metric(base, "storage") == 0
 
@@ -112,14 +113,16 @@ def test_a_broker_whose_offsets_writes_fail_is_unhealthy_until_one_works(
     control.write_text("rename_eio\nmatch=groups.json\n")
     with Subscription("offsets", "g", address=broker.address) as sub:
         got: list[Any] = []
-        until(lambda: got.extend(sub.receive(timeout=0.2)) or len(got) >= 10, "10 messages")
+        wait_for(lambda: got.extend(sub.receive(timeout=0.2)) or len(got) >= 10, PHASE, message="10 messages")
         sub.ack(got)
         # When groups.json cannot be written, the broker says so
-        code, report = until(lambda: health_is(base, "UNHEALTHY"), "UNHEALTHY after a failed offsets write")
+        code, report = wait_for(
+            lambda: health_is(base, "UNHEALTHY"), PHASE, message="UNHEALTHY after a failed offsets write"
+        )
         assert code == 503 and "offsets" in report["checks"]["storage"]["failing"], report
         # Then the writer's retry works once the disk does, and health follows
         control.write_text("")
-        until(lambda: health_is(base, "HEALTHY"), "HEALTHY once the offsets were written")
+        wait_for(lambda: health_is(base, "HEALTHY"), PHASE, message="HEALTHY once the offsets were written")
         sub.receive(timeout=0.1)  # keep the subscription alive
 
 
@@ -129,15 +132,15 @@ def test_a_runner_whose_broker_stays_down_turns_unhealthy_then_recovers(
     broker, _control = faulty_broker
     runner = runners(broker.address, "--unhealthy-after", "2")
     # Given a runner subscribed to a live broker: healthy, ready, live
-    until(lambda: health_is(runner.url, "HEALTHY"), "runner HEALTHY")
+    wait_for(lambda: health_is(runner.url, "HEALTHY"), PHASE, message="runner HEALTHY")
     assert probe(runner.url, "/readyz")[0] == 200
     assert probe(runner.url, "/livez")[0] == 200
     # When the broker goes away, the runner is DEGRADED (200) at first...
     broker.stop()
-    code, _report = until(lambda: health_is(runner.url, "DEGRADED"), "runner DEGRADED")
+    code, _report = wait_for(lambda: health_is(runner.url, "DEGRADED"), PHASE, message="runner DEGRADED")
     assert code == 200
     # ...and UNHEALTHY (503) once it has been without its broker for --unhealthy-after; still live
-    code, report = until(lambda: health_is(runner.url, "UNHEALTHY"), "runner UNHEALTHY")
+    code, report = wait_for(lambda: health_is(runner.url, "UNHEALTHY"), PHASE, message="runner UNHEALTHY")
     assert code == 503
     assert report["checks"]["app_probe.probed"]["status"] == "UNHEALTHY", report
     assert probe(runner.url, "/readyz")[0] == 503
@@ -146,9 +149,9 @@ def test_a_runner_whose_broker_stays_down_turns_unhealthy_then_recovers(
     assert health_status_metric(runner.url, "app_probe.probed") == 2
     # Then it recovers when the broker is back
     broker.start()
-    code, _report = until(lambda: health_is(runner.url, "HEALTHY"), "runner HEALTHY again")
+    code, _report = wait_for(lambda: health_is(runner.url, "HEALTHY"), PHASE, message="runner HEALTHY again")
     assert code == 200
-    assert until(lambda: probe(runner.url, "/readyz")[0] == 200, "runner ready again")
+    assert wait_for(lambda: probe(runner.url, "/readyz")[0] == 200, PHASE, message="runner ready again")
     assert health_status_metric(runner.url, "overall") == 0
 
 
@@ -161,7 +164,7 @@ def test_a_runner_that_never_reached_its_broker_is_not_ready(runners: Any, tmp_p
     # Then it is not ready from the start, and UNHEALTHY once --unhealthy-after has passed
     assert probe(runner.url, "/readyz")[0] == 503
     assert probe(runner.url, "/livez")[0] == 200
-    code, report = until(lambda: health_is(runner.url, "UNHEALTHY"), "runner UNHEALTHY")
+    code, report = wait_for(lambda: health_is(runner.url, "UNHEALTHY"), PHASE, message="runner UNHEALTHY")
     assert code == 503 and report["checks"]["app_probe.probed"]["subscribed"] is False
 
 

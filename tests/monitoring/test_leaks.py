@@ -20,7 +20,7 @@ from conveyor.monitoring.bounded_http import MAX_CONNECTIONS, PROBE_SLOTS
 
 from conveyor import Admin, Producer
 from conveyor.errors import UnknownTopic
-from conveyor.testing import wait_for
+from tests.helpers import wait_for
 from tests.monitoring.monitoring_helpers import runner_metrics_url
 
 TOPICS = 12

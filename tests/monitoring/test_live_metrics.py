@@ -12,16 +12,8 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
 from conveyor import Admin, consumer
-from tests.monitoring.monitoring_helpers import (
-    health,
-    label_sets,
-    promtool_check_metrics,
-    publish,
-    runner_metrics_url,
-    sample_value,
-    scrape,
-    wait_for,
-)
+from tests.helpers import publish, sample_value, scrape, wait_for
+from tests.monitoring.monitoring_helpers import health, label_sets, promtool_check_metrics, runner_metrics_url
 
 GATED = {"topic": "gated", "group": "gatekeepers"}
 HOLD = {"handler": "app_monitored.hold", **GATED}

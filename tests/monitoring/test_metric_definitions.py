@@ -25,7 +25,8 @@ from conveyor.monitoring.metrics import (
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.monitoring.monitoring_helpers import http_get, registered_families
+from tests.helpers import http_get
+from tests.monitoring.monitoring_helpers import registered_families
 
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "monitoring.md"
 TOPIC, GROUP = ("topic",), ("topic", "group")

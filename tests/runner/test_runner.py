@@ -6,15 +6,9 @@ import collections
 import signal
 import time
 
-from conveyor import Admin, Producer
+from conveyor import Admin
+from tests.helpers import publish
 from tests.runner.runner_helpers import RunnerProcess, by_pid, offsets, records, wait_records
-
-
-def publish(address: str, topic: str, values: list, keys: list | None = None) -> None:
-    with Producer(address, linger_ms=1) as producer:
-        for i, value in enumerate(values):
-            producer.send(topic, value, key=None if keys is None else keys[i])
-        producer.flush(timeout=20)
 
 
 def test_three_runners_share_a_group_each_message_once(conveyor_broker, tmp_path):
@@ -135,7 +129,7 @@ def test_key_ordered_concurrency_keeps_per_key_order(conveyor_broker, tmp_path):
     runner = RunnerProcess(conveyor_broker.address, tmp_path)
     try:
         keys = [f"k{i % 16}" for i in range(2000)]
-        publish(conveyor_broker.address, "keyed", list(range(2000)), keys)
+        publish(conveyor_broker.address, "keyed", list(range(2000)), keys=keys)
         rows = wait_records(tmp_path, "keyed", 2000, timeout=40)
         assert sorted(int(r[2]) for r in rows) == list(range(2000))
         per_key: dict[str, list[int]] = collections.defaultdict(list)

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from conveyor import Producer, Subscription
-from conveyor.testing import wait_for
+from tests.helpers import wait_for
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -9,17 +9,11 @@ from __future__ import annotations
 import collections
 import re
 
-from conveyor import Admin, Producer
+from conveyor import Admin
 from conveyor.errors import ConveyorError
-from conveyor.testing import scrape_metric, wait_for
+from conveyor.testing import scrape_metric
+from tests.helpers import publish, wait_for
 from tests.runner.runner_helpers import RunnerProcess, records, wait_records
-
-
-def publish(address: str, topic: str, values: list, keys: list | None = None) -> None:
-    with Producer(address, linger_ms=1) as producer:
-        for i, value in enumerate(values):
-            producer.send(topic, value, key=None if keys is None else keys[i])
-        producer.flush(timeout=30)
 
 
 def runner(address: str, out, spec: str, env: dict[str, str] | None = None) -> RunnerProcess:
@@ -53,7 +47,7 @@ def test_key_ordered_waiting_is_not_a_delivery_attempt(conveyor_broker, tmp_path
     n, every = 120, 10
     proc = runner(conveyor_broker.address, tmp_path, "keyed_flaky")
     try:
-        publish(conveyor_broker.address, "kf", list(range(n)), [f"k{i % 4}" for i in range(n)])
+        publish(conveyor_broker.address, "kf", list(range(n)), keys=[f"k{i % 4}" for i in range(n)])
         done = wait_records(tmp_path, "kf-done", n, timeout=60)
         assert sorted(int(r[2]) for r in done) == list(range(n)), "everything handled once"
         calls = collections.Counter(int(r[2]) for r in records(tmp_path, "kf-call"))
@@ -74,7 +68,7 @@ def test_key_ordered_waiting_is_not_a_delivery_attempt(conveyor_broker, tmp_path
 def test_a_delayed_nack_on_the_head_of_a_key_keeps_the_keys_order(conveyor_broker, tmp_path):
     proc = runner(conveyor_broker.address, tmp_path, "keyed_nack")
     try:
-        publish(conveyor_broker.address, "kn", list(range(30)), ["a" if i % 3 else "b" for i in range(30)])
+        publish(conveyor_broker.address, "kn", list(range(30)), keys=["a" if i % 3 else "b" for i in range(30)])
         done = wait_records(tmp_path, "kn-done", 30, timeout=60)
         assert sorted(int(r[2]) for r in done) == list(range(30))
         for key, seen in per_key(done).items():
@@ -88,7 +82,7 @@ def test_key_order_holds_when_the_runner_dies_while_a_key_waits(conveyor_broker,
     env = {"CONVEYOR_TEST_RETRY_DELAY": "3"}
     first = runner(conveyor_broker.address, tmp_path / "first", "keyed_killed", env)
     keys = ["k0" if i % 2 == 0 else "k1" for i in range(40)]
-    publish(conveyor_broker.address, "kk", list(range(40)), keys)
+    publish(conveyor_broker.address, "kk", list(range(40)), keys=keys)
     # The head of k0 failed and waits 3 s; k1 flows meanwhile.
     assert wait_for(lambda: len(records(tmp_path / "first", "kk-done")) >= 20, 30)
     first.kill()
@@ -107,7 +101,7 @@ def test_key_order_holds_when_the_runner_dies_while_a_key_waits(conveyor_broker,
 def test_sigterm_gives_back_parked_messages_without_counting_them(conveyor_broker, tmp_path):
     env = {"CONVEYOR_TEST_RETRY_DELAY": "3"}
     first = runner(conveyor_broker.address, tmp_path / "first", "keyed_killed", env)
-    publish(conveyor_broker.address, "kk", list(range(10)), ["k0"] * 10)
+    publish(conveyor_broker.address, "kk", list(range(10)), keys=["k0"] * 10)
     assert wait_for(lambda: len(records(tmp_path / "first", "kk-call")) >= 1, 30)
     first.terminate()  # k0's head waits for its retry, 1..9 are parked
     assert first.wait(20) == 0
@@ -128,7 +122,7 @@ def test_kill_9_counts_parked_messages_once_as_the_readme_says(conveyor_broker, 
     """
     env = {"CONVEYOR_TEST_RETRY_DELAY": "3"}
     first = runner(conveyor_broker.address, tmp_path / "first", "keyed_killed", env)
-    publish(conveyor_broker.address, "kk", list(range(10)), ["k0"] * 10)
+    publish(conveyor_broker.address, "kk", list(range(10)), keys=["k0"] * 10)
     assert wait_for(lambda: len(records(tmp_path / "first", "kk-call")) >= 1, 30)
     first.kill()  # k0's head waits for its retry in the broker, 1..9 are parked in the runner
     assert records(tmp_path / "first", "kk-done") == []
@@ -145,8 +139,8 @@ def test_batch_and_async_handlers_keep_key_order_through_retries(conveyor_broker
     other = runner(conveyor_broker.address, tmp_path, "keyed_async")
     try:
         keys = [f"k{i % 3}" for i in range(60)]
-        publish(conveyor_broker.address, "kb", list(range(60)), keys)
-        publish(conveyor_broker.address, "ka", list(range(60)), keys)
+        publish(conveyor_broker.address, "kb", list(range(60)), keys=keys)
+        publish(conveyor_broker.address, "ka", list(range(60)), keys=keys)
         for name in ("kb-done", "ka-done"):
             done = wait_records(tmp_path, name, 60, timeout=60)
             assert sorted(int(r[2]) for r in done) == list(range(60)), name

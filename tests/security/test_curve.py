@@ -17,7 +17,8 @@ from conveyor.broker.net import security
 
 from conveyor import Admin, Producer
 from conveyor.errors import AuthFailed
-from conveyor.testing import BrokerProcess, wait_for
+from conveyor.testing import BrokerProcess
+from tests.helpers import wait_for
 
 
 @pytest.fixture

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
@@ -18,7 +17,7 @@ def value_of(i: int) -> bytes:
     return b"%0100d" % i  # 100 bytes, and the offset it should land at is readable in it
 
 
-def publish(address: str, topic: str, n: int, *, start: int = 0, batch_size: int = 10_000) -> list[int]:
+def publish_numbered(address: str, topic: str, n: int, *, start: int = 0, batch_size: int = 10_000) -> list[int]:
     """Publish values ``value_of(start..start+n)``; returns their confirmed offsets."""
     with Producer(address, batch_size=batch_size, linger_ms=20, max_batch_bytes=4 << 20) as producer:
         futures = [
@@ -39,16 +38,6 @@ def read(spark: SparkSession, address: str, topic: str, **options: Any) -> DataF
     for key, value in options.items():
         reader = reader.option(key, str(value))
     return reader.load()
-
-
-def wait_for(condition: Callable[[], Any], timeout: float = 60.0, what: str = "condition") -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        result = condition()
-        if result:
-            return result
-        time.sleep(0.1)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 class BackgroundProducer:

@@ -12,14 +12,14 @@ from pyspark.sql import functions as F
 from pyspark.sql.types import LongType, StringType, StructField, StructType
 
 from conveyor import Admin, Producer
-from tests.spark.spark_helpers import publish, read, value_of
+from tests.spark.spark_helpers import publish_numbered, read, value_of
 
 pytestmark = pytest.mark.spark
 
 
 def test_batch_read_of_100k_messages_equals_what_was_published(spark, conveyor_broker):
     n = 100_000
-    offsets = publish(conveyor_broker.address, "orders", n)
+    offsets = publish_numbered(conveyor_broker.address, "orders", n)
     assert offsets == list(range(n))
 
     df = read(spark, conveyor_broker.address, "orders", partitionSize=30_000)
@@ -40,11 +40,11 @@ def test_batch_read_of_100k_messages_equals_what_was_published(spark, conveyor_b
 
 def test_read_of_an_offset_range_and_pushed_down_filters(spark, conveyor_broker):
     address = conveyor_broker.address
-    publish(address, "ranges", 5000, batch_size=1000)  # several broker batches; ranges start mid-batch
+    publish_numbered(address, "ranges", 5000, batch_size=1000)  # several broker batches; ranges start mid-batch
     time.sleep(0.05)
     cut = datetime.now(UTC)
     time.sleep(0.05)
-    publish(address, "ranges", 1000, start=5000, batch_size=1000)
+    publish_numbered(address, "ranges", 1000, start=5000, batch_size=1000)
 
     ranged = read(spark, address, "ranges", startingOffsets=1234, endingOffsets=3456, partitionSize=500)
     rows = ranged.select("offset", "value").collect()

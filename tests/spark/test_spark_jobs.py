@@ -10,7 +10,7 @@ import pytest
 from conveyor.pipeline.jobs import archive, ingest, lag_report
 
 from conveyor import Admin
-from tests.spark.spark_helpers import publish, read
+from tests.spark.spark_helpers import publish_numbered, read
 
 pytestmark = pytest.mark.spark
 
@@ -44,7 +44,7 @@ def test_ingest_files_and_sqlite_then_archive_resumably(spark, conveyor_broker, 
     out, log = str(tmp_path / "archive"), io.StringIO()
     done = archive.archive(spark, address, "orders", out, max_offsets_per_trigger=500, log=log)
     assert (done.rows, done.end_offset) == (800, 800) and done.batches == 2
-    publish(address, "orders", 50, start=800)
+    publish_numbered(address, "orders", 50, start=800)
     again = archive.archive(spark, address, "orders", out, max_offsets_per_trigger=500, log=log)
     assert (again.rows, again.end_offset) == (50, 850)
     archived = spark.read.parquet(out)
@@ -55,7 +55,7 @@ def test_ingest_files_and_sqlite_then_archive_resumably(spark, conveyor_broker, 
 
 def test_stream_write_copies_a_topic_once_across_runs(spark, conveyor_broker, tmp_path):
     address = conveyor_broker.address
-    publish(address, "source", 3000)
+    publish_numbered(address, "source", 3000)
 
     def copy_available() -> None:
         query = (
@@ -78,7 +78,7 @@ def test_stream_write_copies_a_topic_once_across_runs(spark, conveyor_broker, tm
         assert [p["numInputRows"] for p in query.recentProgress if p["numInputRows"]] in ([2000, 1000], [1000])
 
     copy_available()
-    publish(address, "source", 1000, start=3000)
+    publish_numbered(address, "source", 1000, start=3000)
     copy_available()
     with Admin(address) as admin:
         assert admin.describe_topic("copy")["end_offset"] == 4000
@@ -92,7 +92,7 @@ def test_stream_write_copies_a_topic_once_across_runs(spark, conveyor_broker, tm
 
 def test_lag_report_samples_groups_into_a_table(spark, conveyor_broker, tmp_path):
     address = conveyor_broker.address
-    publish(address, "billing", 1000)
+    publish_numbered(address, "billing", 1000)
     with Admin(address) as admin:
         admin.reset_offsets("billing", "invoices", 250)
     log = io.StringIO()

@@ -7,7 +7,8 @@ import json
 import pytest
 
 from conveyor import Admin
-from tests.spark.spark_helpers import BackgroundProducer, read, wait_for
+from tests.helpers import wait_for
+from tests.spark.spark_helpers import BackgroundProducer, read
 
 pytestmark = pytest.mark.spark
 
@@ -76,13 +77,13 @@ def test_stream_to_parquet_stopped_and_restarted_twice_while_publishing(spark, c
             query = start_archive(spark, address, "events", out, checkpoint)
             before = producer.sent
             # Each run makes progress on data published during it, then is stopped mid-stream.
-            wait_for(lambda q=query: processed(q) >= 2000, timeout=90, what=f"run {run} to archive rows")
-            wait_for(lambda b=before: producer.sent > b + 3000, timeout=30, what="more publishing")
+            wait_for(lambda q=query: processed(q) >= 2000, timeout=90, message=f"run {run} to archive rows")
+            wait_for(lambda b=before: producer.sent > b + 3000, timeout=30, message="more publishing")
             assert query.exception() is None
             if run < 2:
                 query.stop()
         published = producer.stop()
-        wait_for(lambda: caught_up(query, address, "events"), timeout=90, what="the last run to catch up")
+        wait_for(lambda: caught_up(query, address, "events"), timeout=90, message="the last run to catch up")
         query.stop()
     finally:
         producer.stop() if producer._thread.is_alive() else None
@@ -96,13 +97,13 @@ def test_broker_killed_and_restarted_under_a_running_stream(spark, conveyor_brok
     producer = BackgroundProducer(address, "crashy", rate=2000).start()
     query = start_archive(spark, address, "crashy", out, checkpoint)
     try:
-        wait_for(lambda: processed(query) >= 2000, timeout=90, what="rows archived before the crash")
+        wait_for(lambda: processed(query) >= 2000, timeout=90, message="rows archived before the crash")
         conveyor_broker.restart(kill=True)  # kill -9, then the same port and data
         after_restart = processed(query)
-        wait_for(lambda: processed(query) >= after_restart + 3000, timeout=120, what="rows archived after the crash")
+        wait_for(lambda: processed(query) >= after_restart + 3000, timeout=120, message="rows archived after the crash")
         assert query.isActive and query.exception() is None
         published = producer.stop()  # every unconfirmed batch was resent and confirmed
-        wait_for(lambda: caught_up(query, address, "crashy"), timeout=90, what="the stream to catch up")
+        wait_for(lambda: caught_up(query, address, "crashy"), timeout=90, message="the stream to catch up")
     finally:
         query.stop()
         producer.stop() if producer._thread.is_alive() else None

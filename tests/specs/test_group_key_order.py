@@ -18,21 +18,15 @@ from conveyor.broker.log.topic_log import TopicConfig
 from conveyor.broker.server.groups import Group, GroupSettings, Member
 from conveyor.broker.wire.record import pack_records
 
+from tests.helpers import FakeClock
+
 KEYS = [b"a", b"b", b"c", None]
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 class Model:
     def __init__(self, seed: int) -> None:
         self.rng = random.Random(seed)
-        self.clock = Clock()
+        self.clock = FakeClock(1000.0)
         self.log = MemoryLog("t", TopicConfig(storage="memory"), fsync=FsyncPolicy("none"), clock=self.clock)
         settings = GroupSettings(max_deliveries=50, ack_timeout_ms=5000, key_affinity=True)
         self.group = Group("t", "g", settings, next_offset=0, clock=self.clock)

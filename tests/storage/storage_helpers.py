@@ -14,19 +14,6 @@ from conveyor.broker.log.topic_log import TopicConfig, TopicLog
 from conveyor.broker.wire.record import HEADER_SIZE, pack_records
 
 
-class FakeClock:
-    """A clock the test moves by hand (seconds, like ``time.time``)."""
-
-    def __init__(self, now: float = 1_700_000_000.0) -> None:
-        self.now = now
-
-    def __call__(self) -> float:
-        return self.now
-
-    def advance(self, seconds: float) -> None:
-        self.now += seconds
-
-
 @dataclass(frozen=True)
 class Expected:
     """What a test appended: enough to check a read and to find it on disk."""

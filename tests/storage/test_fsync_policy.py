@@ -11,7 +11,8 @@ from conveyor.broker.log.memory_log import MemoryLog
 from conveyor.broker.log.topic_log import TopicConfig
 
 from conveyor.errors import ConfigError
-from tests.storage.storage_helpers import FakeClock, file_log, random_body
+from tests.helpers import FakeClock
+from tests.storage.storage_helpers import file_log, random_body
 
 
 @pytest.mark.parametrize(

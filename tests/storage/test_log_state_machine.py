@@ -25,7 +25,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from conveyor.errors import DuplicateSequence, OffsetOutOfRange
-from tests.storage.storage_helpers import FakeClock, crash
+from tests.helpers import FakeClock
+from tests.storage.storage_helpers import crash
 
 SEGMENT_BYTES = 1024
 PRODUCERS = [11, 22, 33]

@@ -15,7 +15,7 @@ from conveyor.broker.log import syscalls
 from conveyor.broker.log.data_dir import GROUPS_FILE, OffsetWriter, Store
 
 from conveyor.errors import ConveyorError, MetadataCorrupt, StorageFull, StorageIOError
-from conveyor.testing import wait_for
+from tests.helpers import wait_for
 
 
 @pytest.fixture

@@ -50,6 +50,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 DOCS = [
     REPO / "README.md",
+    REPO / "ARCHITECTURE.md",
     *sorted((REPO / "docs").glob("*.md")),
     REPO / "grafana" / "README.md",
     REPO / "benchmarks" / "README.md",

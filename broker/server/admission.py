@@ -53,13 +53,13 @@ class Admission:
             raise
 
     def topic_for_write(self, topic: str, identity: bytes | None = None) -> TopicLog:
-        """The log of ``topic``, made now if auto-create allows (durable later: see broker.creator)."""
+        """The log of ``topic``, made now if auto-create allows (durable later: see log/topic_creator.py)."""
         if topic not in self.store.logs:
             if not self.auto_create:
                 raise UnknownTopic(f"no topic {topic} (auto-create is off)", topic=topic)
             self._admit_auto_create(topic, identity)
             self.creations += 1
-            self.store.create_topic(topic, background=True)  # no fsync here: see broker.creator
+            self.store.create_topic(topic, background=True)  # no fsync here: see log/topic_creator.py
         log_ = self.store.topic(topic)
         if log_.config.read_only:
             raise ReadOnlyTopic(f"topic {topic} is read-only", topic=topic)

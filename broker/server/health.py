@@ -1,7 +1,7 @@
 """The broker's health checks: what ``/healthz``, ``/livez``, ``/readyz`` and ``conveyor_health_status`` say.
 
 - ``storage``: the last real append, fsync, offsets write and topic creation
-  (``broker.iohealth``); a failure is UNHEALTHY until the same operation on
+  (``conveyor.broker.log.io_health``); a failure is UNHEALTHY until the same operation on
   the same topic works again.
 - ``disk_space``: free space under ``--disk-free-min-bytes`` is an early
   DEGRADED warning only: writes still work, and if they stop, ``storage``

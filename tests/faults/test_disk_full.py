@@ -101,7 +101,7 @@ def test_a_full_disk_refuses_publishes_clearly_harms_nothing_and_recovers(broker
             seq += 1
         seq += 1
     # Then a producer is refused (it retries STORAGE_FULL until its delivery timeout is spent;
-    # broker.client.Producer then reports REQUEST_TIMEOUT or STORAGE_FULL, whichever comes first)
+    # the Producer then reports REQUEST_TIMEOUT or STORAGE_FULL, whichever comes first)
     with Producer(broker.address, delivery_timeout_ms=1500, request_timeout_ms=1000) as producer:
         future = producer.send(TOPIC, "while-full")
         with pytest.raises((StorageFull, RequestTimeout)) as refused:

@@ -245,7 +245,7 @@ def _full_broker_registry() -> CollectorRegistry:
 
 
 class FakeBrokerState:
-    """What ``admin_ops.state_snapshot`` returns, as a test can change it between scrapes."""
+    """What ``metrics_state.state_snapshot`` returns, as a test can change it between scrapes."""
 
     def __init__(self) -> None:
         self.groups: dict[tuple[str, str], dict[str, float]] = {}

@@ -107,6 +107,6 @@ def test_broker_killed_and_restarted_under_a_running_stream(spark, conveyor_brok
     finally:
         query.stop()
         producer.stop() if producer._thread.is_alive() else None
-    # broker.client.Producer may give up on a batch it resent after the crash (DUPLICATE_SEQUENCE: the
+    # the Producer may give up on a batch it resent after the crash (DUPLICATE_SEQUENCE: the
     # broker no longer remembers that sequence); whether those were stored is unknown to it, not to us.
     assert_exactly_once(spark, address, "crashy", out, published, producer.uncertain)

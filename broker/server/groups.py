@@ -541,7 +541,6 @@ class Group:
         """One member takes whole batches from ``next_offset`` while it has credit."""
         take = min(member.available, member.batch_size)
         entries: list[Entry] = []
-        start = self.next_offset
         for batch in batches:
             first = max(self.next_offset, batch.base_offset)
             end = min(batch.next_offset, first + take, limit)
@@ -552,8 +551,8 @@ class Group:
             self.next_offset = end
             if take <= 0 or len(entries) >= MAX_ENTRIES:
                 break
-        if entries:
-            self._record(member, [(start, self.next_offset)], 1, entries, plans)
+        if entries:  # a gap in the log before or between the batches is passed, never held by the member
+            self._record(member, _covered(entries), 1, entries, plans)
             self._advance_rr(member)
 
     def _record(
@@ -612,8 +611,9 @@ class Group:
                 taken, rest = _split_at(taken, entries[MAX_ENTRIES].first)
                 ranges = rest + ranges
                 entries = entries[:MAX_ENTRIES]
-            self._record(member, taken, item.deliveries + 1, entries, plans, item.first_ms)
-            self._advance_rr(member)
+            if entries:  # offsets of a gap in the log (lost to a power cut) are skipped: nothing to hold
+                self._record(member, _covered(entries), item.deliveries + 1, entries, plans, item.first_ms)
+                self._advance_rr(member)
         return ranges
 
     # --- key affinity ------------------------------------------------------------------
@@ -852,6 +852,11 @@ def _batches_between(log: TopicLog, start: int, end: int) -> Iterator[Batch]:
                 return
             yield batch
             offset = batch.next_offset
+
+
+def _covered(entries: list[Entry]) -> list[Range]:
+    """The offsets entries carry: what a member holds, without the gaps a power cut left in the log."""
+    return normalize([(e.first, e.end) for e in entries])
 
 
 def entries_for(log: TopicLog, start: int, end: int, deliveries: int) -> Iterator[Entry]:

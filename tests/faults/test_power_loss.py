@@ -21,11 +21,21 @@ import time
 import pytest
 from conveyor.broker.log.syscalls import ENV_JOURNAL, simulate_power_loss
 
-from conveyor import Producer
+from conveyor import Admin, Producer
 from tests.faults.fault_helpers import Load, consumers, drain_group, fetch_all, judge, judge_group, report, soak_seconds
 from tests.helpers import wait_for
 
 TOPIC = "power"
+ACK_TIMEOUT_MS = 300_000  # a lease that cannot run out while the group catches up
+
+
+def group_state(address: str, group: list) -> str:
+    """What to look at when the group does not catch up: the broker's view and the members' errors."""
+    with Admin(address) as admin:
+        described = admin.describe_group(TOPIC, "g")
+        end = admin.describe_topic(TOPIC)["end_offset"]
+    errors = [e for c in group for e in c.errors][-5:]
+    return f"the group did not catch up: end {end}, group {described}, member errors {errors}"
 
 
 def power_loss_cycles(brokers, tmp_path, *, fsync: str, cycles: int, seconds: float, seed: int, name: str):
@@ -33,7 +43,7 @@ def power_loss_cycles(brokers, tmp_path, *, fsync: str, cycles: int, seconds: fl
     journal = tmp_path / "fsio.journal"
     broker = brokers.start(
         fsync=fsync,
-        extra=["--heartbeat-ms", "500", "--segment-bytes", str(64 * 1024)],
+        extra=["--heartbeat-ms", "500", "--segment-bytes", str(64 * 1024), "--ack-timeout-ms", str(ACK_TIMEOUT_MS)],
         env={ENV_JOURNAL: str(journal)},
     )
     started = time.monotonic()
@@ -43,7 +53,7 @@ def power_loss_cycles(brokers, tmp_path, *, fsync: str, cycles: int, seconds: fl
     with Load(broker.address, TOPIC, producers=3, chunk=20) as load, consumers(broker.address, TOPIC, "g") as group:
         while done < cycles and time.monotonic() - started < seconds:
             before = load.confirmed_count
-            assert wait_for(lambda b=before: load.confirmed_count > b + 10, timeout=20), "no confirmed load"
+            assert wait_for(lambda b=before: load.confirmed_count > b + 10, timeout=60), "no confirmed load"
             time.sleep(rng.uniform(0.0, 0.5))
             broker.kill()
             confirmed_at_crash = load.confirmed()
@@ -61,8 +71,9 @@ def power_loss_cycles(brokers, tmp_path, *, fsync: str, cycles: int, seconds: fl
         assert not load.failures(), f"sends failed for good: {load.failures()[:3]}"
         # New messages still reach the group after the last power cut.
         with Producer(broker.address) as producer:
-            producer.send(TOPIC, "after-the-last-cut").result(timeout=10)
-        assert drain_group(broker.address, TOPIC, "g", group, timeout=30), "the group did not catch up"
+            producer.send(TOPIC, "after-the-last-cut").result(timeout=60)
+        # Well inside the lease (ACK_TIMEOUT_MS): lost deliveries must not be what settles the group.
+        assert drain_group(broker.address, TOPIC, "g", group, timeout=60), group_state(broker.address, group)
         time.sleep(0.3)
     stored = fetch_all(broker.address, TOPIC)
     sent = load.sent() | {"after-the-last-cut"}
@@ -111,7 +122,7 @@ def test_a_group_ahead_of_the_log_after_a_power_cut_still_gets_new_messages(brok
         for i in range(500):
             producer.send(TOPIC, f"old-{i}")
     with consumers(broker.address, TOPIC, "g", n=1) as group:
-        assert drain_group(broker.address, TOPIC, "g", group, timeout=20)
+        assert drain_group(broker.address, TOPIC, "g", group, timeout=90)
         time.sleep(0.6)  # the committed offset (500) is written and fsynced, the log is not
     broker.kill()
     simulate_power_loss(broker.data_dir, journal)
@@ -120,10 +131,10 @@ def test_a_group_ahead_of_the_log_after_a_power_cut_still_gets_new_messages(brok
     # When new messages are published where the log now ends
     with Producer(broker.address) as producer:
         new = [f"new-{i}" for i in range(50)]
-        offsets = [f.result(timeout=10) for f in [producer.send(TOPIC, v) for v in new]]
+        offsets = [f.result(timeout=60) for f in [producer.send(TOPIC, v) for v in new]]
     # Then the group gets them, although its committed offset had been ahead of the log
     with consumers(broker.address, TOPIC, "g", n=1) as group:
-        wait_for(lambda: len(group[0].deliveries) >= 50, timeout=10)
+        wait_for(lambda: len(group[0].deliveries) >= 50, timeout=60)
     got = {v for _o, v, _a in group[0].deliveries}
     report(
         "powerloss-none-group-ahead",

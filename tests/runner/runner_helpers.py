@@ -48,7 +48,7 @@ class RunnerProcess:
         self.lines: list[str] = []
         self.ready = threading.Event()
         threading.Thread(target=self._pump, daemon=True).start()
-        if not self.ready.wait(20):
+        if not self.ready.wait(60):  # a loaded CI machine starts Python slowly
             self.kill()
             raise RuntimeError("runner did not start:\n" + "".join(self.lines))
 
@@ -83,7 +83,7 @@ def offsets(out: Path, name: str) -> list[int]:
     return [int(r[2]) for r in records(out, name)]
 
 
-def wait_records(out: Path, name: str, count: int, timeout: float = 20.0) -> list[list[str]]:
+def wait_records(out: Path, name: str, count: int, timeout: float = 30.0) -> list[list[str]]:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         found = records(out, name)

@@ -59,7 +59,7 @@ def test_key_ordered_waiting_is_not_a_delivery_attempt(conveyor_broker, tmp_path
         for key, seen in per_key(done).items():
             assert seen == sorted(seen), f"{key} handled out of order: {seen}"
         assert dead_letters(conveyor_broker.address, "kf") == []
-        assert wait_for(lambda: runner_metric(proc, "conveyor_runner_retries_total") == len(failed), 10)
+        assert wait_for(lambda: runner_metric(proc, "conveyor_runner_retries_total") == len(failed), 30)
         assert runner_metric(proc, "conveyor_runner_retries_total") == len(failed), "the retry counter counts failures"
     finally:
         proc.kill()
@@ -104,7 +104,7 @@ def test_sigterm_gives_back_parked_messages_without_counting_them(conveyor_broke
     publish(conveyor_broker.address, "kk", list(range(10)), keys=["k0"] * 10)
     assert wait_for(lambda: len(records(tmp_path / "first", "kk-call")) >= 1, 30)
     first.terminate()  # k0's head waits for its retry, 1..9 are parked
-    assert first.wait(20) == 0
+    assert first.wait(60) == 0
     assert records(tmp_path / "first", "kk-done") == []
     second = runner(conveyor_broker.address, tmp_path / "second", "keyed_killed", env)
     try:
@@ -190,25 +190,33 @@ def test_error_handler_runs_for_a_message_the_broker_dead_letters(conveyor_broke
         dead = wait_records(tmp_path, "nacked-dead", 2, timeout=30)
         assert sorted((int(r[2]), r[6].strip()) for r in dead) == [(0, "DeadLettered:3"), (1, "DeadLettered:3")]
         assert sorted(int(r[3]) for r in records(tmp_path, "nacked-call")) == [1, 1, 2, 2, 3, 3]
-        assert wait_for(lambda: len(dead_letters(conveyor_broker.address, "nacked")) == 2, 10)
+        assert wait_for(lambda: len(dead_letters(conveyor_broker.address, "nacked")) == 2, 30)
     finally:
         proc.kill()
 
 
 def test_error_handler_runs_for_a_poison_message_that_kills_its_runners(conveyor_broker, tmp_path):
-    first = runner(conveyor_broker.address, tmp_path, "poison")
-    publish(conveyor_broker.address, "poison", ["x"])
-    assert first.wait(30) == 17, "the first runner died on it"
-    second = runner(conveyor_broker.address, tmp_path, "poison")
-    assert second.wait(30) == 17, "so did the second, once the broker saw the first was gone"
-    third = runner(conveyor_broker.address, tmp_path, "poison")
+    """Two runners die on the message; the third, still in the group, runs the error handler.
+
+    All three subscribe before the message exists: the broker tells only a member still in the
+    group (``DEAD_LETTERED`` is best effort, docs/protocol.md), and it notices the second death
+    within a heartbeat, sooner than a runner started after that death can subscribe on a loaded machine.
+    """
+    runners = [runner(conveyor_broker.address, tmp_path, "poison") for _ in range(3)]
     try:
-        dead = wait_records(tmp_path, "poison-dead", 1, timeout=30)
+        publish(conveyor_broker.address, "poison", ["x"])
+        dead = wait_records(tmp_path, "poison-dead", 1, timeout=60)
         assert [(r[2], r[6].strip()) for r in dead] == [("0", "DeadLettered:2")]
         assert [int(r[3]) for r in records(tmp_path, "poison-call")] == [1, 2]
-        assert wait_for(lambda: len(dead_letters(conveyor_broker.address, "poison")) == 1, 10)
+        assert wait_for(lambda: [p.proc.poll() for p in runners].count(None) == 1, 30), "two runners died"
+        died = [p for p in runners if p.proc.poll() is not None]
+        assert [p.proc.returncode for p in died] == [17, 17], "two runners died on it, one per delivery"
+        (survivor,) = [p for p in runners if p not in died]
+        assert dead[0][1] == str(survivor.proc.pid), "the runner still in the group ran the error handler"
+        assert wait_for(lambda: len(dead_letters(conveyor_broker.address, "poison")) == 1, 30)
     finally:
-        third.kill()
+        for proc in runners:
+            proc.kill()
 
 
 # --- #12 the newest subscription sets the group's settings ----------------------------------------
@@ -220,7 +228,7 @@ def test_a_redeploy_changes_the_groups_settings_and_says_so(conveyor_broker, tmp
         settings = admin.describe_group("rd", "rd")["settings"]
         assert (settings["max_deliveries"], settings["key_affinity"], settings["ack_timeout_ms"]) == (3, False, 30000)
         v1.terminate()
-        assert v1.wait(20) == 0
+        assert v1.wait(60) == 0
         v2 = runner(conveyor_broker.address, tmp_path, "redeploy_v2")
         try:
             described = admin.describe_group("rd", "rd")
@@ -236,7 +244,7 @@ def test_a_redeploy_changes_the_groups_settings_and_says_so(conveyor_broker, tmp
             assert [r[2] for r in wait_records(tmp_path, "rd-v2", 1)] == ["0"]
         finally:
             v2.kill()
-    assert wait_for(lambda: any("settings changed" in line for line in conveyor_broker.output), 10)
+    assert wait_for(lambda: any("settings changed" in line for line in conveyor_broker.output), 30)
     conveyor_broker.restart()
     with Admin(conveyor_broker.address) as admin:
         assert admin.describe_group("rd", "rd")["settings"]["max_deliveries"] == 6, "stored with the group"

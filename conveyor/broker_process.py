@@ -41,7 +41,7 @@ class BrokerProcess:
         self._bind = "tcp://127.0.0.1:*"
         self._metrics_port = "0"
 
-    def start(self, timeout: float = 20.0) -> BrokerProcess:
+    def start(self, timeout: float = 60.0) -> BrokerProcess:
         cmd = [
             sys.executable,
             "-m",
@@ -115,7 +115,7 @@ class BrokerProcess:
         """The sum of the broker's samples of ``name`` whose labels contain ``labels`` (e.g. ``'topic="t"'``)."""
         return scrape_metric(self.metrics_url, name, labels)
 
-    def restart(self, *, kill: bool = False, timeout: float = 20.0) -> BrokerProcess:
+    def restart(self, *, kill: bool = False, timeout: float = 60.0) -> BrokerProcess:
         self.kill() if kill else self.stop()
         for _ in range(50):  # the port may take a moment to be free again
             try:
@@ -135,7 +135,7 @@ class BrokerProcess:
 
 def scrape_metric(url: str, name: str, labels: str = "") -> float:
     """Sum of the samples of ``name`` at a ``/metrics`` URL whose labels contain ``labels``."""
-    text = urllib.request.urlopen(url, timeout=5).read().decode()
+    text = urllib.request.urlopen(url, timeout=30).read().decode()
     total = 0.0
     for match in re.finditer(rf"^{re.escape(name)}(\{{[^}}]*\}})? (\S+)$", text, re.M):
         if labels in (match.group(1) or ""):

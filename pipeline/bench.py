@@ -159,7 +159,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     out = [f"conveyor Spark benchmark: {n:,} messages of {size} bytes, {args.master}, {os.cpu_count()} cores"]
     try:
         rate = publish(address, topic, n, size)
-        out.append(f"{'(publish with broker.client.Producer)':<34} {rate:>11,.0f} rows/s")
+        out.append(f"{'(publish with conveyor.Producer)':<34} {rate:>11,.0f} rows/s")
         print(out[-1], file=sys.stderr, flush=True)
         spark = local_session("conveyor-bench", master=args.master)
 

@@ -110,7 +110,7 @@ class System(base.System):
             return "conveyor"
 
     def client_api(self) -> str:
-        return "broker.client.Producer.send_many(); consumers.session.Subscription receive()/ack()"
+        return "conveyor.Producer.send_many(); conveyor.Subscription receive()/ack()"
 
 
 # --- clients ------------------------------------------------------------------------------------

@@ -16,6 +16,13 @@ broker process does not load the clients, tenacity or the runner.
 from __future__ import annotations
 
 import importlib
+import importlib.abc
+import importlib.machinery
+import importlib.util
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 from conveyor.version import __version__
@@ -65,6 +72,41 @@ __all__ = [
     "error_handler",
     "retry_policy",
 ]
+
+
+class _SourceTree(importlib.abc.MetaPathFinder):
+    """Finds ``conveyor.broker`` and its siblings in the repository's folders when this file was loaded from there.
+
+    In a checkout, ``python -m pytest`` or ``python -c`` puts the repository root first on ``sys.path``, so this
+    ``conveyor/`` folder is found before an installed (non-editable) copy; its subpackages are not inside it but
+    beside it, as pyproject's ``package-dir`` maps them. An installed copy never needs this finder.
+    """
+
+    def __init__(self, folders: dict[str, Path]) -> None:
+        self.folders = folders
+
+    def find_spec(
+        self, fullname: str, path: Sequence[str] | None, target: ModuleType | None = None
+    ) -> importlib.machinery.ModuleSpec | None:
+        folder = self.folders.get(fullname)
+        if folder is None:
+            return None
+        return importlib.util.spec_from_file_location(
+            fullname, folder / "__init__.py", submodule_search_locations=[str(folder)]
+        )
+
+
+def _find_source_tree() -> None:
+    root = Path(__file__).resolve().parent.parent
+    names = ("broker", "consumers", "decorators", "monitoring", "pipeline", "benchmarks")
+    if not (root / "pyproject.toml").is_file() or not (root / "broker" / "server" / "broker.py").is_file():
+        return  # an installed copy: the subpackages are inside this folder
+    folders = {f"conveyor.{name}": root / name for name in names}
+    if not any(isinstance(finder, _SourceTree) for finder in sys.meta_path):
+        sys.meta_path.append(_SourceTree(folders))
+
+
+_find_source_tree()
 
 
 def __getattr__(name: str) -> Any:

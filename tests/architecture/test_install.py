@@ -13,8 +13,10 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import sysconfig
 import textwrap
 import zipfile
+from pathlib import Path
 
 from tests.architecture.wheel_helpers import FOLDERS, REPO, VERSION
 
@@ -80,3 +82,25 @@ def test_the_installed_wheel_runs_on_its_own(site_packages, tmp_path):
         [sys.executable, "-m", "conveyor", "--version"], cwd=tmp_path, env=env, capture_output=True, text=True
     )
     assert version.returncode == 0 and version.stdout.strip() == f"conveyor {VERSION}", version.stderr
+
+
+def test_a_checkout_finds_its_own_folders_beside_an_installed_copy(site_packages: Path):
+    """``pip install .`` then ``python -m pytest`` in the repository: the checkout's ``conveyor/`` comes first.
+
+    Its subpackages are the sibling folders, not inside it; without the source-tree finder in
+    ``conveyor/__init__.py`` every ``conveyor.broker`` import failed there with ModuleNotFoundError.
+    """
+    dependencies = sysconfig.get_paths()["purelib"]  # zmq, msgpack, ... (-S: no .pth, so no editable install)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(site_packages), dependencies])}
+    code = "import conveyor.broker.server.broker as b, conveyor.consumers.runner as r; print(b.__file__, r.__file__)"
+    out = subprocess.run(
+        [sys.executable, "-S", "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=60
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == [str(REPO / "broker/server/broker.py"), str(REPO / "consumers/runner.py")]
+    # And away from the checkout the installed copy is used, whole
+    out = subprocess.run(
+        [sys.executable, "-S", "-c", code], cwd=site_packages, env=env, capture_output=True, text=True, timeout=60
+    )
+    assert out.returncode == 0, out.stderr
+    assert all(path.startswith(str(site_packages)) for path in out.stdout.split()), out.stdout

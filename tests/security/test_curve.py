@@ -7,6 +7,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -188,14 +189,27 @@ def test_refused_clients_get_auth_failed_and_are_counted_and_logged(secure_broke
     assert "CONVEYOR_CURVE_KEY" in refused.value.message
     # Then the broker counted the refused key, and logged it
     assert wait_for(lambda: secure_broker.metric("conveyor_auth_failures_total", 'reason="unknown_key"') >= 1, 30)
-    # And plaintext handshakes, as long as a client keeps trying (one that hangs up first leaves no reason)
-    plaintext = zmq.Context.instance().socket(zmq.DEALER)
-    plaintext.connect(secure_broker.address)
+    # And plaintext handshakes, as long as a client keeps trying: a refused plaintext socket gives up after its
+    # first handshake, and one that hangs up before the broker reads its greeting leaves no reason, so each try
+    # is a fresh socket (at most one a second) until the broker has counted one
+    plaintext: list[zmq.Socket[bytes]] = []
+    last_try = [-1.0]
+    mismatched = 'reason="mechanism_mismatch"'
+
+    def counted() -> bool:
+        if secure_broker.metric("conveyor_auth_failures_total", mismatched) >= 1:
+            return True
+        if time.monotonic() - last_try[0] >= 1.0:
+            last_try[0] = time.monotonic()
+            plaintext.append(zmq.Context.instance().socket(zmq.DEALER))
+            plaintext[-1].connect(secure_broker.address)
+        return False
+
     try:
-        mismatched = 'reason="mechanism_mismatch"'
-        assert wait_for(lambda: secure_broker.metric("conveyor_auth_failures_total", mismatched) >= 1, 30)
+        assert wait_for(counted, 60, message="a counted plaintext handshake")
     finally:
-        plaintext.close(linger=0)
+        for sock in plaintext:
+            sock.close(linger=0)
     logged = "".join(secure_broker.output)
     assert "refused CURVE client handshakes" in logged
     assert security.client_keys() is None

@@ -6,11 +6,13 @@ their folder's ``*_helpers.py``; fixtures shared across folders are in ``tests/c
 
 from __future__ import annotations
 
+import shutil
 import socket
 import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
 from typing import Any, TypeVar
 
 from prometheus_client.parser import text_string_to_metric_families
@@ -133,3 +135,19 @@ def samples(text: str) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
 def sample_value(text: str, name: str, **labels: str) -> float | None:
     """The value of one sample in an exposition, or None when it is absent."""
     return samples(text).get((name, frozenset(labels.items())))
+
+
+def curve_keys(directory: Path) -> Path:
+    """CURVE certificates for a broker test: the broker's, an authorized client's (alice), a stranger's (mallory).
+
+    ``directory/authorized`` holds alice's public key only, for ``--curve-authorized-keys``.
+    """
+    from conveyor.broker.net import security
+
+    security.generate(directory / "server", "broker")
+    security.generate(directory / "clients", "alice")
+    security.generate(directory / "strangers", "mallory")
+    authorized = directory / "authorized"
+    authorized.mkdir()
+    shutil.copy(directory / "clients" / "alice.key", authorized / "alice.key")
+    return directory

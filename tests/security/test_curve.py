@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import shutil
 import subprocess
 import sys
 import time
@@ -19,18 +18,12 @@ from conveyor.broker.net import security
 from conveyor import Admin, Producer
 from conveyor.errors import AuthFailed
 from conveyor.testing import BrokerProcess
-from tests.helpers import wait_for
+from tests.helpers import curve_keys, wait_for
 
 
 @pytest.fixture
 def keys(tmp_path):
-    security.generate(tmp_path / "server", "broker")
-    security.generate(tmp_path / "clients", "alice")
-    security.generate(tmp_path / "strangers", "mallory")
-    authorized = tmp_path / "authorized"
-    authorized.mkdir()
-    shutil.copy(tmp_path / "clients" / "alice.key", authorized / "alice.key")
-    return tmp_path
+    return curve_keys(tmp_path)
 
 
 @pytest.fixture

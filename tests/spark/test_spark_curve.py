@@ -8,12 +8,11 @@ process has no CONVEYOR_CURVE_* variables), so a pass shows they travel.
 
 from __future__ import annotations
 
-import shutil
-
 import pytest
 from conveyor.broker.net import security
 
 from conveyor.testing import BrokerProcess
+from tests.helpers import curve_keys
 from tests.spark.spark_helpers import read
 
 pytestmark = pytest.mark.spark
@@ -21,13 +20,7 @@ pytestmark = pytest.mark.spark
 
 @pytest.fixture
 def keys(tmp_path):
-    security.generate(tmp_path / "server", "broker")
-    security.generate(tmp_path / "clients", "alice")
-    security.generate(tmp_path / "strangers", "mallory")
-    authorized = tmp_path / "authorized"
-    authorized.mkdir()
-    shutil.copy(tmp_path / "clients" / "alice.key", authorized / "alice.key")
-    return tmp_path
+    return curve_keys(tmp_path)
 
 
 @pytest.fixture

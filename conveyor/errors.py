@@ -246,6 +246,42 @@ class ConfigError(ConveyorError):
     name = "CONFIG_ERROR"
 
 
+class ClusterError(ConveyorError):
+    """The class of the errors of a replicated topic; a client refreshes its metadata and tries again."""
+
+    code = 600
+    name = "CLUSTER_ERROR"
+    retriable = True
+
+
+class NotLeader(ClusterError):
+    """This node does not lead the partition; ``leader`` and ``leader_addr`` name the one that does, if known."""
+
+    code = 601
+    name = "NOT_LEADER"
+
+
+class NotEnoughReplicas(ClusterError):
+    """Fewer in-sync replicas than ``min_insync_replicas``: nothing was appended, so a resend is safe."""
+
+    code = 602
+    name = "NOT_ENOUGH_REPLICAS"
+
+
+class FencedLeaderEpoch(ClusterError):
+    """The request carries a leader epoch newer than this node knows: this node's view is stale."""
+
+    code = 603
+    name = "FENCED_LEADER_EPOCH"
+
+
+class UnknownLeaderEpoch(ClusterError):
+    """The request carries a leader epoch older than this node's: the sender's view is stale."""
+
+    code = 604
+    name = "UNKNOWN_LEADER_EPOCH"
+
+
 def buffer_full(held: int, buffer_memory: int, max_block: float) -> BufferFull:
     """What a producer's send raises when ``held`` bytes stayed over ``buffer_memory`` for ``max_block`` seconds."""
     return BufferFull(

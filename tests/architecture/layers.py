@@ -45,11 +45,13 @@ LAYERS: dict[str, set[str]] = {
     "conveyor.broker.wire": set(),
     "conveyor.broker.net": {"conveyor.broker.config", "conveyor.broker.wire"},
     "conveyor.broker.log": {"conveyor.broker.config", "conveyor.broker.wire"},
+    "conveyor.broker.cluster": {"conveyor.broker.config", "conveyor.broker.wire"},
     "conveyor.broker.server": {
         "conveyor.broker.config",
         "conveyor.broker.wire",
         "conveyor.broker.net",
         "conveyor.broker.log",
+        "conveyor.broker.cluster",
         "conveyor.monitoring",
     },
     "conveyor.broker.client": {"conveyor.broker.config", "conveyor.broker.wire", "conveyor.broker.net"},
@@ -154,6 +156,28 @@ def layer_problems(root: Path = ROOT) -> list[str]:
     return problems
 
 
+# Third-party modules only one module may import: the etcd client stays behind one wrapper,
+# so single-node mode never loads it and a change of client touches one file.
+CONFINED = {"etcd3gw": "conveyor.broker.cluster.etcd", "requests": "conveyor.broker.cluster.etcd"}
+
+
+def confined_problems(root: Path = ROOT) -> list[str]:
+    problems = []
+    for module, path in module_files(root):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and not node.level:
+                names = [node.module or ""]
+            else:
+                continue
+            for name in names:
+                owner = CONFINED.get(name.partition(".")[0])
+                if owner and module != owner:
+                    problems.append(f"{path.relative_to(root)}:{node.lineno}: imports {name}; only {owner} may")
+    return problems
+
+
 def old_name_problems(root: Path = ROOT) -> list[str]:
     problems = []
     for place in TEXT_PLACES:
@@ -175,7 +199,7 @@ def old_name_problems(root: Path = ROOT) -> list[str]:
 
 
 def main() -> int:
-    problems = layer_problems() + old_name_problems()
+    problems = layer_problems() + confined_problems() + old_name_problems()
     for problem in problems:
         print(problem)
     print(f"layers: {len(problems)} problem(s)", file=sys.stderr)

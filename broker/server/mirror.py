@@ -12,7 +12,6 @@ chain: a child is a parent for the next level.
 from __future__ import annotations
 
 import fnmatch
-import itertools
 import logging
 import time
 from collections.abc import Callable
@@ -20,14 +19,12 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, Protocol
 
-import tenacity
 import zmq
 from conveyor.broker.log.data_dir import Store
-from conveyor.broker.net.connection import DEFAULT_HWM, backoff_seconds, new_dealer
-from conveyor.broker.net.security import HandshakeWatch
+from conveyor.broker.server.fetcher import Fetcher
 from conveyor.broker.wire import commands
 from conveyor.broker.wire.entry import entries_from_wire
-from conveyor.broker.wire.protocol import Command, Frame, decode, error_from_header
+from conveyor.broker.wire.protocol import Command, Frame, error_from_header
 from conveyor.broker.wire.record import Batch, pack_records, unpack_records
 from conveyor.monitoring.health import DEGRADED, HEALTHY, UNHEALTHY
 
@@ -88,81 +85,73 @@ class Mirror:
     settings: MirrorSettings
     clock: Callable[[], float] = time.monotonic
     topics: dict[str, TopicMirror] = field(default_factory=dict)
-    reconnects: int = 0
-    socket: zmq.Socket[Any] | None = None
-    watch: HandshakeWatch | None = None
-    refused: str = ""  # the parent refused this broker's handshake (AUTH_FAILED), until it answers again
-    connected_since: float | None = None
-    last_reply: float = 0.0
-    down_since: float | None = None
-    _rids: Any = field(default_factory=lambda: itertools.count(1))
+    link: Fetcher = field(init=False)
     _list_rid: int | None = None
     _next_discovery: float = 0.0
-    _next_connect: float = 0.0
-    _wait: Any = field(default_factory=lambda: tenacity.wait_random_exponential(multiplier=0.1, max=5.0))
 
-    # --- connection ---------------------------------------------------------------------
+    def __post_init__(self) -> None:
+        self.link = Fetcher(
+            self.host.ctx,
+            self.host.poller,
+            self.settings.upstream,
+            wait_ms=self.settings.fetch_wait_ms,
+            max_batch_bytes=self.host.max_batch_bytes,
+            on_reply=self._on_reply,
+            on_connect=self._on_connect,
+            on_reconnect=self._count_reconnect,
+            clock=self.clock,
+        )
 
-    def connect(self) -> None:
-        # The parent may require CURVE: this broker is its client, with the process's client keys.
-        # rcvhwm 0 (no limit): one FETCH per topic is in flight at most, which bounds the replies.
-        self.socket, self.watch = new_dealer(self.host.ctx, self.settings.upstream, sndhwm=DEFAULT_HWM, rcvhwm=0)
-        now = self.clock()
-        self.last_reply = now
-        self._next_discovery = now
+    # --- the link to the parent (``fetcher.Fetcher``) ---------------------------------------
+
+    @property
+    def socket(self) -> zmq.Socket[Any] | None:
+        return self.link.socket
+
+    @property
+    def reconnects(self) -> int:
+        return self.link.reconnects
+
+    @property
+    def last_reply(self) -> float:
+        return self.link.last_reply
+
+    @property
+    def down_since(self) -> float | None:
+        return self.link.down_since
+
+    @property
+    def refused(self) -> str:
+        return self.link.refused
+
+    def _on_connect(self) -> None:
+        self._next_discovery = self.clock()
         self._list_rid = None  # answers to the old socket's requests never come
         for mirror in self.topics.values():
             mirror.rid = None
         log.info("mirroring %s from %s", ", ".join(self.settings.patterns), self.settings.upstream)
 
-    def _reconnect(self, why: str) -> None:
-        self.reconnects += 1
+    def _count_reconnect(self) -> None:
         self.host.metrics.mirror_reconnects.labels(self.settings.upstream).inc()
-        if self.down_since is None:
-            self.down_since = self.last_reply
-        log.warning("upstream %s: %s; reconnecting", self.settings.upstream, why)
-        if self.watch is not None:
-            self.watch.close()
-            self.watch = None
-        if self.socket is not None:
-            self.host.poller.unregister(self.socket)
-            self.socket.close(linger=0)
-        delay = backoff_seconds(self._wait, min(self.reconnects, 10))
-        self._next_connect = self.clock() + delay
-        self.socket = None
 
     def close(self) -> None:
         """Close the link to the parent (the broker is stopping)."""
-        if self.watch is not None:
-            self.watch.close()
-            self.watch = None
-        if self.socket is not None:
-            self.socket.close(linger=0)
+        self.link.close()
 
     def change_upstream(self, address: str) -> None:
         """Follow a new parent (registry discovery); offsets carry over unchanged."""
         if address == self.settings.upstream:
             return
-        log.info("upstream changes from %s to %s", self.settings.upstream, address)
         self.settings = MirrorSettings(**{**self.settings.__dict__, "upstream": address})
-        self._reconnect("parent changed")
-        self._next_connect = self.clock()
+        self.link.change_address(address)
 
     # --- the loop's hooks -------------------------------------------------------------------
 
     def tick(self, now: float) -> float:
         """Housekeeping; returns when it wants to run again (clock seconds)."""
-        if self.socket is None:
-            if now < self._next_connect:
-                return self._next_connect
-            self.connect()
-            assert self.socket is not None
-            self.host.poller.register(self.socket, zmq.POLLIN)
-        self._check_handshakes()
-        silent = now - self.last_reply
-        if silent > self.settings.fetch_wait_ms / 1000 + 2.0:
-            self._reconnect(f"no answer for {silent:.1f} s")
-            return now + 0.05
+        come_back = self.link.tick(now)
+        if come_back is not None:
+            return come_back
         if now >= self._next_discovery and self._list_rid is None:
             self._list_rid = self._request(partial(commands.admin, "list_topics"))
             self._next_discovery = now + self.settings.discover_every
@@ -172,34 +161,10 @@ class Mirror:
         # Never a time in the past: the loop would spin instead of sleeping.
         return max(now + 0.01, min(self._next_discovery, now + 0.5))
 
-    def _check_handshakes(self) -> None:
-        """A parent that refuses this broker's handshake is named (AUTH_FAILED), not just silent."""
-        refused = self.watch.read() if self.watch is not None else None
-        if refused is not None and not self.refused:
-            self.refused = f"{refused.name}: {refused.message}"
-            log.error("upstream %s refused this broker: %s", self.settings.upstream, refused.message)
-
     def on_readable(self) -> None:
-        assert self.socket is not None
-        while self.socket is not None:
-            try:
-                frames = self.socket.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
-                return
-            try:
-                reply = decode(frames, max_batch_bytes=self.host.max_batch_bytes)
-            except ConveyorError as exc:
-                log.error("undecodable answer from upstream: %s", exc)
-                continue
-            self._on_reply(reply)
+        self.link.on_readable()
 
     def _on_reply(self, reply: Frame) -> None:
-        now = self.clock()
-        self.last_reply = now
-        self.refused = ""
-        if self.down_since is not None and not _is_shutting_down(reply):
-            log.info("upstream %s is back", self.settings.upstream)
-            self.down_since = None
         rid = reply.get("rid")
         if rid is not None and rid == self._list_rid:
             self._list_rid = None
@@ -241,7 +206,7 @@ class Mirror:
         self._fetch(mirror)
 
     def _fetch(self, mirror: TopicMirror) -> None:
-        if self.socket is None:
+        if self.link.socket is None:
             return
         log_ = self.host.store.logs.get(mirror.topic)
         if log_ is None:
@@ -257,15 +222,9 @@ class Mirror:
         mirror.rid = self._request(request)
         mirror.sent_at = self.clock()
 
-    def _request(self, frames_for: Callable[..., list[Any]]) -> int:
+    def _request(self, frames_for: Callable[..., list[Any]]) -> int | None:
         """Send ``frames_for(rid=...)`` (an encoder of ``broker/wire/commands.py``); its rid."""
-        assert self.socket is not None
-        rid = next(self._rids)
-        try:  # never blocks the broker's loop: a socket without a connection (a refused handshake) has no pipe
-            self.socket.send_multipart(frames_for(rid=rid), zmq.NOBLOCK)
-        except zmq.Again:
-            pass  # no answer will come: the silence check reconnects
-        return rid
+        return self.link.request(frames_for)
 
     def _apply(self, mirror: TopicMirror, reply: Frame) -> None:
         """Append what the parent sent, at the parent's offsets."""
@@ -301,7 +260,7 @@ class Mirror:
             log_ = self.host.store.topic(mirror.topic)
             self._gap(mirror, log_.end_offset, start)
         elif exc.name == "SHUTTING_DOWN":
-            self.down_since = self.down_since or self.clock()  # the parent is going away
+            self.link.down_since = self.link.down_since or self.clock()  # the parent is going away
         elif exc.name == "UNKNOWN_TOPIC":
             log.warning("topic %s is gone upstream; mirroring stops", mirror.topic)
             del self.topics[mirror.topic]
@@ -384,7 +343,3 @@ def _from(batch: Batch, offset: int) -> Batch | None:
         return batch
     records = unpack_records(batch.body)[offset - batch.base_offset :]
     return Batch(offset, len(records), batch.timestamp_ms, pack_records(list(records)))
-
-
-def _is_shutting_down(reply: Frame) -> bool:
-    return reply.command is Command.ERROR and reply.get("name") == "SHUTTING_DOWN"

@@ -101,7 +101,5 @@ def open_mirror(
         lag_threshold=s.mirror_lag_threshold,
         unreachable_after=s.mirror_unreachable_after_ms / 1000,
     )
-    mirror = Mirror(host, settings)
-    if not upstream:
-        mirror.socket = None  # wait for the registry to name a parent
-    return mirror, watch
+    # Without an upstream yet, the loop does not tick it: it waits for the registry to name a parent.
+    return Mirror(host, settings), watch

@@ -1,0 +1,229 @@
+"""What the cluster decides, as pure functions of what etcd holds (design §3, §4, §7).
+
+The controller and the partition leaders call these and write the result by
+CAS; nothing here reads a clock, a socket or etcd, so every rule is tested on
+its own. Two invariants hold for every state these functions return:
+
+* the leader is a live member of the in-sync set, or the partition is offline
+  with no leader (no unclean election: a replica outside the ISR may miss
+  confirmed batches, so it never leads);
+* the in-sync set is never emptied by an election: while a partition is
+  offline its last ISR stays, so the first of them to come back can lead.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Iterable, Mapping
+from dataclasses import replace
+
+from conveyor.broker.cluster.keys import PartitionState, TopicPartition
+
+from conveyor.errors import InvalidRequest, NotEnoughReplicas
+
+DEFAULT_REPLICATION_FACTOR = 3
+DEFAULT_MIN_INSYNC = 2
+
+
+# --- topic creation --------------------------------------------------------
+
+
+def default_replication_factor(live_nodes: int) -> int:
+    """The cluster default: three copies, or as many as there are live nodes."""
+    return max(1, min(DEFAULT_REPLICATION_FACTOR, live_nodes))
+
+
+def default_min_insync(replication_factor: int) -> int:
+    """Two copies before a confirm, or all of them below RF 2."""
+    return min(DEFAULT_MIN_INSYNC, replication_factor)
+
+
+def replication_for(requested_rf: int | None, requested_min_insync: int | None, live_nodes: int) -> tuple[int, int]:
+    """(RF, min_insync) for a create: the default when not asked; an RF above the live nodes is refused."""
+    if live_nodes < 1:
+        raise NotEnoughReplicas("no live node to place the topic on", live=live_nodes)
+    if requested_rf is None:
+        rf = default_replication_factor(live_nodes)
+    elif requested_rf < 1:
+        raise InvalidRequest(f"replication factor must be >= 1, got {requested_rf}")
+    elif requested_rf > live_nodes:
+        raise NotEnoughReplicas(
+            f"replication factor {requested_rf} > {live_nodes} live nodes", requested=requested_rf, live=live_nodes
+        )
+    else:
+        rf = requested_rf
+    if requested_min_insync is None:
+        return rf, default_min_insync(rf)
+    if not 1 <= requested_min_insync <= rf:
+        raise InvalidRequest(f"min_insync_replicas must be within 1..{rf}, got {requested_min_insync}")
+    return rf, requested_min_insync
+
+
+def leader_load(partitions: Iterable[PartitionState], nodes: Iterable[str]) -> dict[str, int]:
+    """How many partitions each of ``nodes`` leads (0 for those leading none)."""
+    load = dict.fromkeys(nodes, 0)
+    for state in partitions:
+        if state.leader in load:
+            load[state.leader] += 1
+    return load
+
+
+def place(nodes: Collection[str], load: Mapping[str, int], rf: int) -> tuple[str, ...]:
+    """``rf`` distinct replicas, round-robin over the nodes in id order, from the least-loaded one.
+
+    The first is the leader, so new leaderships go to the node leading the
+    fewest (ties to the lowest id), and consecutive followers spread the copies.
+    """
+    if not 1 <= rf <= len(nodes):
+        raise NotEnoughReplicas(f"cannot place {rf} replicas on {len(nodes)} nodes", requested=rf, live=len(nodes))
+    ring = sorted(nodes)
+    start = min(range(len(ring)), key=lambda i: (load.get(ring[i], 0), ring[i]))
+    return tuple(ring[(start + i) % len(ring)] for i in range(rf))
+
+
+def new_partition(assignment: tuple[str, ...]) -> PartitionState:
+    """A new partition: the first replica leads, at epoch 1 (epoch 0 is for batches written before clustering)."""
+    return PartitionState(assignment, assignment[0], 1, assignment, False)
+
+
+# --- election and repair ---------------------------------------------------
+
+
+def elect(state: PartitionState, live: Collection[str], *, prefer: str | None = None) -> PartitionState:
+    """A new leader for a partition whose leader is gone: the first of assignment ∩ isr ∩ live.
+
+    The new record has epoch + 1 and an ISR without the members that are not
+    live. With no live ISR member the partition goes offline (epoch + 1, which
+    fences the old leader, and the ISR kept). ``prefer`` wins when it is a
+    live ISR member (controlled shutdown names the follower it saw caught up).
+    """
+    candidates = [n for n in state.assignment if n in state.isr and n in live]
+    if prefer is not None and prefer in candidates:
+        candidates = [prefer] + [n for n in candidates if n != prefer]
+    if not candidates:
+        if state.offline:
+            return state
+        return replace(state, leader=None, leader_epoch=state.leader_epoch + 1, offline=True)
+    leader = candidates[0]
+    isr = tuple(n for n in state.isr if n in live)
+    return PartitionState(state.assignment, leader, state.leader_epoch + 1, isr, False)
+
+
+def drop_gone_followers(state: PartitionState, live: Collection[str]) -> PartitionState:
+    """The ISR without followers whose node key is gone (at once, so HW stalls one TTL, not ``replica_lag_max``)."""
+    isr = tuple(n for n in state.isr if n == state.leader or n in live)
+    return state if isr == state.isr else replace(state, isr=isr)
+
+
+def repair(state: PartitionState, live: Collection[str]) -> PartitionState:
+    """The state a controller writes for ``live`` nodes; ``state`` itself (the same object) when nothing changes.
+
+    A gone or missing leader is replaced (``elect``); an offline partition is
+    brought back when an ISR member returns; gone followers leave the ISR.
+    """
+    if state.offline or state.leader not in live:
+        return elect(state, live)
+    return drop_gone_followers(state, live)
+
+
+# --- ISR, on the leader (design §4) -----------------------------------------
+
+
+def caught_up_time(
+    fetch_offset: int, now_ms: int, leader_end: int, previous_fetch_ms: int, end_at_previous_fetch: int, last_ms: int
+) -> int:
+    """A follower's new ``lastCaughtUpTime`` after a fetch (Kafka's rule).
+
+    Caught up now if it asks for the leader's end; caught up as of its previous
+    fetch if it asks for at least the end the leader had then; otherwise the
+    time stays. It never moves back.
+    """
+    if fetch_offset >= leader_end:
+        return max(last_ms, now_ms)
+    if fetch_offset >= end_at_previous_fetch:
+        return max(last_ms, previous_fetch_ms)
+    return last_ms
+
+
+def should_shrink(now_ms: int, last_caught_up_ms: int, lag_max_ms: int) -> bool:
+    """A follower that has not caught up for ``replica_lag_max_ms`` leaves the ISR (no byte or message lag rule)."""
+    return now_ms - last_caught_up_ms > lag_max_ms
+
+
+def may_expand(durable_end: int, high_watermark: int, epoch_start_offset: int) -> bool:
+    """A follower rejoins once it durably holds everything up to HW and the start of the current epoch."""
+    return durable_end >= high_watermark and durable_end >= epoch_start_offset
+
+
+def shrink_isr(state: PartitionState, follower: str) -> PartitionState:
+    """The ISR without ``follower``; the leader never removes itself."""
+    if follower == state.leader or follower not in state.isr:
+        return state
+    return replace(state, isr=tuple(n for n in state.isr if n != follower))
+
+
+def expand_isr(state: PartitionState, follower: str) -> PartitionState:
+    """The ISR with ``follower`` added, in assignment order; only a replica of the partition may join."""
+    if follower in state.isr or follower not in state.assignment:
+        return state
+    members = set(state.isr) | {follower}
+    return replace(state, isr=tuple(n for n in state.assignment if n in members))
+
+
+# --- controlled shutdown (design §7) ----------------------------------------
+
+
+def shutdown_handoff(
+    state: PartitionState, node: str, live: Collection[str], prefer: str | None = None
+) -> PartitionState:
+    """The state once ``node`` is going down: leadership moved to another live ISR member, ``node`` out of the ISR.
+
+    A leader with no other live in-sync member keeps the partition (it goes
+    offline when the node's key goes, and comes back with it), so a shutdown
+    never hands a partition to a replica that may lack confirmed batches.
+    """
+    others = [n for n in live if n != node]
+    if state.leader == node:
+        moved = elect(state, others, prefer=prefer)
+        return state if moved.offline else moved
+    return shrink_isr(state, node)
+
+
+def led_by(partitions: Mapping[TopicPartition, PartitionState], node: str) -> list[TopicPartition]:
+    """The partitions ``node`` leads, in order."""
+    return sorted(tp for tp, state in partitions.items() if state.leader == node)
+
+
+def holds(partitions: Mapping[TopicPartition, PartitionState], node: str) -> list[TopicPartition]:
+    """The partitions where ``node`` leads or is in sync: what a controlled shutdown must move off it."""
+    return sorted(tp for tp, state in partitions.items() if state.leader == node or node in state.isr)
+
+
+# --- reassignment -----------------------------------------------------------
+
+
+def reassign_step(state: PartitionState, target: tuple[str, ...], live: Collection[str]) -> tuple[PartitionState, bool]:
+    """The next record of a reassignment to ``target``, and whether it is done.
+
+    Step 1 adds the new replicas to the assignment (target first, then the old
+    ones), out of the ISR: they join as followers and the leader adds them to
+    the ISR once caught up. Step 2, once every target replica is in sync,
+    shrinks the assignment and ISR to the target and, if the leader is not in
+    it, elects the first live target member (epoch + 1).
+    """
+    if not target or len(set(target)) != len(target):
+        raise InvalidRequest(f"a reassignment needs distinct replicas, got {list(target)}")
+    if state.assignment == target:
+        return state, True
+    if not set(target) <= set(state.assignment):
+        assignment = target + tuple(n for n in state.assignment if n not in target)
+        return replace(state, assignment=assignment), False
+    if not set(target) <= set(state.isr):
+        return state, False
+    isr = tuple(n for n in target if n in state.isr)
+    moved = replace(state, assignment=target, isr=isr)
+    if state.leader in target and not state.offline:
+        return moved, True
+    elected = elect(replace(moved, leader=None, offline=False), live)
+    if elected.offline:
+        return state, False  # no live target member to lead yet: wait
+    return elected, True

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Sequence
 from typing import Any
 
 from conveyor.broker.config.options import text
@@ -65,6 +66,34 @@ def check_address(address: str) -> str:
         return endpoint(address)
     except ValueError as exc:
         raise ConfigError(str(exc), address=str(address)) from None
+
+
+def broker_addresses(addresses: str | Sequence[str] | None = None) -> tuple[str, ...]:
+    """The brokers a client may ask first (its bootstrap list): ``addresses`` when given, else ``CONVEYOR_BROKER``,
+    else the default.
+
+    A list, or one string of endpoints separated by commas
+    (``tcp://a:5555,tcp://b:5555``); each is checked as ``broker_address``
+    checks one. One address gives a one-element tuple: a client given one
+    broker talks to it alone, as before clusters.
+    """
+    if addresses is None:
+        from_env = os.environ.get(BROKER_ENV)
+        if not from_env:
+            return (DEFAULT_BROKER,)
+        try:
+            return _address_list(from_env)
+        except ConfigError as exc:
+            raise ConfigError(f"{BROKER_ENV}: {exc.message}", address=from_env, variable=BROKER_ENV) from None
+    return _address_list(addresses)
+
+
+def _address_list(addresses: str | Sequence[str]) -> tuple[str, ...]:
+    items = addresses.split(",") if isinstance(addresses, str) else list(addresses)
+    parsed = tuple(dict.fromkeys(check_address(str(item).strip()) for item in items if str(item).strip()))
+    if not parsed:
+        raise ConfigError(f"no broker address in {addresses!r}", address=str(addresses))
+    return parsed
 
 
 def broker_address(address: str | None = None) -> str:

@@ -40,6 +40,7 @@ from conveyor.broker.server.group_table import GroupTable
 from conveyor.broker.server.groups import Group, GroupSettings, Member
 from conveyor.broker.server.health import LoopTimes, broker_health, broker_live, broker_ready
 from conveyor.broker.server.limits import TopicLimits
+from conveyor.broker.server.metadata import MetadataProvider, SingleNodeMetadata, metadata_reply
 from conveyor.broker.server.metrics_state import state_snapshot
 from conveyor.broker.server.mirror import Mirror
 from conveyor.broker.server.peers import Peers
@@ -145,6 +146,10 @@ class Broker:
             clock=self.clock,
         )
         self.groups.load()
+        # Who leads what, for METADATA: "me" here; a cluster node replaces it with its etcd view.
+        self.metadata: MetadataProvider = SingleNodeMetadata(
+            settings.node, lambda: self.endpoint, lambda: self.store.logs.keys()
+        )
 
     def _group_defaults(self) -> GroupSettings:
         return GroupSettings(max_deliveries=self.settings.max_deliveries, ack_timeout_ms=self.settings.ack_timeout_ms)
@@ -497,6 +502,10 @@ class Broker:
         result = admin.run(self, hfield(frame, "op", str), frame.header)
         self._send(peer, commands.result(frame.get("rid"), result))
 
+    def _on_metadata(self, peer: bytes, frame: Frame) -> None:
+        view = self.metadata.metadata(hfield(frame, "topics", list, None))
+        self._send(peer, metadata_reply(frame.get("rid"), view))
+
     _handlers: dict[Command, Callable[[Broker, bytes, Frame], None]] = {
         Command.HELLO: _on_hello,
         Command.HEARTBEAT: _on_heartbeat,
@@ -511,6 +520,7 @@ class Broker:
         Command.CREDIT: _on_credit,
         Command.FETCH: _on_fetch,
         Command.ADMIN: _on_admin,
+        Command.METADATA: _on_metadata,
     }
 
     # --- what ADMIN and the mirror call ----------------------------------------------------

@@ -113,6 +113,11 @@ def admin(op: str, args: Mapping[str, Any] | None = None, *, rid: Any = None) ->
     return encode(Command.ADMIN, _request(rid, {"op": op, **(args or {})}))
 
 
+def metadata(topics: Sequence[str] | None = None, *, rid: Any = None) -> list[Any]:
+    """Ask any node who leads what: ``topics`` (None: every topic the node knows)."""
+    return encode(Command.METADATA, _request(rid, _with({}, topics=None if topics is None else list(topics))))
+
+
 # --- both ways -------------------------------------------------------------------------
 
 
@@ -201,6 +206,21 @@ def fetched(
 def result(rid: Any, value: Any) -> list[Any]:
     """The answer to an ADMIN op."""
     return encode(Command.RESULT, {"rid": rid, "result": value})
+
+
+def metadata_result(
+    rid: Any,
+    *,
+    node: str,
+    controller: str | None,
+    nodes: Mapping[str, str],
+    topics: Mapping[str, Any],
+) -> list[Any]:
+    """The answer to METADATA: the answering ``node``, the ``controller``, every node's endpoint, and per topic
+    ``{"partitions": {"0": {leader, leader_addr, leader_epoch, replicas, isr, offline}}}``
+    (the shape ``schema.check_metadata_result`` checks)."""
+    header = {"rid": rid, "node": node, "controller": controller, "nodes": dict(nodes), "topics": dict(topics)}
+    return encode(Command.METADATA_RESULT, header)
 
 
 def error(exc: ConveyorError, rid: Any = None) -> list[Any]:

@@ -52,6 +52,7 @@ class Command(IntEnum):
     CREDIT = 0x09
     FETCH = 0x0A
     ADMIN = 0x0B
+    METADATA = 0x0C
     # both ways
     HEARTBEAT = 0x10
     BYE = 0x11
@@ -64,6 +65,7 @@ class Command(IntEnum):
     RESULT = 0x25
     ERROR = 0x26
     EVENT = 0x27
+    METADATA_RESULT = 0x28
 
 
 # Commands that carry batch bodies after the header, and how many at most.

@@ -107,6 +107,13 @@ def settings_map(value: Any) -> str | None:
     return None
 
 
+def name_list(value: Any) -> str | None:
+    """A list of strings (topic names; each name's pattern is the handler's to check)."""
+    if type(value) is list and all(type(item) is str for item in value):
+        return None
+    return "a list of strings"
+
+
 TEXT = of_type(str, "a string")
 TEXT_OR_NIL = of_type(str, "a string", nil=True)
 BOOL = Field(of_type(bool, "true or false"))
@@ -149,6 +156,7 @@ COMMANDS: dict[str, dict[str, Field]] = {
         "CREDIT": {"sub": SUB, "credit": Field(integer(0, U32_MAX), required=True), "batch_size": I64},
         "FETCH": {"topic": NAME, "offset": OFFSET, "max_messages": I64, "max_bytes": I64, "wait_ms": I64},
         "ADMIN": {"op": Field(TEXT, required=True)},
+        "METADATA": {"topics": Field(name_list)},  # absent: every topic
     }.items()
 }
 
@@ -200,3 +208,46 @@ def declared(name: str, op: Any, key: str) -> bool:
     if fields is None:
         return True
     return key in fields or key in ADMIN_OPS.get(op, {})
+
+
+# --- the METADATA_RESULT reply ------------------------------------------------------------
+#
+# Broker -> client commands are checked by their receivers; this one is checked here, in one
+# place, because every client routes by it: ``check_metadata_result`` is what a client runs
+# on the reply before trusting an address in it.
+
+PARTITION_FIELDS: dict[str, Check] = {
+    "leader": TEXT_OR_NIL,  # node id; nil while the partition has no leader (offline)
+    "leader_addr": TEXT_OR_NIL,  # the leader's advertised endpoint, nil with the leader
+    "leader_epoch": integer(0, I32_MAX),
+    "replicas": name_list,  # node ids, the assignment in preference order
+    "isr": name_list,
+    "offline": of_type(bool, "true or false"),
+}
+
+
+def check_metadata_result(header: Mapping[str, Any]) -> str | None:
+    """None when a METADATA_RESULT header has the documented shape, else what is wrong with it."""
+    for key, check in (("node", TEXT), ("controller", TEXT_OR_NIL)):
+        wanted = check(header.get(key))
+        if wanted is not None:
+            return f"{key!r} must be {wanted}"
+    nodes, topics = header.get("nodes"), header.get("topics")
+    if type(nodes) is not dict or not all(type(k) is str and type(v) is str for k, v in nodes.items()):
+        return "'nodes' must be a map of node ids to endpoints"
+    if type(topics) is not dict:
+        return "'topics' must be a map of topic names"
+    for name, topic in topics.items():
+        partitions = topic.get("partitions") if type(topic) is dict else None
+        if type(partitions) is not dict:
+            return f"topic {name!r} must be a map with 'partitions'"
+        for number, partition in partitions.items():
+            if not (type(number) is str and number.isascii() and number.isdigit()):
+                return f"topic {name!r}: partition keys must be decimal strings, not {number!r}"
+            if type(partition) is not dict:
+                return f"topic {name!r} partition {number}: must be a map"
+            for key, check in PARTITION_FIELDS.items():
+                wanted = check(partition.get(key))
+                if wanted is not None:
+                    return f"topic {name!r} partition {number}: {key!r} must be {wanted}"
+    return None

@@ -21,7 +21,7 @@ I64_MIN, I64_MAX, U64_MAX = -(2**63), 2**63 - 1, 2**64 - 1
 MISSING = object()  # "leave the required field out"
 
 # field -> kind: ("int", lo, hi), ("name",) required str, ("text",) str or nil, ("bool",),
-# ("position", required), ("ranges",), ("settings",), ("rid",)
+# ("position", required), ("ranges",), ("settings",), ("names",) a list of str, ("rid",)
 Spec = tuple[Any, ...]
 BODY = msgpack.packb([[None, None, b"x"]], use_bin_type=True)
 
@@ -86,6 +86,7 @@ COMMANDS: dict[Command, tuple[dict[str, Any], dict[str, Spec]]] = {
             "wait_ms": ("int", I64_MIN, I64_MAX),
         },
     ),
+    Command.METADATA: ({"topics": ["fz"]}, {"topics": ("names",)}),
 }
 
 ADMIN_OPS: dict[str, tuple[dict[str, Any], dict[str, Spec]]] = {
@@ -194,6 +195,8 @@ def bad_values(spec: Spec) -> st.SearchStrategy[Any]:
         return st.one_of(st.sampled_from(BAD_RANGES), st.just(MISSING))
     if kind == "settings":
         return st.one_of(st.sampled_from(BAD_SETTINGS), *missing)
+    if kind == "names":
+        return st.one_of(_not(list), st.sampled_from([[1], ["a", None], [["a"]], [b"a"]]))
     raise AssertionError(kind)
 
 

@@ -15,6 +15,7 @@ import pytest
 from conveyor.broker.wire import commands
 from conveyor.broker.wire.entry import DeliveryEntry, wire_entry
 from conveyor.broker.wire.protocol import Command, decode
+from conveyor.broker.wire.schema import check_metadata_result
 
 from conveyor.errors import InvalidRequest, UnknownTopic
 
@@ -95,6 +96,11 @@ REQUESTS = {
         frames(0x0B, {"rid": 4, "op": "describe_group", "topic": "orders", "group": "billing"}),
     ),
     "admin without arguments": (commands.admin("list_topics", rid=5), frames(0x0B, {"rid": 5, "op": "list_topics"})),
+    "metadata of every topic": (commands.metadata(rid=6), frames(0x0C, {"rid": 6})),
+    "metadata of some topics": (
+        commands.metadata(["orders", "audit"], rid=7),
+        frames(0x0C, {"rid": 7, "topics": ["orders", "audit"]}),
+    ),
     "heartbeat": (commands.heartbeat(), [SIG, b"\x10", b"\x80"]),
     "bye": (commands.bye(), [SIG, b"\x11", b"\x80"]),
     "bye with a reason": (commands.bye("broker shutting down"), frames(0x11, {"reason": "broker shutting down"})),
@@ -250,11 +256,62 @@ def test_event_dead_lettered_carries_the_messages_as_deliver_does() -> None:
     )
 
 
+PARTITION = {
+    "leader": "a",
+    "leader_addr": "tcp://h1:5555",
+    "leader_epoch": 7,
+    "replicas": ["a", "b", "c"],
+    "isr": ["a", "b"],
+    "offline": False,
+}
+
+
+def test_metadata_result() -> None:
+    got = commands.metadata_result(
+        9,
+        node="b",
+        controller="a",
+        nodes={"a": "tcp://h1:5555", "b": "tcp://h2:5555"},
+        topics={"orders": {"partitions": {"0": PARTITION}}},
+    )
+    header = {
+        "rid": 9,
+        "node": "b",
+        "controller": "a",
+        "nodes": {"a": "tcp://h1:5555", "b": "tcp://h2:5555"},
+        "topics": {"orders": {"partitions": {"0": PARTITION}}},
+    }
+    assert got == frames(0x28, header)
+    assert check_metadata_result(decode(got).header) is None
+
+
+@pytest.mark.parametrize(
+    ("change", "complaint"),
+    [
+        ({"node": None}, "'node'"),
+        ({"nodes": {"a": 5}}, "'nodes'"),
+        ({"topics": {"orders": {}}}, "'partitions'"),
+        ({"topics": {"orders": {"partitions": {0: PARTITION}}}}, "decimal strings"),
+        ({"topics": {"orders": {"partitions": {"0": {**PARTITION, "leader_epoch": -1}}}}}, "'leader_epoch'"),
+        ({"topics": {"orders": {"partitions": {"0": {**PARTITION, "isr": "a"}}}}}, "'isr'"),
+    ],
+)
+def test_a_metadata_result_of_another_shape_is_named(change: dict[str, Any], complaint: str) -> None:
+    header = {"node": "b", "controller": None, "nodes": {}, "topics": {}, **change}
+    problem = check_metadata_result(header)
+    assert problem is not None and complaint in problem
+
+
+def test_metadata_topics_must_be_a_list_of_names() -> None:
+    with pytest.raises(InvalidRequest, match="topics"):
+        decode(frames(0x0C, {"rid": 1, "topics": "orders"}))
+
+
 def test_every_command_has_an_encoder() -> None:
     encoders = {
         "hello", "publish", "subscribe", "unsubscribe", "ack", "nack", "in_progress", "term", "credit", "fetch",
         "admin", "heartbeat", "bye", "welcome", "published", "subscribed", "deliver", "fetched", "result", "error",
-        "event",
+        "event", "metadata", "metadata_result",
     }  # fmt: skip
     assert {c.name.lower() for c in Command} == encoders
     assert all(callable(getattr(commands, name)) for name in encoders)

@@ -20,8 +20,9 @@ class MemoryLog(TopicLog):
         self._bases: list[int] = []
 
     def _write(self, header: bytes, body: bytes, base_offset: int, count: int, timestamp_ms: int) -> None:
-        head = decode_header(header)  # keep the producer id and sequence, as FileLog's reads return them
-        self._batches.append(Batch(base_offset, count, timestamp_ms, body, head.producer_id, head.sequence))
+        head = decode_header(header)  # keep the producer id, sequence and epoch, as FileLog's reads return them
+        batch = Batch(base_offset, count, timestamp_ms, body, head.producer_id, head.sequence, head.leader_epoch)
+        self._batches.append(batch)
         self._bases.append(base_offset)
 
     def _read_stored(self, offset: int, max_bytes: int) -> list[Batch]:

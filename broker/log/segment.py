@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import struct
 import zlib
 from array import array
@@ -24,7 +25,9 @@ from conveyor.broker.wire.record import (
     CRC_START,
     HEADER,
     HEADER_SIZE,
+    HEADER_V2,
     LENGTH_PREFIX,
+    MAX_HEADER_SIZE,
     Batch,
     BatchHeader,
     check_batch,
@@ -38,7 +41,7 @@ log = logging.getLogger(__name__)
 INDEX_ENTRY = struct.Struct(">II")  # offset relative to the segment base, file position
 READ_CHUNK = 1 << 20
 _LENGTH = struct.Struct(">I")  # batch_length, at byte 8 of a header
-_MAGIC_AND_RESERVED = bytes([1, 0, 0, 0])  # bytes 12-15 of every header: where a batch can start
+_MAGIC_AND_RESERVED = re.compile(b"[\x01\x02]\x00\x00\x00")  # bytes 12-15 of every header (magic 1 or 2)
 
 
 def segment_name(base_offset: int) -> str:
@@ -201,9 +204,9 @@ class Segment:
 
     def _pread_from(self, position: int) -> bytes:
         """Read enough from ``position`` to hold at least the next whole batch."""
-        head = os.pread(self._fd, HEADER_SIZE, position)
+        head = os.pread(self._fd, MAX_HEADER_SIZE, position)
         want = READ_CHUNK
-        if len(head) == HEADER_SIZE:
+        if len(head) >= HEADER_SIZE:
             want = max(want, _peek_size(head, 0))
         return os.pread(self._fd, min(want, self.size - position), position)
 
@@ -212,7 +215,7 @@ class Segment:
         end = self.size if end is None else end
         out: list[BatchHeader] = []
         while start < end:
-            header = decode_header(os.pread(self._fd, HEADER_SIZE, start))
+            header = decode_header(os.pread(self._fd, MAX_HEADER_SIZE, start))
             out.append(header)
             start += header.size
         return out
@@ -277,13 +280,11 @@ class Segment:
         position = start + 1
         while position + HEADER_SIZE <= self.size:
             data = os.pread(self._fd, min(window + HEADER_SIZE, self.size - position), position)
-            at = data.find(_MAGIC_AND_RESERVED, 12)
-            while at >= 0:
-                candidate = position + at - 12
+            for found in _MAGIC_AND_RESERVED.finditer(data, 12):
+                candidate = position + found.start() - 12
                 header = self._valid_at(candidate)
                 if header is not None and expected <= header.base_offset <= expected + (candidate - start):
                     return candidate, header
-                at = data.find(_MAGIC_AND_RESERVED, at + 1)
             position += window
         return None
 
@@ -296,17 +297,25 @@ class Segment:
     def _whole_by_crc(self, position: int, expected: int) -> BatchHeader | None:
         """The batch at ``position`` if the bytes its CRC covers (from byte 20, sized by the body length
         inside them) are all there and match; its offset is taken as ``expected`` (the stored one is not
-        covered: it may be what is damaged)."""
-        head = os.pread(self._fd, HEADER_SIZE, position)
-        if len(head) < HEADER_SIZE:
-            return None
-        _base, _length, _magic, _attrs, _reserved, crc, count, ts, pid, seq, body_length = HEADER.unpack(head)
-        end = position + HEADER_SIZE + body_length
+        covered: it may be what is damaged). The magic byte is not covered either: both layouts are tried."""
+        head = os.pread(self._fd, MAX_HEADER_SIZE, position)
+        if len(head) >= HEADER_SIZE:
+            _b, _l, _m, _a, _r, crc, count, ts, pid, seq, body_length = HEADER.unpack_from(head)
+            found = self._crc_matches(position, HEADER_SIZE, body_length, count, crc)
+            if found:
+                return BatchHeader(expected, count, ts, pid, seq, body_length, crc)
+        if len(head) >= MAX_HEADER_SIZE:
+            _b, _l, _m, _a, _r, crc, count, ts, pid, seq, epoch, body_length = HEADER_V2.unpack_from(head)
+            found = self._crc_matches(position, MAX_HEADER_SIZE, body_length, count, crc)
+            if found:
+                return BatchHeader(expected, count, ts, pid, seq, body_length, crc, epoch, MAX_HEADER_SIZE)
+        return None
+
+    def _crc_matches(self, position: int, header_size: int, body_length: int, count: int, crc: int) -> bool:
+        end = position + header_size + body_length
         if end > self.size or count < 1:
-            return None
-        if zlib.crc32(os.pread(self._fd, end - position - CRC_START, position + CRC_START)) != crc:
-            return None
-        return BatchHeader(expected, count, ts, pid, seq, body_length, crc)
+            return False
+        return zlib.crc32(os.pread(self._fd, end - position - CRC_START, position + CRC_START)) == crc
 
     def _highest_offset_from(self, position: int, header: BatchHeader) -> int:
         """The end of the valid batches from ``position`` on, skipping damage: offsets a quarantine must not reuse."""
@@ -371,7 +380,7 @@ class Segment:
                 if header.next_offset > offset:
                     if batches and taken + size > max_bytes:
                         return batches
-                    body = buf[rel + HEADER_SIZE : rel + size]
+                    body = buf[rel + header.header_size : rel + size]
                     batches.append(
                         Batch(
                             header.base_offset,
@@ -380,6 +389,7 @@ class Segment:
                             body,
                             header.producer_id,
                             header.sequence,
+                            header.leader_epoch,
                         )
                     )
                     taken += size
@@ -418,10 +428,10 @@ class Segment:
 
 
 def _peek_size(buf: bytes | memoryview, pos: int) -> int:
-    """Whole size of the batch at ``pos`` from its header, or the header size."""
+    """Whole size of the batch at ``pos`` from its header, or the largest header size."""
     if len(buf) - pos < HEADER_SIZE:
-        return HEADER_SIZE
+        return MAX_HEADER_SIZE
     try:
         return decode_header(buf, pos).size
     except SegmentCorrupt:
-        return HEADER_SIZE
+        return MAX_HEADER_SIZE

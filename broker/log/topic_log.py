@@ -194,13 +194,18 @@ class TopicLog(ABC):
         sequence: int = -1,
         timestamp_ms: int | None = None,
         base_offset: int | None = None,
+        leader_epoch: int | None = None,
     ) -> AppendResult:
         """Append one batch: one header, one CRC, one write.
 
         A batch resent by an idempotent producer is recognised by its sequence
-        and answered with the offsets it was first stored at. A mirror passes
-        ``base_offset`` (and the parent's timestamp): the batch keeps the
-        offsets it has upstream, and the parent already deduplicated it.
+        and answered with the offsets it was first stored at. A mirror or a
+        follower passes ``base_offset`` (and the leader's timestamp, producer
+        id, sequence and epoch): the batch keeps the offsets it has upstream,
+        the leader already deduplicated it, and its producer id and sequence
+        are remembered as for a local append, so that a resend after a
+        failover is still recognised here. ``leader_epoch`` None (or 0) writes
+        a magic 1 header, as outside a cluster; an epoch >= 1 writes magic 2.
         """
         if base_offset is not None:
             if base_offset != self.end_offset:
@@ -215,7 +220,9 @@ class TopicLog(ABC):
                 return AppendResult(seen, count, duplicate=True)
         base = self.end_offset
         ts = int(self.clock() * 1000) if timestamp_ms is None else timestamp_ms
-        header = encode_header(base, count, ts, body, producer_id=producer_id, sequence=sequence)
+        header = encode_header(
+            base, count, ts, body, producer_id=producer_id, sequence=sequence, leader_epoch=leader_epoch
+        )
         try:
             self._write(header, body, base, count, ts)
         except ConveyorError as exc:
@@ -223,7 +230,7 @@ class TopicLog(ABC):
             raise
         self._io_outcome("append")
         self.end_offset = base + count
-        self.cache.add(Batch(base, count, ts, body, producer_id, sequence))
+        self.cache.add(Batch(base, count, ts, body, producer_id, sequence, leader_epoch or 0))
         if producer_id != NO_PRODUCER:
             self.producers.record(producer_id, sequence, base, count)
         if self.fsync.mode == "none" and not self.held:

@@ -5,11 +5,11 @@ array of records ``[key, headers, value]``. The header is the same on disk
 and on the wire, so the broker forwards stored bytes without re-encoding.
 Pure functions only: no files, no sockets.
 
-Header layout (big-endian, 48 bytes)::
+Header layout (big-endian; magic 1 is 48 bytes, magic 2 is 52)::
 
     0  u64 base_offset     first offset in the batch
     8  u32 batch_length    bytes after this field (header rest + body)
-    12 u8  magic           format version, currently 1
+    12 u8  magic           format version, 1 or 2
     13 u8  attributes      reserved, 0
     14 u16 reserved
     16 u32 crc             CRC-32 of every byte from offset 20 to the end
@@ -17,11 +17,22 @@ Header layout (big-endian, 48 bytes)::
     24 i64 timestamp_ms    broker append time, ms since the epoch
     32 i64 producer_id     -1 when the producer is not idempotent
     40 i32 sequence        producer batch sequence, -1 when not idempotent
+    magic 1:
     44 u32 body_length
     48 ... body
+    magic 2:
+    44 i32 leader_epoch    the epoch of the partition leader that appended it
+    48 u32 body_length
+    52 ... body
 
 The base offset sits outside the CRC, as in Kafka; recovery checks it
-against the expected next offset instead.
+against the expected next offset instead. The leader epoch is inside it.
+
+Epoch 0 is the epoch of every batch written outside a cluster, and it is
+stored as magic 1: a single-node broker writes the same bytes as before
+magic 2 existed, and a magic 1 batch reads as epoch 0. A replicated batch
+(epoch >= 1) is magic 2. The magic byte says which header follows, so a
+reader looks at one byte and unpacks one struct per batch.
 """
 
 from __future__ import annotations
@@ -37,16 +48,23 @@ import msgpack
 
 from conveyor.errors import BatchTooLarge, ConveyorError, InvalidRequest, MalformedFrame, SegmentCorrupt
 
-MAGIC = 1
-HEADER = struct.Struct(">QIBBHIIqqiI")
+MAGIC = 1  # the format of batches outside a cluster (epoch 0)
+MAGIC_EPOCH = 2  # the format that carries a leader epoch
+HEADER = struct.Struct(">QIBBHIIqqiI")  # magic 1
+HEADER_V2 = struct.Struct(">QIBBHIIqqiiI")  # magic 2
 _PREFIX = struct.Struct(">QIBBHI")  # the part the CRC does not cover
-_TAIL = struct.Struct(">IqqiI")  # the part it does, before the body
-HEADER_SIZE = HEADER.size
+_TAIL = struct.Struct(">IqqiI")  # the part it does, before the body (magic 1)
+_TAIL_V2 = struct.Struct(">IqqiiI")  # the same with the leader epoch (magic 2)
+HEADER_SIZE = HEADER.size  # the magic 1 header: the smallest, and what a single node writes
+HEADER_SIZE_V2 = HEADER_V2.size
+MAX_HEADER_SIZE = HEADER_SIZE_V2  # read this much to be sure to hold any header
+MAGIC_AT = 12  # the byte that says which header this is
 CRC_START = 20
 LENGTH_PREFIX = 12  # base_offset + batch_length: what batch_length does not cover
 NO_PRODUCER = -1
+NO_EPOCH = 0  # the epoch of batches written outside a cluster (magic 1)
 
-assert HEADER_SIZE == 48
+assert HEADER_SIZE == 48 and HEADER_SIZE_V2 == 52
 
 
 @dataclass(slots=True)  # not frozen: a frozen __init__ costs ~1.3 us more, paid per batch read
@@ -58,10 +76,12 @@ class BatchHeader:
     sequence: int
     body_length: int
     crc: int
+    leader_epoch: int = NO_EPOCH
+    header_size: int = HEADER_SIZE  # HEADER_SIZE for magic 1, HEADER_SIZE_V2 for magic 2
 
     @property
     def size(self) -> int:
-        return HEADER_SIZE + self.body_length
+        return self.header_size + self.body_length
 
     @property
     def next_offset(self) -> int:
@@ -78,6 +98,7 @@ class Batch:
     body: bytes
     producer_id: int = NO_PRODUCER
     sequence: int = -1
+    leader_epoch: int = NO_EPOCH  # 0: a magic 1 batch
 
     @property
     def next_offset(self) -> int:
@@ -92,12 +113,21 @@ def encode_header(
     *,
     producer_id: int = NO_PRODUCER,
     sequence: int = -1,
+    leader_epoch: int | None = None,
 ) -> bytes:
-    """The 48-byte header for ``body``: one CRC over header tail and body."""
-    tail = _TAIL.pack(count, timestamp_ms, producer_id, sequence, len(body))
+    """The header for ``body``: one CRC over header tail and body.
+
+    ``leader_epoch`` None or 0 (outside a cluster) writes the 48-byte magic 1
+    header; an epoch >= 1 writes the 52-byte magic 2 header that holds it.
+    """
+    if not leader_epoch:
+        tail = _TAIL.pack(count, timestamp_ms, producer_id, sequence, len(body))
+        magic, size = MAGIC, HEADER_SIZE
+    else:
+        tail = _TAIL_V2.pack(count, timestamp_ms, producer_id, sequence, leader_epoch, len(body))
+        magic, size = MAGIC_EPOCH, HEADER_SIZE_V2
     crc = zlib.crc32(body, zlib.crc32(tail))
-    length = HEADER_SIZE - LENGTH_PREFIX + len(body)
-    return _PREFIX.pack(base_offset, length, MAGIC, 0, 0, crc) + tail
+    return _PREFIX.pack(base_offset, size - LENGTH_PREFIX + len(body), magic, 0, 0, crc) + tail
 
 
 def encode_batch(batch: Batch) -> bytes:
@@ -108,22 +138,32 @@ def encode_batch(batch: Batch) -> bytes:
         batch.body,
         producer_id=batch.producer_id,
         sequence=batch.sequence,
+        leader_epoch=batch.leader_epoch,
     )
     return header + batch.body
 
 
 def decode_header(buf: bytes | memoryview, pos: int = 0) -> BatchHeader:
-    """Parse a header without checking the CRC (see ``check_batch``)."""
-    if len(buf) - pos < HEADER_SIZE:
+    """Parse a header of either magic without checking the CRC (see ``check_batch``)."""
+    left = len(buf) - pos
+    if left < HEADER_SIZE:
         raise SegmentCorrupt("short header", position=pos)
-    (base, length, magic, attrs, reserved, crc, count, ts, pid, seq, body_len) = HEADER.unpack_from(buf, pos)
-    if magic != MAGIC:
+    magic = buf[pos + MAGIC_AT]
+    if magic == MAGIC:
+        (base, length, _m, attrs, reserved, crc, count, ts, pid, seq, body_len) = HEADER.unpack_from(buf, pos)
+        epoch, size = NO_EPOCH, HEADER_SIZE
+    elif magic == MAGIC_EPOCH:
+        if left < HEADER_SIZE_V2:
+            raise SegmentCorrupt("short header", position=pos)
+        (base, length, _m, attrs, reserved, crc, count, ts, pid, seq, epoch, body_len) = HEADER_V2.unpack_from(buf, pos)
+        size = HEADER_SIZE_V2
+    else:
         raise SegmentCorrupt(f"bad magic {magic}", position=pos)
     if attrs or reserved:  # outside the CRC, so a flipped bit here is only caught by this check
         raise SegmentCorrupt("nonzero reserved header bytes", position=pos)
-    if length != HEADER_SIZE - LENGTH_PREFIX + body_len:
+    if length != size - LENGTH_PREFIX + body_len:
         raise SegmentCorrupt("batch length disagrees with body length", position=pos)
-    return BatchHeader(base, count, ts, pid, seq, body_len, crc)
+    return BatchHeader(base, count, ts, pid, seq, body_len, crc, epoch, size)
 
 
 def check_batch(buf: bytes | memoryview, pos: int = 0) -> BatchHeader:
@@ -139,8 +179,16 @@ def check_batch(buf: bytes | memoryview, pos: int = 0) -> BatchHeader:
 
 def decode_batch(buf: bytes | memoryview, pos: int = 0) -> Batch:
     header = check_batch(buf, pos)
-    body = bytes(memoryview(buf)[pos + HEADER_SIZE : pos + header.size])
-    return Batch(header.base_offset, header.count, header.timestamp_ms, body, header.producer_id, header.sequence)
+    body = bytes(memoryview(buf)[pos + header.header_size : pos + header.size])
+    return Batch(
+        header.base_offset,
+        header.count,
+        header.timestamp_ms,
+        body,
+        header.producer_id,
+        header.sequence,
+        header.leader_epoch,
+    )
 
 
 # --- bodies ---------------------------------------------------------------

@@ -11,7 +11,7 @@ from conveyor.broker.config.fsync import FsyncPolicy
 from conveyor.broker.log.data_dir import Store
 from conveyor.broker.log.file_log import FileLog
 from conveyor.broker.log.topic_log import TopicConfig, TopicLog
-from conveyor.broker.wire.record import HEADER_SIZE, pack_records
+from conveyor.broker.wire.record import HEADER_SIZE, HEADER_SIZE_V2, pack_records
 
 
 @dataclass(frozen=True)
@@ -21,6 +21,7 @@ class Expected:
     base_offset: int
     count: int
     body: bytes
+    leader_epoch: int = 0  # 0: stored as magic 1
 
     @property
     def next_offset(self) -> int:
@@ -28,7 +29,7 @@ class Expected:
 
     @property
     def size(self) -> int:
-        return HEADER_SIZE + len(self.body)
+        return (HEADER_SIZE_V2 if self.leader_epoch else HEADER_SIZE) + len(self.body)
 
 
 def random_body(rng: random.Random, count: int, *, max_value: int = 200) -> bytes:
@@ -57,11 +58,13 @@ def file_log(directory: Path, **config: object) -> FileLog:
     )
 
 
-def append_random(log: TopicLog, rng: random.Random, *, max_count: int = 4, max_value: int = 200) -> Expected:
+def append_random(
+    log: TopicLog, rng: random.Random, *, max_count: int = 4, max_value: int = 200, leader_epoch: int | None = None
+) -> Expected:
     count = rng.randint(1, max_count)
     body = random_body(rng, count, max_value=max_value)
-    result = log.append(body, count)
-    return Expected(result.base_offset, count, body)
+    result = log.append(body, count, leader_epoch=leader_epoch)
+    return Expected(result.base_offset, count, body, leader_epoch or 0)
 
 
 def read_everything(log: TopicLog) -> list:
@@ -80,8 +83,8 @@ def assert_log_holds(log: TopicLog, expected: list[Expected], *, every_offset_fr
     """The log holds exactly ``expected``: offsets, bodies, and reads at every offset (from ``every_offset_from``)."""
     assert log.start_offset == (expected[0].base_offset if expected else log.start_offset)
     assert log.end_offset == (expected[-1].next_offset if expected else log.start_offset)
-    got = [(b.base_offset, b.count, bytes(b.body)) for b in read_everything(log)]
-    assert got == [(e.base_offset, e.count, e.body) for e in expected]
+    got = [(b.base_offset, b.count, bytes(b.body), b.leader_epoch) for b in read_everything(log)]
+    assert got == [(e.base_offset, e.count, e.body, e.leader_epoch) for e in expected]
     for e in expected:
         for offset in range(max(e.base_offset, every_offset_from), e.next_offset):
             first = log.read(offset, max_bytes=1)[0]

@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+import struct
+import zlib
+
 import msgpack
 import pytest
 from conveyor.broker.wire.record import (
     HEADER_SIZE,
+    HEADER_SIZE_V2,
+    MAGIC,
+    MAGIC_EPOCH,
     NO_PRODUCER,
     Batch,
     check_batch,
@@ -175,3 +181,75 @@ def test_validate_body_rejects_more_records_than_max_records():
 def test_validate_body_errors_are_the_documented_wire_errors():
     assert MalformedFrame.code == 201
     assert InvalidRequest.code == 207
+
+
+# --- magic 2: the leader epoch -------------------------------------------------------
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    records=records_st,
+    base=st.integers(0, 2**63),
+    ts=st.integers(0, 2**62),
+    pid=st.integers(-1, 2**62),
+    seq=st.integers(-1, 2**31 - 1),
+    epoch=st.integers(0, 2**31 - 1),
+)
+def test_batch_of_either_magic_round_trips_with_its_epoch(records, base, ts, pid, seq, epoch):
+    body = pack_records(records)
+    batch = Batch(base, len(records), ts, body, pid, seq, epoch)
+
+    data = encode_batch(batch)
+
+    assert data[12] == (MAGIC_EPOCH if epoch else MAGIC)
+    assert len(data) == (HEADER_SIZE_V2 if epoch else HEADER_SIZE) + len(body)
+    assert decode_batch(data) == batch
+    header = check_batch(data)
+    assert (header.leader_epoch, header.size) == (epoch, len(data))
+
+
+def test_no_epoch_writes_magic_1_byte_for_byte_as_before():
+    body = pack_records([(b"k", None, b"v")])
+    old = struct.pack(">QIBBHIIqqiI", 5, 36 + len(body), 1, 0, 0, 0, 1, 99, 7, 3, len(body))
+    crc = zlib.crc32(body, zlib.crc32(old[20:]))
+    expected = old[:16] + struct.pack(">I", crc) + old[20:]
+
+    assert encode_header(5, 1, 99, body, producer_id=7, sequence=3) == expected
+    assert encode_header(5, 1, 99, body, producer_id=7, sequence=3, leader_epoch=None) == expected
+    assert encode_header(5, 1, 99, body, producer_id=7, sequence=3, leader_epoch=0) == expected
+    assert decode_header(expected + body).leader_epoch == 0
+
+
+def test_magic_2_puts_the_epoch_after_the_sequence():
+    body = pack_records([(None, None, b"v")])
+    data = encode_header(5, 1, 99, body, producer_id=7, sequence=3, leader_epoch=12) + body
+
+    assert struct.unpack_from(">qiiI", data, 32) == (7, 3, 12, len(body))
+    assert struct.unpack_from(">I", data, 8)[0] == len(data) - 12
+
+
+@pytest.mark.parametrize("position", range(HEADER_SIZE_V2 + 12))
+def test_check_batch_rejects_any_flipped_byte_of_a_magic_2_batch(position):
+    body = pack_records([(b"key", {"h": "1"}, b"value-1"), (None, None, b"v2")])
+    data = bytearray(encode_batch(Batch(3, 2, 1234, body, 9, 4, 77)))
+    data[position] ^= 0x01
+
+    if position < 8:
+        assert check_batch(bytes(data)).base_offset == 3 ^ (1 << (8 * (7 - position)))
+    else:  # the epoch (bytes 44-47) included: the CRC covers it
+        with pytest.raises(SegmentCorrupt):
+            check_batch(bytes(data))
+
+
+@pytest.mark.parametrize("cut", [0, HEADER_SIZE, HEADER_SIZE_V2 - 1, HEADER_SIZE_V2, HEADER_SIZE_V2 + 3])
+def test_check_batch_rejects_a_short_magic_2_buffer(cut):
+    data = encode_batch(Batch(0, 1, 0, pack_records([(None, None, b"0123456789")]), leader_epoch=3))
+    with pytest.raises(SegmentCorrupt):
+        check_batch(data[:cut])
+
+
+def test_unknown_magic_is_refused():
+    data = bytearray(encode_batch(Batch(0, 1, 0, pack_records([(None, None, b"x")]))))
+    data[12] = 3
+    with pytest.raises(SegmentCorrupt, match="magic"):
+        check_batch(bytes(data))

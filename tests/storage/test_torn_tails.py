@@ -26,22 +26,28 @@ from tests.storage.storage_helpers import (
 CONFIG = {"segment_bytes": 2048, "index_interval_bytes": 256}
 
 
-def build(directory: Path, seed: int = 1) -> list[Expected]:
-    """A closed log of three or more segments whose newest holds at least eight batches."""
+def build(directory: Path, seed: int = 1, *, epochs: bool = False) -> list[Expected]:
+    """A closed log of three or more segments whose newest holds at least eight batches.
+
+    With ``epochs``, magic 1 batches come first, then magic 2 batches of rising leader epochs
+    (a single-node log that joined a cluster), so both headers meet inside one segment.
+    """
     rng = random.Random(seed)
     log = file_log(directory, **CONFIG)
-    expected = []
+    expected: list[Expected] = []
     while log.segment_count() < 3 or len(batches_in(expected, segment_files(directory)[-1])) < 8:
-        expected.append(append_random(log, rng, max_count=3, max_value=100))
+        n = len(expected)
+        epoch = (None if n < 5 else 1 + n // 7) if epochs else None
+        expected.append(append_random(log, rng, max_count=3, max_value=100, leader_epoch=epoch))
     log.sync()
     log.close()
     return expected
 
 
-@pytest.fixture(scope="module")
-def built(tmp_path_factory) -> tuple[Path, list[Expected]]:
+@pytest.fixture(scope="module", params=["magic1", "epochs"])
+def built(tmp_path_factory, request) -> tuple[Path, list[Expected]]:
     directory = tmp_path_factory.mktemp("built") / "t"
-    return directory, build(directory)
+    return directory, build(directory, epochs=request.param == "epochs")
 
 
 def copy_of(built: tuple[Path, list[Expected]], target: Path) -> tuple[Path, Path, list[Expected]]:

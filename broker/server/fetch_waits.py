@@ -142,7 +142,16 @@ class FetchWaits:
                 return
             batches = [b for b in batches if b.base_offset < log_.durable_offset][:MAX_ENTRIES]  # fits a header
         entries = [
-            wire_entry(b.base_offset, b.count, b.timestamp_ms, max(offset, b.base_offset), b.next_offset)
+            wire_entry(
+                b.base_offset,
+                b.count,
+                b.timestamp_ms,
+                max(offset, b.base_offset),
+                b.next_offset,
+                producer_id=b.producer_id,
+                sequence=b.sequence,
+                leader_epoch=b.leader_epoch,
+            )
             for b in batches
         ]
         self._send(

@@ -227,21 +227,40 @@ class Mirror:
         return self.link.request(frames_for)
 
     def _apply(self, mirror: TopicMirror, reply: Frame) -> None:
-        """Append what the parent sent, at the parent's offsets."""
+        """Append what the parent sent, at the parent's offsets, with its producer ids, sequences and epochs.
+
+        A parent older than these FETCHED keys sends none: its batches are stored as not idempotent.
+        """
         log_ = self.host.store.topic(mirror.topic)
         mirror.parent_end = int(reply.get("end_offset", mirror.parent_end))
         mirror.parent_start = int(reply.get("start_offset", mirror.parent_start))
         entries = entries_from_wire(reply.get("entries"))
         appended = 0
         for entry, body in zip(entries, reply.payload, strict=False):
-            stored = Batch(entry.base_offset, entry.count, entry.timestamp_ms, bytes(body))
+            stored = Batch(
+                entry.base_offset,
+                entry.count,
+                entry.timestamp_ms,
+                bytes(body),
+                entry.producer_id,
+                entry.sequence,
+                entry.leader_epoch,
+            )
             batch = _from(stored, log_.end_offset)
             if batch is None:
                 continue
             if batch.base_offset != log_.end_offset:
                 self._gap(mirror, log_.end_offset, batch.base_offset)
                 return
-            log_.append(batch.body, batch.count, timestamp_ms=batch.timestamp_ms, base_offset=batch.base_offset)
+            log_.append(
+                batch.body,
+                batch.count,
+                producer_id=batch.producer_id,
+                sequence=batch.sequence,
+                timestamp_ms=batch.timestamp_ms,
+                base_offset=batch.base_offset,
+                leader_epoch=batch.leader_epoch,
+            )
             mirror.last_append_ms = batch.timestamp_ms
             mirror.fetched_bytes += len(batch.body)
             mirror.fetched_messages += batch.count
@@ -336,10 +355,14 @@ class Mirror:
 
 
 def _from(batch: Batch, offset: int) -> Batch | None:
-    """The part of ``batch`` at or after ``offset`` (re-encoded only when it must be cut)."""
+    """The part of ``batch`` at or after ``offset`` (re-encoded only when it must be cut).
+
+    A cut batch is not the producer's batch any more: it keeps its epoch, not its producer id and sequence.
+    """
     if batch.next_offset <= offset:
         return None
     if batch.base_offset >= offset:
         return batch
     records = unpack_records(batch.body)[offset - batch.base_offset :]
-    return Batch(offset, len(records), batch.timestamp_ms, pack_records(list(records)))
+    cut = pack_records(list(records))
+    return Batch(offset, len(records), batch.timestamp_ms, cut, leader_epoch=batch.leader_epoch)

@@ -1,8 +1,9 @@
 """One DELIVER / FETCHED / EVENT entry: which records of one stored batch body a frame carries.
 
 The broker writes an entry per batch (never per message) as a short-keyed
-msgpack map, ``{b, n, t, f, e, d}`` plus the optional ``o`` and ``fd``
-(docs/protocol.md, "DELIVER entries"). Every reader of entries goes
+msgpack map, ``{b, n, t, f, e, d}`` plus the optional ``o`` and ``fd``, and
+in FETCHED the stored batch's ``p``, ``s`` and ``le`` (producer id, sequence,
+leader epoch) when it has them (docs/protocol.md, "DELIVER entries"). Every reader of entries goes
 through ``DeliveryEntry.from_wire`` and every writer through ``wire_entry``
 (which ``DeliveryEntry.to_wire`` calls), so the keys are spelled in one
 place, and a reader handed a damaged entry gets ``MalformedFrame`` naming
@@ -34,6 +35,10 @@ class DeliveryEntry:
     deliveries: int = 0  # d: this delivery included; 0 in FETCHED
     offsets: Sequence[int] | None = None  # o: the exact delivered offsets, instead of all of [first, end)
     first_delivered_ms: int = 0  # fd: wall clock ms of the first delivery; 0 when not sent
+    # FETCHED only, where the stored batch has them: what a mirror or a follower stores with the copy
+    producer_id: int = -1  # p: -1 when the producer is not idempotent
+    sequence: int = -1  # s
+    leader_epoch: int = 0  # le: 0 for a batch written outside a cluster
 
     def to_wire(self) -> dict[str, Any]:
         """The msgpack map the broker sends (optional keys only when set)."""
@@ -46,6 +51,9 @@ class DeliveryEntry:
             self.deliveries,
             self.offsets,
             self.first_delivered_ms,
+            producer_id=self.producer_id,
+            sequence=self.sequence,
+            leader_epoch=self.leader_epoch,
         )
 
     @classmethod
@@ -67,6 +75,9 @@ class DeliveryEntry:
         _set_deliveries(made, _int(entry, "d", 0))
         _set_offsets(made, offsets)
         _set_first_delivered(made, _int(entry, "fd", 0))
+        _set_producer(made, _int(entry, "p", -1))
+        _set_sequence(made, _int(entry, "s", -1))
+        _set_epoch(made, _int(entry, "le", 0))
         return made
 
 
@@ -81,6 +92,9 @@ _new = object.__new__
     _set_deliveries,
     _set_offsets,
     _set_first_delivered,
+    _set_producer,
+    _set_sequence,
+    _set_epoch,
 ) = (DeliveryEntry.__dict__[f.name].__set__ for f in fields(DeliveryEntry))
 
 
@@ -93,18 +107,28 @@ def wire_entry(
     deliveries: int = 0,
     offsets: Sequence[int] | None = None,
     first_delivered_ms: int = 0,
+    *,
+    producer_id: int = -1,
+    sequence: int = -1,
+    leader_epoch: int = 0,
 ) -> dict[str, Any]:
     """The map of one entry, as ``DeliveryEntry.to_wire`` gives it.
 
     The broker calls it directly with the numbers its own objects hold: it
     builds no ``DeliveryEntry`` per batch it sends (an allocation and eight
-    slot writes each, on the hot path).
+    slot writes each, on the hot path). ``p``, ``s`` and ``le`` are written
+    only when set: DELIVER never passes them, FETCHED passes the stored ones.
     """
     head: dict[str, Any] = {"b": base_offset, "n": count, "t": timestamp_ms, "f": first, "e": end, "d": deliveries}
     if offsets is not None:
         head["o"] = offsets
     if first_delivered_ms:
         head["fd"] = first_delivered_ms
+    if producer_id != -1:
+        head["p"] = producer_id
+        head["s"] = sequence
+    if leader_epoch:
+        head["le"] = leader_epoch
     return head
 
 

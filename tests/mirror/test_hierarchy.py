@@ -223,3 +223,22 @@ def test_groups_reset_refresh_on_a_child_without_that_group_succeeds(tmp_path):
     finally:
         child.stop()
         root.stop()
+
+
+def test_a_childs_segments_are_byte_identical_to_its_parents_for_an_idempotent_producer(tmp_path):
+    # The producer's id and sequences are kept in the child's headers: a child's files are a copy,
+    # and a resend that reaches it (after a failover) is still recognised by its sequence.
+    root = BrokerProcess(tmp_path / "root").start()
+    child = BrokerProcess(tmp_path / "child", extra=["--upstream", root.address, "--mirror", "orders"]).start()
+    try:
+        publish(root.address, "orders", [f"order-{i}" for i in range(500)], batch_size=50)
+        assert len(read_all(child.address, "orders", 500)) == 500
+    finally:
+        child.stop()
+        root.stop()
+    parent_files = sorted((tmp_path / "root" / "topics" / "orders").glob("*.log"))
+    child_files = sorted((tmp_path / "child" / "topics" / "orders").glob("*.log"))
+    assert [p.name for p in child_files] == [p.name for p in parent_files]
+    assert parent_files[0].read_bytes()[32:40] != b"\xff" * 8, "the parent's batches carry a producer id"
+    for parent, copy in zip(parent_files, child_files, strict=True):
+        assert copy.read_bytes() == parent.read_bytes(), parent.name

@@ -48,6 +48,19 @@ def test_to_wire_sends_the_optional_keys_only_when_set() -> None:
     assert wire_entry(1, 2, 3, 1, 3, 4, [1], 9) == DeliveryEntry(1, 2, 3, 1, 3, 4, [1], 9).to_wire()
 
 
+def test_fetched_entries_carry_the_producer_id_sequence_and_epoch_only_when_the_batch_has_them() -> None:
+    assert wire_entry(1, 2, 3, 1, 3) == {"b": 1, "n": 2, "t": 3, "f": 1, "e": 3, "d": 0}
+    assert wire_entry(1, 2, 3, 1, 3, producer_id=-1, sequence=-1, leader_epoch=0) == wire_entry(1, 2, 3, 1, 3)
+    full = wire_entry(1, 2, 3, 1, 3, producer_id=77, sequence=5, leader_epoch=4)
+    assert {k: full[k] for k in ("p", "s", "le")} == {"p": 77, "s": 5, "le": 4}
+    entry = DeliveryEntry.from_wire(full)
+    assert (entry.producer_id, entry.sequence, entry.leader_epoch) == (77, 5, 4)
+    assert entry.to_wire() == full
+    # An older parent sends none of them: not idempotent, epoch 0
+    old = DeliveryEntry.from_wire(GOOD)
+    assert (old.producer_id, old.sequence, old.leader_epoch) == (-1, -1, 0)
+
+
 def test_a_delivery_entry_is_frozen_and_slotted() -> None:
     entry = DeliveryEntry.from_wire(GOOD)
     with pytest.raises(dataclasses.FrozenInstanceError):
@@ -65,7 +78,20 @@ def test_a_missing_key_is_malformed_and_named(key: str) -> None:
 
 @pytest.mark.parametrize(
     ("key", "value"),
-    [("b", "10"), ("n", 3.0), ("t", None), ("f", True), ("e", [13]), ("d", "1"), ("fd", 1.5), ("o", 10), ("o", ["x"])],
+    [
+        ("b", "10"),
+        ("n", 3.0),
+        ("t", None),
+        ("f", True),
+        ("e", [13]),
+        ("d", "1"),
+        ("fd", 1.5),
+        ("o", 10),
+        ("o", ["x"]),
+        ("p", "7"),
+        ("s", 1.0),
+        ("le", [2]),
+    ],
 )
 def test_a_key_of_the_wrong_type_is_malformed_and_named(key: str, value: Any) -> None:
     with pytest.raises(MalformedFrame) as caught:

@@ -126,7 +126,7 @@ def topic_bounds(conn: Connection, topic: str) -> TopicBounds:
             if exc.name == "UNKNOWN_TOPIC":
                 return TopicBounds(0, 0)
             raise
-        end = int(info.get("durable_offset", info["end_offset"]))
+        end = int(info.get("visible_offset", info.get("durable_offset", info["end_offset"])))
         return TopicBounds(int(info.get("start_offset", 0)), end)
 
     return conn.retrying(describe)

@@ -4,8 +4,9 @@ A topic is one ordered log, so a read is an offset range ``[start, end)``
 cut into Spark partitions of ``partitionSize`` offsets; every partition is
 read with FETCH by whichever executor runs it, straight from the broker,
 and handed to Spark as Arrow record batches. Only durable offsets are
-planned (the broker's ``durable_offset``), so what a query reads is what
-survives a broker crash.
+planned (the broker's ``visible_offset``: its durable offset, and on a
+replicated topic no further than the high watermark), so what a query
+reads is what survives a broker crash.
 
 Streaming keeps ``{"topic": T, "offset": N}`` in the query's checkpoint.
 Each micro-batch is a planned range, replayed identically after a restart,

@@ -135,6 +135,7 @@ class TopicLog(ABC):
         self.start_offset = 0
         self.end_offset = 0
         self.durable_offset = 0
+        self.high_watermark: int | None = None  # set by a replication leader (see ``visible_offset``)
         self.truncated_bytes = 0  # torn tails cut when the log opened
         self.quarantined_segments = 0  # corrupt segments moved aside when it opened (--quarantine)
         # Offsets that existed (a group committed past them, an index named them) but were not found when it
@@ -279,6 +280,21 @@ class TopicLog(ABC):
                 offset=offset,
                 errno=exc.errno,
             ) from exc
+
+    @property
+    def visible_offset(self) -> int:
+        """The offset below which readers see data: confirms, deliveries, consumer FETCH, dead-letter settlement.
+
+        Outside a cluster it is ``durable_offset``. A partition leader caps it at its high
+        watermark (what every in-sync replica holds durably), so nothing is confirmed or
+        delivered that a failover could lose. Replica fetches are the one reader past it.
+        """
+        hw = self.high_watermark
+        return self.durable_offset if hw is None else min(self.durable_offset, hw)
+
+    def set_high_watermark(self, offset: int | None) -> None:
+        """Cap ``visible_offset`` at ``offset`` (a replication leader's HW); None lifts the cap (single node)."""
+        self.high_watermark = offset
 
     @property
     def dirty(self) -> bool:

@@ -46,6 +46,7 @@ def describe_topic(host: AdminHost, name: str) -> dict[str, Any]:
         "start_offset": log.start_offset,
         "end_offset": log.end_offset,
         "durable_offset": log.durable_offset,
+        "visible_offset": log.visible_offset,
         "segments": log.segment_count(),
         "size_bytes": log.size_bytes(),
         "config": log.config.settings(),

@@ -56,7 +56,7 @@ class Confirms:
         now = self._clock()
         waiting: list[Confirm] = []
         for confirm in self.waiting:
-            if confirm.base_offset + confirm.count > confirm.log.durable_offset:
+            if confirm.base_offset + confirm.count > confirm.log.visible_offset:
                 waiting.append(confirm)  # interval policy: not synced yet
                 continue
             self._latency.observe(now - confirm.received)

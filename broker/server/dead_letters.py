@@ -203,9 +203,9 @@ class DeadLetters:
         """Settle the dead letters now durable (their groups' offsets may commit) and tell their members."""
         if not self.writes:
             return
-        stored = [w for w in self.writes if w.end <= w.log.durable_offset]
+        stored = [w for w in self.writes if w.end <= w.log.visible_offset]
         self.moved.update(w.group for w in stored)
-        self.writes = [w for w in self.writes if w.end > w.log.durable_offset]
+        self.writes = [w for w in self.writes if w.end > w.log.visible_offset]
         for write in stored:
             if write.letter.by_broker:
                 with self._containment.guard("dead_letter", topic=write.group.topic, group=write.group.name):

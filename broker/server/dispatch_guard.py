@@ -46,7 +46,7 @@ class _ReadsBefore:
     def __init__(self, log_: TopicLog, end: int) -> None:
         self._log = log_
         self.start_offset = log_.start_offset
-        self.durable_offset = min(end, log_.durable_offset)
+        self.visible_offset = min(end, log_.visible_offset)
 
     def read(self, offset: int, **kwargs: Any) -> list[Batch]:
         return self._log.read(offset, **kwargs)

@@ -65,7 +65,7 @@ class FetchWaits:
         log_ = self.store.topic(topic)
         offset = hfield(frame, "offset", int, log_.start_offset)
         wait_ms = max(0, min(hfield(frame, "wait_ms", int, 0), self._max_wait_ms))
-        if offset >= log_.durable_offset and wait_ms > 0:
+        if offset >= log_.visible_offset and wait_ms > 0:
             wait = FetchWait(peer, frame, self._clock() + wait_ms / 1000, offset)
             self.by_topic[topic].append(wait)
             heapq.heappush(self._deadlines, (wait.deadline, next(self._seq), wait))
@@ -89,7 +89,7 @@ class FetchWaits:
         still: list[FetchWait] = []
         for wait in self.by_topic.pop(topic, []):
             # Answered: durable data to read, or nothing any more (retention, a resync, a deletion).
-            answer = log_ is None or wait.offset < log_.durable_offset or wait.offset < log_.start_offset
+            answer = log_ is None or wait.offset < log_.visible_offset or wait.offset < log_.start_offset
             (ready if answer else still).append(wait)
         if still:
             self.by_topic[topic] = still
@@ -134,13 +134,13 @@ class FetchWaits:
         max_messages = max(1, hfield(frame, "max_messages", int, 10_000))
         max_bytes = max(1, min(hfield(frame, "max_bytes", int, 1 << 20), self._max_batch_bytes))
         batches = []
-        if offset < log_.durable_offset:
+        if offset < log_.visible_offset:
             try:
                 batches = log_.read(offset, max_bytes=max_bytes, max_messages=max_messages)
             except OffsetOutOfRange as exc:
                 self._reply_error(peer, exc, frame.get("rid"))
                 return
-            batches = [b for b in batches if b.base_offset < log_.durable_offset][:MAX_ENTRIES]  # fits a header
+            batches = [b for b in batches if b.base_offset < log_.visible_offset][:MAX_ENTRIES]  # fits a header
         entries = [
             wire_entry(
                 b.base_offset,
@@ -160,7 +160,7 @@ class FetchWaits:
                 frame.get("rid"),
                 log_.name,
                 start_offset=log_.start_offset,
-                end_offset=log_.durable_offset,
+                end_offset=log_.visible_offset,
                 entries=entries,
                 bodies=[b.body for b in batches],
             ),

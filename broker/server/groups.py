@@ -482,7 +482,7 @@ class Group:
 
     def dispatch(self, log: TopicLog, *, max_bytes: int = 1 << 20) -> list[Delivery]:
         """Plan deliveries for everything deliverable now, round-robin by credit."""
-        if self.next_offset >= log.durable_offset and not self.pending and not self.joining:
+        if self.next_offset >= log.visible_offset and not self.pending and not self.joining:
             return []  # the common case after an ack: credit came back, nothing new waits
         self.skip_retained(log.start_offset)
         self._admit_joiners()
@@ -527,7 +527,7 @@ class Group:
         self._rr = (self.members.index(member) + 1) % len(self.members)
 
     def _dispatch_new(self, log: TopicLog, plans: Plans, max_bytes: int) -> None:
-        limit = log.durable_offset
+        limit = log.visible_offset
         while self.next_offset < limit:
             member = next(self._members_with_credit(), None)
             if member is None:
@@ -710,7 +710,7 @@ class Group:
         return None
 
     def _dispatch_keyed(self, log: TopicLog, plans: Plans, max_bytes: int, blocked: set[Any]) -> None:
-        limit = log.durable_offset
+        limit = log.visible_offset
         held: list[int] = []
         while self.next_offset < limit:
             batches = log.read(self.next_offset, max_bytes=max_bytes)

@@ -40,6 +40,11 @@ class FakeLog:
     name: str
     end_offset: int = 0
     durable_offset: int = 0
+    high_watermark: int | None = None
+
+    @property
+    def visible_offset(self) -> int:  # as TopicLog's
+        return self.durable_offset if self.high_watermark is None else min(self.durable_offset, self.high_watermark)
 
 
 class Histogram:

@@ -75,3 +75,19 @@ def test_confirms_of_a_deleted_topic_are_answered_unknown_topic():
     owed.add(confirm(kept, 0, 1, rid=2))
     owed.topic_deleted("gone", {"kept": kept})
     assert sent.errors == [(b"p1", "UNKNOWN_TOPIC", 1)] and [c.rid for c in owed.waiting] == [2]
+
+
+def test_a_high_watermark_holds_back_confirms_of_durable_batches():
+    # Given a durable batch on a log whose replication leader has not seen it replicated
+    sent = Sent()
+    owed, _ = confirms(sent, Clock())
+    log = FakeLog("t", end_offset=5, durable_offset=5, high_watermark=2)
+    owed.add(confirm(log, 0, 2, rid=1))
+    owed.add(confirm(log, 2, 3, rid=2))
+    # When confirms are sent, only the batch below the high watermark goes
+    owed.send_durable()
+    assert [r.get("rid") for _, r in sent.frames] == [1]
+    # And the rest once the high watermark passes it
+    log.high_watermark = 5
+    owed.send_durable()
+    assert [r.get("rid") for _, r in sent.frames] == [1, 2] and not owed

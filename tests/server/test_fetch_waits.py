@@ -85,3 +85,25 @@ def test_a_deleted_topic_answers_its_parked_fetches_unknown_topic_and_shutdown_a
     assert sent.errors == [(b"p", "UNKNOWN_TOPIC", 1)]
     waits.shutdown()
     assert sent.errors[1:] == [(b"q", "SHUTTING_DOWN", 2)]
+
+
+def test_a_high_watermark_holds_back_what_a_fetch_sees(store):
+    # Given three durable offsets of which a replication leader lets readers see one
+    store.create_topic("t")
+    append(store, "t", 1)
+    append(store, "t", 2)
+    store.topic("t").set_high_watermark(1)
+    sent, clock = Sent(), Clock(now=10.0)
+    waits = fetches(store, sent, clock)
+    # When a FETCH reads from 0, and another waits at 1
+    waits.fetch(b"p", fetch(1, 0))
+    waits.fetch(b"p", fetch(2, 1, wait_ms=2000))
+    # Then the first sees the batch below the high watermark, the other waits
+    ((_peer, reply),) = sent.frames
+    assert reply.get("end_offset") == 1 and [(e["b"], e["e"]) for e in reply.get("entries")] == [(0, 1)]
+    waits.wake("t")
+    assert len(sent.frames) == 1
+    # And once the high watermark moves, the waiting one is answered
+    store.topic("t").set_high_watermark(3)
+    waits.wake("t")
+    assert [e["b"] for e in sent.frames[1][1].get("entries")] == [1]

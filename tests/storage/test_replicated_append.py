@@ -82,3 +82,18 @@ def test_a_replicated_batch_must_follow_the_end(make_log):
     follower = make_log()
     with pytest.raises(OffsetOutOfRange):
         replicate(follower, 5, 42, 0, 3)
+
+
+def test_visible_offset_is_the_durable_offset_unless_a_high_watermark_caps_it(make_log):
+    log = make_log()
+    log.append(BODY, 2)
+    log.append(BODY, 2)
+    log.sync()
+    assert (log.durable_offset, log.visible_offset, log.high_watermark) == (4, 4, None)
+
+    log.set_high_watermark(2)
+    assert log.visible_offset == 2
+    log.set_high_watermark(10)  # a high watermark never shows more than is durable here
+    assert log.visible_offset == 4
+    log.set_high_watermark(None)
+    assert log.visible_offset == 4

@@ -4,45 +4,100 @@ from __future__ import annotations
 
 import os
 import threading
+from collections.abc import Sequence
 from functools import partial
 from typing import Any
 
 import zmq
 from conveyor.broker.client.message import Message, messages_from_entries
-from conveyor.broker.config.addresses import broker_address
+from conveyor.broker.client.metadata import Metadata
 from conveyor.broker.net.requester import FramesFor, Requester
 from conveyor.broker.wire import commands
 from conveyor.broker.wire.protocol import Command, Frame, encode
 
+from conveyor.errors import BrokerUnavailable, ConveyorError, NotEnoughReplicas, NotLeader, UnknownTopic
+
 
 class Admin:
-    """Topics, groups and offsets; also ``fetch`` to read a range without a group."""
+    """Topics, groups and offsets; also ``fetch`` to read a range without a group.
+
+    ``address``: one broker, or a list (``"tcp://a:5555,tcp://b:5555"``);
+    ``CONVEYOR_BROKER`` when not given. With a list, requests about a topic
+    go to its leader, the others to any broker that answers (``Metadata``).
+    """
 
     def __init__(
-        self, address: str | None = None, *, timeout_ms: int = 10_000, context: zmq.Context[Any] | None = None
+        self,
+        address: str | Sequence[str] | None = None,
+        *,
+        timeout_ms: int = 10_000,
+        context: zmq.Context[Any] | None = None,
     ) -> None:
-        self.address = broker_address(address)  # CONVEYOR_BROKER when not given, as the command line
         self.timeout = timeout_ms / 1000
+        self.metadata = Metadata(address, context=context, timeout=self.timeout)
+        self.address = ",".join(self.metadata.bootstrap)  # CONVEYOR_BROKER when not given, as the command line
+        self._ctx = context
         self._lock = threading.Lock()
-        # One try per request (no retry): a failed one is the caller's to judge.
-        self._requester = Requester(self.address, context=context, timeout=self.timeout, hwm=100_000)
+        self._requesters: dict[str, Requester] = {}
+        self._requester = self._to(self.metadata.bootstrap[0]) if self.metadata.single else None
+
+    def _to(self, address: str | None) -> Requester:
+        """The requester to ``address`` (made on first use); None: any broker that answers METADATA."""
+        if address is None:
+            address = self.metadata.refresh().source if self.metadata.view is None else self.metadata.any_address()
+        requester = self._requesters.get(address)
+        if requester is None:
+            # One try per request (no retry): a failed one is the caller's to judge.
+            requester = Requester(address, context=self._ctx, timeout=self.timeout, hwm=100_000)
+            self._requesters[address] = requester
+        return requester
 
     @property
     def _sock(self) -> zmq.Socket[Any]:
         """The socket of the moment (tests speak raw frames on it)."""
-        return self._requester.sock
+        return (self._requester or self._to(None)).sock
 
     def request(self, command: Command, header: dict[str, Any], *, timeout: float | None = None) -> Any:
         """One request, one reply; raises the broker's error as its own class."""
-        return self._call(lambda rid: encode(command, {**header, "rid": rid}), timeout=timeout)
+        topic = header.get("topic")
+        return self._call(lambda rid: encode(command, {**header, "rid": rid}), timeout=timeout, topic=topic)
 
-    def _call(self, frames_for: FramesFor, *, timeout: float | None = None) -> Frame:
-        """Send ``frames_for(rid=...)`` (a request encoder of ``broker/wire/commands.py``) and wait for its reply."""
+    def _call(self, frames_for: FramesFor, *, timeout: float | None = None, topic: str | None = None) -> Frame:
+        """Send ``frames_for(rid=...)`` (a request encoder of ``broker/wire/commands.py``) and wait for its reply.
+
+        With several brokers: to ``topic``'s leader (or any broker), and once more to the leader a
+        ``NOT_LEADER`` names, or to the next broker when this one does not answer.
+        """
+        wait = self.timeout if timeout is None else timeout
         with self._lock:
-            return self._requester.call(frames_for, timeout=self.timeout if timeout is None else timeout)
+            if self._requester is not None and not self.metadata.routed:  # one broker: as before clusters
+                try:
+                    return self._requester.call(frames_for, timeout=wait)
+                except NotLeader as exc:
+                    if not topic:
+                        raise
+                    self.metadata.not_leader(topic, 0, exc)
+            tries = len(self.metadata.bootstrap) + 2
+            for attempt in range(tries):
+                requester = self._to(self.metadata.leader_for(topic) if topic else None)
+                try:
+                    return requester.call(frames_for, timeout=wait)
+                except (NotLeader, NotEnoughReplicas, BrokerUnavailable, UnknownTopic) as exc:
+                    if attempt == tries - 1 or (isinstance(exc, UnknownTopic) and topic is None):
+                        raise
+                    self._reroute(requester.address, topic, exc)
+            raise AssertionError("unreachable")
+
+    def _reroute(self, address: str, topic: str | None, exc: ConveyorError) -> None:
+        if isinstance(exc, NotLeader) and topic:
+            self.metadata.not_leader(topic, 0, exc)
+        elif isinstance(exc, BrokerUnavailable):
+            self.metadata.lost(address)
+        else:
+            self.metadata.stale(topic)
 
     def _admin(self, op: str, **args: Any) -> Any:
-        return self._call(partial(commands.admin, op, args)).get("result")
+        return self._call(partial(commands.admin, op, args), topic=args.get("topic")).get("result")
 
     def create_topic(self, name: str, **config: Any) -> dict[str, Any]:
         return self._admin("create_topic", topic=name, config=config)
@@ -103,12 +158,13 @@ class Admin:
         request = partial(
             commands.fetch, topic, offset, max_messages=max_messages, max_bytes=max_bytes, wait_ms=wait_ms
         )
-        reply = self._call(request, timeout=self.timeout + wait_ms / 1000)
+        reply = self._call(request, timeout=self.timeout + wait_ms / 1000, topic=topic)
         messages = messages_from_entries(topic, reply.get("entries", []), [bytes(b) for b in reply.payload])
         return messages[:max_messages], reply.header
 
     def close(self) -> None:
-        self._requester.close()
+        for requester in self._requesters.values():
+            requester.close()
 
     def __enter__(self) -> Admin:
         return self

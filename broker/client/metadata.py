@@ -214,6 +214,11 @@ class Metadata:
         """One bootstrap address: no METADATA unless a broker points elsewhere."""
         return len(self.bootstrap) == 1
 
+    @property
+    def routed(self) -> bool:
+        """Whether anything routes past the bootstrap list: a METADATA answer or a leader a broker named."""
+        return self.view is not None or bool(self._hints)
+
     def leader_for(self, topic: str, partition: int = 0) -> str:
         """The address to send ``topic``'s requests to; refreshes first when the cache is stale or empty.
 

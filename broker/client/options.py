@@ -7,6 +7,10 @@ from typing import Any
 
 from conveyor.errors import ConfigError
 
+# The batches per producer a broker remembers for deduplication (conveyor.broker.log.idempotence.WINDOW,
+# which a test checks): a producer that may resend to a new leader keeps at most this many in flight per topic.
+RESEND_WINDOW = 8
+
 
 def check_producer_options(**options: Any) -> None:
     """A producer's numbers: times finite and not negative, counts and sizes whole and at least 1.

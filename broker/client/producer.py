@@ -45,15 +45,25 @@ import msgpack
 import tenacity
 import zmq
 from conveyor.broker.client.futures import BatchState, batch_futures, new_future
-from conveyor.broker.client.options import check_producer_options
-from conveyor.broker.config.addresses import broker_address
+from conveyor.broker.client.metadata import Metadata
+from conveyor.broker.client.options import RESEND_WINDOW, check_producer_options
 from conveyor.broker.net.connection import backoff_seconds, new_dealer
+from conveyor.broker.net.security import HandshakeWatch
 from conveyor.broker.net.transport import NOBLOCK, recv_frames, send_frames
 from conveyor.broker.wire import commands
 from conveyor.broker.wire.protocol import Command, decode, error_from_header
 from conveyor.broker.wire.values import make_record
 
-from conveyor.errors import ConveyorError, RequestTimeout, buffer_full, delivery_timed_out
+from conveyor.errors import (
+    ConveyorError,
+    FencedLeaderEpoch,
+    NotEnoughReplicas,
+    NotLeader,
+    RequestTimeout,
+    UnknownLeaderEpoch,
+    buffer_full,
+    delivery_timed_out,
+)
 
 __all__ = ["Producer"]
 
@@ -68,6 +78,8 @@ log = logging.getLogger("conveyor.client")
 # out, so a queued message costs two byte copies and no Python objects.
 
 _packb = msgpack.Packer(use_bin_type=True).pack
+# Answers that mean "ask who leads now": the topic's unconfirmed batches follow the leader, in order.
+_LEADERSHIP_ERRORS = (NotLeader, NotEnoughReplicas, FencedLeaderEpoch, UnknownLeaderEpoch)
 _POLL_SLACK = 0.0002  # a poll that wakes this early for a linger deadline counts as on time
 
 
@@ -134,6 +146,7 @@ class _InFlight:
     attempts: int = 1
     last_error: ConveyorError | None = None  # the last retriable error the broker answered
     held: int = 0  # record bytes counted against the producer's buffer_memory until settled
+    address: str = ""  # the broker it was last sent to: an error from another one is stale
 
 
 class Producer:
@@ -141,7 +154,9 @@ class Producer:
 
     ``send()`` returns a ``concurrent.futures.Future`` of the message's offset,
     resolved when the broker confirms the batch as durable. ``address``
-    defaults to ``CONVEYOR_BROKER``, else ``tcp://127.0.0.1:5555``.
+    defaults to ``CONVEYOR_BROKER``, else ``tcp://127.0.0.1:5555``. It may
+    be a list of brokers (or ``"tcp://a:5555,tcp://b:5555"``): each topic's
+    batches then go to its leader, and follow a new one (``Metadata``).
 
     ``close()`` (and leaving a ``with`` block) waits for outstanding confirms
     while the broker keeps confirming, and gives up after ``close_timeout_ms``
@@ -152,7 +167,7 @@ class Producer:
 
     def __init__(
         self,
-        address: str | None = None,
+        address: str | Sequence[str] | None = None,
         *,
         linger_ms: float = 5.0,
         batch_size: int = 1000,
@@ -178,7 +193,9 @@ class Producer:
             max_block_ms=max_block_ms,
             close_timeout_ms=close_timeout_ms,
         )
-        self.address = broker_address(address)
+        # One address, a comma-separated bootstrap list or a list; CONVEYOR_BROKER when not given.
+        self.metadata = Metadata(address, context=context, timeout=request_timeout_ms / 1000)
+        self.address = ",".join(self.metadata.bootstrap)
         self.close_timeout = close_timeout_ms / 1000
         self.eager = eager
         self.buffer_memory = buffer_memory
@@ -186,7 +203,9 @@ class Producer:
         self.linger = linger_ms / 1000
         self.batch_size = batch_size
         self.max_batch_bytes = max_batch_bytes
-        self.max_in_flight = max_in_flight
+        # Following a new leader resends a topic's unconfirmed batches; each must still be within the
+        # broker's deduplication window there, so a cluster client keeps at most that many in flight.
+        self.max_in_flight = max_in_flight if self.metadata.single else min(max_in_flight, RESEND_WINDOW)
         self.request_timeout = request_timeout_ms / 1000
         self.delivery_timeout = delivery_timeout_ms / 1000
         self.retry_wait = retry_wait or tenacity.wait_random_exponential(multiplier=0.05, max=2.0)
@@ -427,8 +446,17 @@ class Producer:
                 self._idle.notify_all()
 
 
+@dataclass(slots=True)
+class _Link:
+    """The socket to one broker (a topic's leader), and the watch of its handshakes."""
+
+    address: str
+    sock: zmq.Socket[Any]
+    watch: HandshakeWatch
+
+
 class _ProducerIO:
-    """Everything the I/O thread owns: the socket, in-flight batches, resends."""
+    """Everything the I/O thread owns: one socket per leader, in-flight batches, resends."""
 
     def __init__(self, producer: Producer) -> None:
         self.p = producer
@@ -441,7 +469,32 @@ class _ProducerIO:
         self.retry_at: dict[int, float] = {}
         self.reconnects = 0
         self.last_heard: float | None = None  # when the broker last answered anything
-        self.sock, self.watch = new_dealer(producer._ctx, producer.address, auto_reconnect=False)
+        self.poller = zmq.Poller()
+        self.links: dict[str, _Link] = {}
+        self.by_socket: dict[Any, _Link] = {}  # a link's data socket and its watch's socket -> the link
+        self.silent = 0  # handshakes that ended without a reason, counted across sockets
+        if producer.metadata.single:
+            self._link(producer.metadata.bootstrap[0])  # connect now, as before clusters
+
+    def _link(self, address: str) -> _Link:
+        link = self.links.get(address)
+        if link is None:
+            sock, watch = new_dealer(self.p._ctx, address, auto_reconnect=False)
+            watch.silent = self.silent
+            link = self.links[address] = _Link(address, sock, watch)
+            self.by_socket[sock] = self.by_socket[watch.socket] = link
+            self.poller.register(sock, zmq.POLLIN)
+            self.poller.register(watch.socket, zmq.POLLIN)
+        return link
+
+    def _close_link(self, link: _Link) -> None:
+        self.silent = link.watch.silent
+        self.links.pop(link.address, None)
+        for sock in (link.sock, link.watch.socket):
+            self.by_socket.pop(sock, None)
+            self.poller.unregister(sock)
+        link.watch.close()
+        link.sock.close(linger=0)
 
     def heard(self) -> str:
         """When the broker last answered, for error messages."""
@@ -450,46 +503,48 @@ class _ProducerIO:
         return f"its last answer came {time.monotonic() - self.last_heard:.1f} s ago"
 
     def run(self) -> None:
-        poller = zmq.Poller()
-        poller.register(self.sock, zmq.POLLIN)
-        poller.register(self.watch.socket, zmq.POLLIN)
-        poller.register(self.p._wake_r.fileno(), zmq.POLLIN)
+        wake = self.p._wake_r.fileno()
+        self.poller.register(wake, zmq.POLLIN)
         while True:
             timeout = self._timeout_ms()
-            events = dict(poller.poll(timeout))
-            if self.p._wake_r.fileno() in events:
+            events = dict(self.poller.poll(timeout))
+            if wake in events:
                 self._drain_wake()
-            if self.sock in events:
-                self._read_replies()
-            if self.watch.socket in events:
-                self._check_handshakes(poller)
+            for sock in events:
+                link = self.by_socket.get(sock)
+                if link is None or link.address not in self.links:
+                    continue  # closed while handling an earlier socket of this pass
+                if sock is link.sock:
+                    self._read_replies(link)
+                else:
+                    self._check_handshakes(link)
             self._collect_lingering()
             self._send_queued()
-            self._check_timeouts(poller)
+            self._check_timeouts()
             if self.p._abort is not None:
                 self._fail_everything(self.p._abort)
                 break
             if self.p._closed and not self.in_flight and not self.queued and not self.ready:
                 break
-        self.watch.close()
-        self.sock.close(linger=0)
+        for link in list(self.links.values()):
+            self._close_link(link)
 
-    def _check_handshakes(self, poller: zmq.Poller) -> None:
-        """The broker refused this producer: every batch in flight fails with AUTH_FAILED now, not at a timeout.
+    def _check_handshakes(self, link: _Link) -> None:
+        """A broker refused this producer: every batch in flight there fails with AUTH_FAILED now, not at a timeout.
 
         Then a new socket for what comes next (this one does not reconnect by
         itself): if the broker still refuses, those batches fail the same way.
         """
-        silent = self.watch.silent
-        refused = self.watch.read()
+        silent = link.watch.silent
+        refused = link.watch.read()
         if refused is None:
-            if self.watch.silent > silent:  # a handshake ended without a reason: this socket will not retry it
-                self._reconnect(poller)
+            if link.watch.silent > silent:  # a handshake ended without a reason: this socket will not retry it
+                self._reconnect(link.address)
             return
-        for flight in list(self.in_flight.values()):
+        for flight in [f for f in self.in_flight.values() if f.address == link.address]:
             self._finish(flight)
             flight.futures.fail(refused)
-        self._reconnect(poller)
+        self._reconnect(link.address)
 
     def _fail_everything(self, error: RequestTimeout) -> None:
         """``close()`` gave up: every unconfirmed message fails now instead of at its delivery timeout."""
@@ -566,17 +621,34 @@ class _ProducerIO:
         self._transmit(flight)
 
     def _transmit(self, flight: _InFlight) -> None:
+        """Send ``flight`` to its topic's leader of the moment (the one address, without a cluster)."""
+        address = self._route(flight)
+        if address is None:
+            return
+        flight.address = address
         frames = commands.publish(flight.topic, flight.body, pid=self.p.producer_id, seq=flight.seq, rid=flight.rid)
         flight.sent_at = time.monotonic()
         try:
-            send_frames(self.sock, frames, NOBLOCK)
+            send_frames(self._link(address).sock, frames, NOBLOCK)
         except zmq.Again:
             # No connection (the socket does not reconnect by itself): start over on a new one now.
             flight.sent_at = -self.p.request_timeout
 
-    def _read_replies(self) -> None:
+    def _route(self, flight: _InFlight) -> str | None:
+        """The leader's address; None when no broker could say (asked again after a backoff)."""
+        try:
+            return self.p.metadata.leader_for(flight.topic)
+        except ConveyorError as exc:
+            if not exc.retriable:
+                raise
+            flight.last_error = exc
+            self.retry_at[flight.rid] = time.monotonic() + backoff_seconds(self.p.retry_wait, flight.attempts)
+            flight.sent_at = float("inf")
+            return None
+
+    def _read_replies(self, link: _Link) -> None:
         while True:
-            frames = recv_frames(self.sock)
+            frames = recv_frames(link.sock)
             if frames is None:
                 return
             self.last_heard = time.monotonic()
@@ -590,13 +662,16 @@ class _ProducerIO:
             if reply.command is Command.PUBLISHED:
                 self._finish(flight)
                 flight.futures.resolve(int(reply.get("base_offset")))
-            elif reply.command is Command.ERROR:
+            elif reply.command is Command.ERROR and flight.address == link.address:  # else: a former leader's
                 self._on_error(flight, error_from_header(reply.header))
 
     def _on_error(self, flight: _InFlight, exc: ConveyorError) -> None:
         if exc.retriable:
             flight.last_error = exc
             if time.monotonic() - flight.first_sent < self.p.delivery_timeout:
+                if isinstance(exc, _LEADERSHIP_ERRORS):
+                    self._follow_leader(flight, exc)
+                    return
                 flight.attempts += 1
                 self.retry_at[flight.rid] = time.monotonic() + backoff_seconds(self.p.retry_wait, flight.attempts)
                 flight.sent_at = float("inf")  # not waiting for an answer until resent
@@ -604,6 +679,27 @@ class _ProducerIO:
             exc = self._timed_out(flight)
         self._finish(flight)
         flight.futures.fail(exc)
+
+    def _follow_leader(self, flight: _InFlight, exc: ConveyorError) -> None:
+        """The broker does not lead the topic (or cannot append now): every unconfirmed batch of the topic
+        goes again, in sequence order, with its pid and seq, to the leader METADATA (or the hint) names.
+
+        Batches the old leader had replicated are answered with their original
+        offsets; the rest were never confirmed and are stored anew.
+        """
+        metadata = self.p.metadata
+        if isinstance(exc, NotLeader):
+            metadata.not_leader(flight.topic, 0, exc)
+        else:
+            metadata.stale(flight.topic)
+        hinted = isinstance(exc, NotLeader) and bool(exc.fields.get("leader_addr"))
+        when = time.monotonic() + (0.0 if hinted else backoff_seconds(self.p.retry_wait, flight.attempts))
+        for other in self.in_flight.values():
+            if other.topic == flight.topic and other.rid not in self.retry_at:
+                other.attempts += 1
+                other.last_error = exc
+                other.sent_at = float("inf")  # not waiting for the old leader's answer
+                self.retry_at[other.rid] = when
 
     def _timed_out(self, flight: _InFlight) -> ConveyorError:
         sent = flight.attempts - (flight.rid in self.retry_at)  # a resend scheduled but never made
@@ -615,34 +711,35 @@ class _ProducerIO:
         self.per_topic[flight.topic] -= 1
         self.p._settled(flight.count, flight.held)
 
-    def _check_timeouts(self, poller: zmq.Poller) -> None:
+    def _check_timeouts(self) -> None:
         now = time.monotonic()
-        for rid, when in list(self.retry_at.items()):
-            if when <= now:
-                del self.retry_at[rid]
-                self._transmit(self.in_flight[rid])
+        due = sorted((self.in_flight[rid] for rid, when in self.retry_at.items() if when <= now), key=_in_order)
+        for flight in due:
+            del self.retry_at[flight.rid]
+            self._transmit(flight)
         expired = [f for f in self.in_flight.values() if now - f.first_sent >= self.p.delivery_timeout]
         for flight in expired:
             error = self._timed_out(flight)
             self._finish(flight)
             flight.futures.fail(error)
-        if any(now - f.sent_at >= self.p.request_timeout for f in self.in_flight.values()):
-            self._reconnect(poller)
+        for address in {f.address for f in self.in_flight.values() if now - f.sent_at >= self.p.request_timeout}:
+            self._reconnect(address)
 
-    def _reconnect(self, poller: zmq.Poller) -> None:
-        """A fresh socket, then every unconfirmed batch again, in order."""
+    def _reconnect(self, address: str) -> None:
+        """A fresh socket (to the leader of the moment), then every batch that waited on ``address`` again, in order."""
         self.reconnects += 1
-        poller.unregister(self.sock)
-        poller.unregister(self.watch.socket)
-        self.watch.close()
-        self.sock.close(linger=0)
+        link = self.links.get(address)
+        if link is not None:
+            self._close_link(link)
+        self.p.metadata.lost(address)
         time.sleep(backoff_seconds(self.p.retry_wait, min(self.reconnects, 10)))
-        silent = self.watch.silent  # handshakes that ended without a reason count across sockets
-        self.sock, self.watch = new_dealer(self.p._ctx, self.p.address, auto_reconnect=False)
-        self.watch.silent = silent
-        poller.register(self.sock, zmq.POLLIN)
-        poller.register(self.watch.socket, zmq.POLLIN)
-        for flight in sorted(self.in_flight.values(), key=lambda f: (f.topic, f.seq)):
+        if self.p.metadata.single:
+            self._link(address)
+        for flight in sorted((f for f in self.in_flight.values() if f.address == address), key=_in_order):
             flight.attempts += 1
             self.retry_at.pop(flight.rid, None)
             self._transmit(flight)
+
+
+def _in_order(flight: _InFlight) -> tuple[str, int]:
+    return flight.topic, flight.seq

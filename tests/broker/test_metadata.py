@@ -8,7 +8,7 @@ from conveyor.broker.wire import commands
 from conveyor.broker.wire.protocol import Command
 from conveyor.broker.wire.schema import check_metadata_result
 
-from conveyor import Admin
+from conveyor import Admin, Producer
 from tests.helpers import free_address
 
 
@@ -63,3 +63,25 @@ def test_one_address_is_used_without_asking(conveyor_broker):
     metadata = Metadata(conveyor_broker.address)
     assert metadata.leader_for("orders") == conveyor_broker.address
     assert metadata.refreshes == 0
+
+
+def test_a_producer_and_admin_given_a_dead_broker_first_use_the_live_one(conveyor_broker):
+    # Given a bootstrap list whose first address nobody listens on
+    bootstrap = f"{free_address()},{conveyor_broker.address}"
+    # When a producer and an admin client are given it
+    with Producer(bootstrap, linger_ms=1) as producer:
+        offsets = [producer.send("listed", f"m{i}".encode()).result(timeout=30) for i in range(5)]
+    with Admin(bootstrap) as admin:
+        described = admin.describe_topic("listed")
+        fetched = admin.fetch("listed", 0, 10)
+    # Then both reached the live broker, without waiting for the dead one to time out
+    assert offsets == [0, 1, 2, 3, 4]
+    assert described["end_offset"] == 5
+    assert [m.value for m in fetched] == [f"m{i}".encode() for i in range(5)]
+
+
+def test_the_bootstrap_list_may_come_from_conveyor_broker(conveyor_broker, monkeypatch):
+    monkeypatch.setenv("CONVEYOR_BROKER", f"{free_address()}, {conveyor_broker.address}")
+    with Admin() as admin:
+        assert admin.metadata.bootstrap[1] == conveyor_broker.address
+        assert admin.list_topics() == []

@@ -69,7 +69,7 @@ clean:
 	rm -rf $(VENV) conveyor-data .pytest_cache .mypy_cache .ruff_cache $(TYPECHECK)
 
 ## `conveyor bench` peers: Redis (redis-server + the redis client) always; `bench-peers` adds NATS and RabbitMQ.
-.PHONY: bench-deps bench-peers bench
+.PHONY: bench-deps bench-peers bench bench-cluster
 bench-deps: $(STAMP)
 	@command -v redis-server >/dev/null || (apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends redis-server)
 	$(PY) -m pip install --quiet 'redis>=5' 'py-spy>=0.3'
@@ -81,3 +81,9 @@ bench-peers: bench-deps
 ## The default scenarios against every installed peer: an HTML report and JSON (about 6 minutes on 2 cores).
 bench: bench-deps
 	$(VENV)/bin/conveyor bench --config benchmarks/default.json --report bench-report.html --json bench-results.json
+
+## Replicated topics against one node and NATS JetStream R3 on three local nats-servers (benchmarks/cluster.json).
+bench-cluster: $(STAMP)
+	@command -v nats-server >/dev/null || (apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends nats-server)
+	$(PY) -m pip install --quiet 'nats-py>=2.6'
+	$(VENV)/bin/conveyor bench --config benchmarks/cluster.json --report bench-cluster.html --json bench-cluster.json

@@ -25,7 +25,8 @@ def _setup(parser: argparse.ArgumentParser) -> None:
         "--systems",
         default="",
         metavar="LIST",
-        help="comma-separated: conveyor, redis, nats, rabbitmq, or a variant like redis:always (default: all found)",
+        help="comma-separated: conveyor, redis, nats, rabbitmq, or a variant like redis:always or nats:r3 "
+        "(default: all found)",
     )
     parser.add_argument("--scenarios", default="", metavar="LIST", help="comma-separated scenario names to run")
     parser.add_argument("--quick", action="store_true", help="each scenario's smaller 'quick' form (a 1-2 minute run)")

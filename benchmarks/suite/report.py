@@ -5,16 +5,25 @@ from __future__ import annotations
 from html import escape
 from typing import Any
 
-from conveyor.benchmarks.suite.summary import by_scenario, check_targets, describe_target, observations, target_cell
+from conveyor.benchmarks.suite.summary import (
+    by_scenario,
+    check_targets,
+    describe_target,
+    observations,
+    process_cpu,
+    target_cell,
+)
 from conveyor.benchmarks.suite.svg import hbars, line_chart
 
 COLOURS = {
     "conveyor": "#1f5fbf",
+    "conveyor:r3": "#5dade2",
     "redis:always": "#c0392b",
     "redis:everysec": "#e67e22",
     "redis:none": "#8e2a1f",
     "nats:file": "#27ae60",
     "nats:memory": "#7dcea0",
+    "nats:r3": "#145a32",
     "rabbitmq:persistent": "#8e44ad",
     "rabbitmq:transient": "#c39bd3",
 }
@@ -172,24 +181,38 @@ def scenario_section(name: str, runs: list[dict[str, Any]], scenario: dict[str, 
         (short(r), colour(r["variant"]), [(s["t"], float(s["depth"])) for s in r.get("samples", [])], False) for r in ok
     ]
     out.append(line_chart(series, x_label="seconds since start", y_label="messages"))
-    out.append("<h3>CPU seconds per process</h3>")
+    out.append("<h3>CPU seconds per process (CPU µs per message)</h3>")
     procs: list[str] = []
     for r in ok:
-        procs += [p for p in r["cpu"] if p not in procs]
+        procs += [p for p in process_cpu(r) if p not in procs]
+    leaders = any(r.get("leader_changes") is not None for r in ok)
     head = (
         "<tr><th class=l>system</th>"
         + "".join(f"<th>{escape(p)}</th>" for p in procs)
-        + "<th>total</th><th>wall s</th><th>other processes</th></tr>"
+        + "<th>total</th><th>wall s</th><th>other processes</th>"
+        + ("<th>leader changes</th>" if leaders else "")
+        + "</tr>"
     )
     rows = []
     for r in ok:
-        cells = "".join(f"<td>{_num(r['cpu'].get(p), '.2f')}</td>" for p in procs)
+        cpu, per = process_cpu(r), r.get("cpu_us_per_message", {})
+        cells = "".join(f"<td>{_cpu_cell(cpu.get(p), per.get(p))}</td>" for p in procs)
+        changes = r.get("leader_changes")
+        flag = "" if not changes else " class=bad"
         rows.append(
-            f"<tr><td class=l>{escape(_name(r))}</td>{cells}<td>{r['cpu_total']:.2f}</td>"
-            f"<td>{r['e2e_seconds']:.2f}</td><td>{r.get('other_cpu', 0):.2f}</td></tr>"
+            f"<tr><td class=l>{escape(_name(r))}</td>{cells}<td>{_cpu_cell(r['cpu_total'], per.get('total'))}</td>"
+            f"<td>{r['e2e_seconds']:.2f}</td><td>{r.get('other_cpu', 0):.2f}</td>"
+            + (f"<td{flag}>{'' if changes is None else changes}</td>" if leaders else "")
+            + "</tr>"
         )
     out.append(f"<table>{head}{''.join(rows)}</table>")
     return "".join(out)
+
+
+def _cpu_cell(seconds: float | None, us_per_message: float | None) -> str:
+    if seconds is None:
+        return ""
+    return f"{seconds:.2f}" + (f" ({us_per_message:,.1f})" if us_per_message is not None else "")
 
 
 def render_html(report: dict[str, Any]) -> str:
@@ -227,6 +250,15 @@ def render_html(report: dict[str, Any]) -> str:
         parts.append(
             "<p class=note>Not run: "
             + "; ".join(f"{escape(k)}: {escape(v)}" for k, v in report["skipped_systems"].items())
+            + "</p>"
+        )
+    if report.get("skipped_variants"):
+        parts.append(
+            "<p class=note>Variants not run: "
+            + "; ".join(
+                f"{escape(m['variant'])} in {escape(m['scenario'])}: {escape(m['reason'])}"
+                for m in report["skipped_variants"]
+            )
             + "</p>"
         )
     parts.append(targets_table(report))
@@ -290,8 +322,11 @@ for the messages it sends late (no coordinated omission, as wrk2 and HdrHistogra
 <b>lag</b> and <b>in-flight</b> as the server reports them (Conveyor: Admin.describe_group; Redis: XINFO GROUPS
 lag and pending; NATS: consumer num_pending and num_ack_pending; RabbitMQ: ready messages).</li>
 <li><b>CPU</b>: utime + stime from /proc of each server process tree, and of each client process (all threads)
-from the start signal to the end. The busiest process with its CPU time as a share of the run's wall time tells
-the bottleneck: near 100% is a saturated core.</li>
+from the start signal to the end; a system of several servers (a cluster) has each server counted on its own, and
+each process's CPU per message (µs) is given next to its seconds. The busiest process with its CPU time as a share
+of the run's wall time tells the bottleneck: near 100% is a saturated core.</li>
+<li><b>Leader changes</b> (replicated systems): leaders that changed during the run, with no fault injected, from
+the servers' own count where they keep one (the NATS servers' logs) or from sampling who leads (target 0).</li>
 <li><b>Exactly once</b>: every sequence number sent must be processed exactly once in every group (no faults
 are injected): duplicates and losses are counted.</li>
 </ul>

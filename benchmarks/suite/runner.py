@@ -24,6 +24,7 @@ from conveyor.benchmarks.suite import stats
 from conveyor.benchmarks.suite.procstat import cpu_seconds, machine_busy_seconds, tree_cpu_seconds
 from conveyor.benchmarks.suite.profile import start_profilers, stop_profilers
 from conveyor.benchmarks.suite.scenario import Config, Scenario
+from conveyor.benchmarks.suite.summary import process_cpu
 from conveyor.benchmarks.suite.systems import NAMES, System, system
 from conveyor.benchmarks.suite.systems.base import Server, Variant
 from conveyor.benchmarks.suite.workers import (
@@ -98,7 +99,53 @@ def select_variants(scenario: Scenario, sys_obj: System, wanted: Sequence[str] |
             variants = [v for v in variants if v.id in exact]
     if scenario.systems:
         variants = [v for v in variants if v.system in scenario.systems or v.id in scenario.systems]
-    return variants
+    named = set(scenario.systems) | set(wanted or ())
+    return [v for v in variants if not v.explicit or v.id in named]
+
+
+def missing_variants(
+    config: Config,
+    runs: Sequence[tuple[Scenario, System, Variant]],
+    skipped: dict[str, str],
+    wanted: Sequence[str] | None = None,
+    systems: dict[str, System] | None = None,
+) -> list[dict[str, str]]:
+    """Variants a scenario names (``conveyor:r3``) that no run provides, each with the reason.
+
+    The reason is the system's own when it is not installed; otherwise the
+    config's ``settings.variants[id].pending`` (what will provide it), or that
+    no system here offers it. With ``--systems``, only the variants it asks
+    for count (the system's name or the variant's id); a variant it names
+    that runs nowhere is reported once, as scenario ``*``.
+    """
+    planned = {(s.name, v.id) for s, _sys, v in runs}
+    declared = config.settings.get("variants", {})
+
+    systems = systems if systems is not None else {sys_obj.name: sys_obj for _s, sys_obj, _v in runs}
+
+    def reason(variant: str) -> str:
+        name = variant.split(":", 1)[0]
+        if name in skipped:
+            return skipped[name]
+        if name not in NAMES:
+            return f"no system is called {name!r}"
+        own = systems[name].why_not(variant) if name in systems else None
+        return str(own or declared.get(variant, {}).get("pending") or f"{name} has no variant {variant} here")
+
+    def asked(variant: str) -> bool:
+        return wanted is None or variant in wanted or variant.split(":", 1)[0] in wanted
+
+    out = [
+        {"scenario": scenario.name, "variant": variant, "reason": reason(variant)}
+        for scenario in config.scenarios
+        for variant in scenario.systems
+        if ":" in variant and (scenario.name, variant) not in planned and asked(variant)
+    ]
+    ran = {v for _s, v in planned} | {m["variant"] for m in out}
+    for variant in wanted or ():
+        if ":" in variant and variant not in ran:
+            out.append({"scenario": "*", "variant": variant, "reason": reason(variant)})
+    return out
 
 
 def run_one(
@@ -151,13 +198,17 @@ def run_one(
                 _drain(results, producer_reports, consumer_reports, errors)
                 if errors or time.monotonic() > deadline:
                     raise RuntimeError("a client process did not get ready: " + "; ".join(errors or ["timeout"]))
+        server_procs = server.processes() if not server.external else {}
         if profile is not None:
             targets = {name: proc.pid for name, proc in zip(names, procs, strict=True)}
-            if sys_obj.name == "conveyor" and server.pids:
-                targets["broker"] = server.pids[0]
+            if sys_obj.name == "conveyor":
+                for proc_name, pids in server_procs.items():
+                    targets["broker" if proc_name == "server" else proc_name] = pids[0]
             profilers = start_profilers(profile, run_name, targets)
         server_pids = server.cpu_pids()
         server_cpu0 = tree_cpu_seconds(server_pids)
+        procs_cpu0 = {k: tree_cpu_seconds(v) for k, v in server_procs.items()}
+        leaders = LeaderWatch(server, endpoint)
         busy0, own0 = machine_busy_seconds(), _own_cpu()
         t0 = time.time()
         go.set()
@@ -171,6 +222,7 @@ def run_one(
                 point = {"t": round(time.time() - t0, 3), "sent": sent, "consumed": sum(consumed), "depth": depth}
                 point.update(server.sample(endpoint))
                 samples.append(point)
+                leaders.sample()
                 total = expected_hint * scenario.groups
                 progress.update(
                     label, sum(consumed) / total if total else 1.0, f"{sum(consumed):,}/{total:,} depth {depth:,}"
@@ -207,8 +259,10 @@ def run_one(
         stop.set()
         end_wall = time.time()
         server_cpu = tree_cpu_seconds(server_pids) - server_cpu0
+        procs_cpu = {k: tree_cpu_seconds(v) - procs_cpu0[k] for k, v in server_procs.items()}
         sampler_stop.set()
         sampler.join(2)
+        leaders.finish()
         collect_until = time.monotonic() + 30
         while len(consumer_reports) < len(readies) - len(shares) and time.monotonic() < collect_until:
             _drain(results, producer_reports, consumer_reports, errors, timeout=0.1)
@@ -244,7 +298,87 @@ def run_one(
     )
     clients_cpu = sum(v for k, v in result["cpu"].items() if k != "server")
     result["other_cpu"] = round(max(0.0, busy - own - clients_cpu - server_cpu), 3)
+    add_process_cpu(result, procs_cpu)
+    result.update(leaders.result())
     return result
+
+
+class LeaderWatch:
+    """Counts leader changes during a run from the server's ``leaders`` samples or ``leader_elections`` count."""
+
+    def __init__(self, server: Server, endpoint: dict[str, Any]) -> None:
+        self.server, self.endpoint = server, endpoint
+        self.elections0 = self._elections()
+        self.first = self._leaders()
+        self.last = dict(self.first or {})
+        self.seen = 0
+        self.ended: dict[str, str] | None = None
+        self.elections: int | None = None
+
+    def _leaders(self) -> dict[str, str] | None:
+        try:
+            return self.server.leaders(self.endpoint)
+        except Exception:  # busy or restarting: this sample is skipped
+            return {}
+
+    def _elections(self) -> int | None:
+        try:
+            return self.server.leader_elections()
+        except Exception:
+            return None
+
+    def sample(self) -> None:
+        if self.first is None:
+            return
+        now = self._leaders() or {}
+        self.seen += changes(self.last, now)
+        self.last.update(now)
+
+    def finish(self) -> None:
+        self.sample()
+        self.ended = dict(self.last) if self.first is not None else None
+        later = self._elections()
+        if self.elections0 is not None and later is not None:
+            self.elections = later - self.elections0
+
+    def result(self) -> dict[str, Any]:
+        """``leader_changes`` (None: the system has no leaders to report) and the leaders at start and end."""
+        if self.elections is not None:
+            counted: int | None = self.elections
+        else:
+            counted = self.seen if self.first is not None else None
+        out: dict[str, Any] = {"leader_changes": counted}
+        if self.first is not None:
+            out["leaders"] = {"start": self.first, "end": self.ended, "changes_seen": self.seen}
+        return out
+
+
+def changes(before: dict[str, str], after: dict[str, str]) -> int:
+    """How many leaders differ between two samples (a part missing from either sample is not compared)."""
+    return sum(1 for k, v in after.items() if k in before and before[k] != v)
+
+
+def add_process_cpu(result: dict[str, Any], server_procs: dict[str, float]) -> None:
+    """Each server process's CPU seconds (several servers only) and CPU microseconds per message, per process."""
+    if "cpu" not in result:
+        return
+    if len(server_procs) > 1:
+        result["server_cpu"] = {k: round(v, 3) for k, v in server_procs.items()}
+    per_process = process_cpu(result)
+    unique = result.get("unique") or 0
+    result["cpu_us_per_message"] = (
+        {k: round(v * 1e6 / unique, 2) for k, v in {**per_process, "total": result["cpu_total"]}.items()}
+        if unique
+        else {}
+    )
+    if len(server_procs) > 1:  # the busiest single process, not the servers' sum
+        name, seconds = max(per_process.items(), key=lambda kv: kv[1])
+        wall = result.get("e2e_seconds") or 0
+        result["bottleneck"] = {
+            "process": name,
+            "cpu_seconds": seconds,
+            "busy_fraction": round(seconds / wall, 3) if wall else None,
+        }
 
 
 def _own_cpu() -> float:
@@ -424,16 +558,20 @@ def run_bench(
         if name not in wanted_names:
             continue
         sys_obj = system(name, broker=broker) if name == "conveyor" else system(name)
+        sys_obj.configure(config.settings.get("variants", {}))
         reason = sys_obj.unavailable()
         if reason:
             skipped[name] = reason
         else:
             systems[name] = sys_obj
     runs = plan(config, systems, wanted, repeat)
+    missing = missing_variants(config, runs, skipped, wanted, systems)
     progress = progress or Progress(len(runs))
     progress.total = max(1, len(runs))
     for name, reason in skipped.items():
         progress.message(f"skipping {name}: {reason}")
+    for m in missing:
+        progress.message(f"skipping {m['variant']} in {m['scenario']}: {m['reason']}")
     results: list[dict[str, Any]] = []
     began = time.time()
     reused: dict[str, Server] = {}
@@ -489,6 +627,7 @@ def run_bench(
             for name, s in systems.items()
         },
         "skipped_systems": skipped,
+        "skipped_variants": missing,
         "scenarios": [{**s.to_dict(), "label": s.label(), "participants": s.participants} for s in config.scenarios],
         "repeat": max(1, repeat),
         "results": median_runs(results),

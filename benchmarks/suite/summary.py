@@ -39,7 +39,7 @@ def check_targets(report: dict[str, Any]) -> list[dict[str, Any]]:
         mine = find(report, t["scenario"], t["system"])
         check: dict[str, Any] = {**t, "measured": None, "met": None}
         if mine is None:
-            check["note"] = "not run"
+            check["note"] = skip_reason(report, t["scenario"], t["system"]) or "not run"
             checks.append(check)
             continue
         value = metric(mine, t["metric"])
@@ -49,7 +49,8 @@ def check_targets(report: dict[str, Any]) -> list[dict[str, Any]]:
             peer_value = metric(peer, t["metric"]) if peer else None
             check["peer_measured"] = peer_value
             if peer_value is None or value is None:
-                check["note"] = f"{t['vs']} not run"
+                why = skip_reason(report, t["scenario"], t["vs"])
+                check["note"] = f"{t['vs']} not run" + (f": {why}" if why else "")
             elif t.get("lower"):
                 check["ratio"] = round(peer_value / value, 2) if value else None
                 check["met"] = value < peer_value
@@ -64,8 +65,20 @@ def check_targets(report: dict[str, Any]) -> list[dict[str, Any]]:
     return checks
 
 
+def skip_reason(report: dict[str, Any], scenario: str, variant: str) -> str:
+    """Why ``variant`` did not run in ``scenario`` (not installed, not built yet), or ``""``."""
+    for m in report.get("skipped_variants", []):
+        if m["variant"] == variant and m["scenario"] in (scenario, "*"):
+            return f"not run: {m['reason']}"
+    reason = report.get("skipped_systems", {}).get(variant.split(":", 1)[0])
+    return f"not run: {reason}" if reason else ""
+
+
+METRIC_NAMES = {"e2e_msg_per_s": "end-to-end msg/s", "leader_changes": "leader changes"}
+
+
 def describe_target(t: dict[str, Any]) -> str:
-    what = "end-to-end msg/s" if t["metric"] == "e2e_msg_per_s" else t["metric"]
+    what = METRIC_NAMES.get(t["metric"], t["metric"])
     if "vs" in t:
         if t.get("lower"):
             return f"{t['scenario']}: {t['system']} {what} below {t['vs']}"
@@ -81,7 +94,7 @@ def describe_target(t: dict[str, Any]) -> str:
 def target_cell(t: dict[str, Any]) -> str:
     if t.get("measured") is None:
         return t.get("note", "not run")
-    fmt = "{:,.0f}" if t["metric"].endswith("per_s") else "{:.2f} ms"
+    fmt = "{:,.0f}" if t["metric"].endswith("per_s") or t["metric"] == "leader_changes" else "{:.2f} ms"
     text = fmt.format(t["measured"])
     if t.get("peer_measured") is not None:
         text += f" vs {fmt.format(t['peer_measured'])}"
@@ -119,9 +132,12 @@ def markdown_table(report: dict[str, Any]) -> str:
             f"| {'' if server_cpu is None else f'{server_cpu:.2f}'} "
             f"| {busiest['process']} ({busiest['cpu_seconds']:.2f}) | {once} |"
         )
-    out = [head, *rows]
+    out = [head, *rows, "", process_table(report)]
     if report.get("repeat", 1) > 1:
         out.append(f"\nEach row is the median of {report['repeat']} interleaved runs (p99 when paced, else msg/s).")
+    skipped = report.get("skipped_variants", [])
+    if skipped:
+        out += ["", "Not run: " + "; ".join(f"{m['variant']} in {m['scenario']} ({m['reason']})" for m in skipped)]
     checks = check_targets(report)
     if checks:
         out += ["", "| target | measured | met |", "|---|---|---|"]
@@ -129,6 +145,29 @@ def markdown_table(report: dict[str, Any]) -> str:
             met = {True: "yes", False: "**no**", None: "n/a"}[t["met"]]
             out.append(f"| {describe_target(t)} | {target_cell(t)} | {met} |")
     return "\n".join(out)
+
+
+def process_cpu(r: Result) -> dict[str, float]:
+    """CPU seconds of every process of a run: each server process when there are several, then the clients."""
+    cpu = r.get("cpu", {})
+    servers = r.get("server_cpu") or ({"server": cpu["server"]} if "server" in cpu else {})
+    return {**servers, **{k: v for k, v in cpu.items() if k != "server"}}
+
+
+def process_table(report: dict[str, Any]) -> str:
+    """Per run: CPU microseconds per message of each process (each server of a cluster too), and leader changes."""
+    lines = [
+        "| scenario | system | CPU µs per message, by process | CPU µs per message, all | leader changes |",
+        "|---|---|---|---:|---:|",
+    ]
+    for r in report["results"]:
+        per = r.get("cpu_us_per_message")
+        if not per:
+            continue
+        parts = ", ".join(f"{k} {v:,.1f}" for k, v in per.items() if k != "total")
+        changes = "" if r.get("leader_changes") is None else str(r["leader_changes"])
+        lines.append(f"| {r['scenario']} | {r['variant']} | {parts} | {per.get('total', 0):,.1f} | {changes} |")
+    return "\n".join(lines)
 
 
 def observations(report: dict[str, Any]) -> list[str]:
@@ -157,29 +196,15 @@ def observations(report: dict[str, Any]) -> list[str]:
     for name, runs in by_scenario({"results": results}).items():
         mine = [r for r in runs if r["system"] == "conveyor"]
         peers = [r for r in runs if r["system"] != "conveyor"]
-        if not mine or not peers:
-            continue
-        c = mine[0]
-        paced = scenarios.get(name, {}).get("rate", "max") != "max"
-        parts = []
-        for p in peers:
-            if paced:
-                cp99, pp99 = metric(c, "p99"), metric(p, "p99")
-                if cp99 and pp99:
-                    versus = (
-                        f"{pp99 / cp99:.1f}x Conveyor's" if pp99 >= cp99 else f"Conveyor's is {cp99 / pp99:.1f}x higher"
-                    )
-                    parts.append(f"{p['title']} ({p['durability']}) p99 {pp99:.2f} ms, {versus}")
-            elif p["e2e_msg_per_s"]:
-                parts.append(
-                    f"{c['e2e_msg_per_s'] / p['e2e_msg_per_s']:.1f}x {p['title']} ({p['durability']}, "
-                    f"{p['e2e_msg_per_s']:,.0f} msg/s)"
-                )
-        if parts:
-            if paced:
-                notes.append(f"{name}: Conveyor p99 {metric(c, 'p99') or 0:.2f} ms; " + "; ".join(parts) + ".")
-            else:
-                notes.append(f"{name}: Conveyor end-to-end {c['e2e_msg_per_s']:,.0f} msg/s, " + "; ".join(parts) + ".")
+        for c in mine if peers else []:
+            notes += _ratios(name, c, peers, mine, scenarios)
+    # Leader changes: a replicated system should have none while nothing is injected.
+    for r in results:
+        if r.get("leader_changes"):
+            notes.append(
+                f"{r['scenario']} / {r['variant']}: {r['leader_changes']} leader change(s) during the run, with no "
+                "fault injected (a missed lease refresh or heartbeat: the CPU was too busy)."
+            )
     # Stalls in the paced runs: one bad stretch can make the whole run's p99.
     for r in results:
         if scenarios.get(r["scenario"], {}).get("rate", "max") == "max":
@@ -244,7 +269,7 @@ def observations(report: dict[str, Any]) -> list[str]:
             continue
         frac = b.get("busy_fraction") or 0.0
         state = "saturated (one core's worth)" if frac >= 0.85 else f"busy {frac * 100:.0f}% of the run"
-        shares = ", ".join(f"{k} {v:.2f}" for k, v in sorted(r["cpu"].items(), key=lambda kv: -kv[1])[:4])
+        shares = ", ".join(f"{k} {v:.2f}" for k, v in sorted(process_cpu(r).items(), key=lambda kv: -kv[1])[:4])
         notes.append(
             f"{r['scenario']} / Conveyor: the busiest process is the {b['process']} "
             f"({b['cpu_seconds']:.2f} CPU s, {state}); CPU s: {shares}"
@@ -256,3 +281,28 @@ def observations(report: dict[str, Any]) -> list[str]:
             continue
         notes.append(f"Target {'met' if t['met'] else 'MISSED'}: {describe_target(t)} - {target_cell(t)}.")
     return notes
+
+
+def _ratios(
+    name: str, c: Result, peers: list[Result], mine: list[Result], scenarios: dict[str, dict[str, Any]]
+) -> list[str]:
+    """One sentence comparing a Conveyor run with the peers of its scenario."""
+    paced = scenarios.get(name, {}).get("rate", "max") != "max"
+    who = "Conveyor" if len(mine) == 1 else f"Conveyor ({c['variant'].split(':', 1)[1]})"
+    parts = []
+    for p in peers:
+        if paced:
+            cp99, pp99 = metric(c, "p99"), metric(p, "p99")
+            if cp99 and pp99:
+                versus = f"{pp99 / cp99:.1f}x {who}'s" if pp99 >= cp99 else f"{who}'s is {cp99 / pp99:.1f}x higher"
+                parts.append(f"{p['title']} ({p['durability']}) p99 {pp99:.2f} ms, {versus}")
+        elif p["e2e_msg_per_s"]:
+            parts.append(
+                f"{c['e2e_msg_per_s'] / p['e2e_msg_per_s']:.1f}x {p['title']} ({p['durability']}, "
+                f"{p['e2e_msg_per_s']:,.0f} msg/s)"
+            )
+    if not parts:
+        return []
+    if paced:
+        return [f"{name}: {who} p99 {metric(c, 'p99') or 0:.2f} ms; " + "; ".join(parts) + "."]
+    return [f"{name}: {who} end-to-end {c['e2e_msg_per_s']:,.0f} msg/s, " + "; ".join(parts) + "."]

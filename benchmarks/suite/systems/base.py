@@ -24,6 +24,8 @@ class Variant:
     title: str  # "Redis Streams"
     durability: str  # stated next to the numbers
     matches: bool = True  # the durability that matches the scenario's fsync policy (the fair comparison)
+    explicit: bool = False  # runs only where a scenario's ``systems`` or ``--systems`` names its id (``nats:r3``)
+    fsync: str = ""  # the scenario's fsync policy, for a server that takes it at start (``start`` sees no scenario)
 
     @property
     def id(self) -> str:
@@ -61,11 +63,56 @@ class Server(abc.ABC):
             out += tree(pid)
         return out
 
+    def processes(self) -> dict[str, list[int]]:
+        """Each server process by name, with its children: ``{"server": [...]}`` for one process.
+
+        A system of several servers (a three-node cluster, its etcd) names each
+        one, e.g. ``{"nats 1": [...], "nats 2": [...], "nats 3": [...]}``: the
+        report then gives each its CPU seconds and CPU per message, and finds the
+        busiest process among them rather than in their sum.
+        """
+        return {"server": self.cpu_pids()}
+
+    def leaders(self, endpoint: dict[str, Any]) -> dict[str, str] | None:
+        """Who leads each replicated part of this run right now, e.g. ``{"stream": "nats-2"}``; None: no leaders.
+
+        Sampled with the queue depth (5 times a second) and at the start and end
+        of the run; every change of a value between two samples counts as a
+        leader change. Put the leader epoch in the value (``"node-b@7"``) when
+        there is one, so that a re-election of the same node counts too.
+        """
+        return None
+
+    def leader_elections(self) -> int | None:
+        """A count of leader elections the servers keep themselves (a log, a metric); None when there is none.
+
+        When given, the run's ``leader_changes`` is this count's increase from
+        the start signal to the end, which also sees elections quicker than
+        the sampling; otherwise it is what ``leaders`` showed.
+        """
+        return None
+
 
 class System(abc.ABC):
     name: str
     title: str
     reuse_server = False  # one server for the whole bench (slow to start), or a fresh one per run
+    variant_settings: dict[str, dict[str, Any]] = {}  # replaced, never changed in place, by ``configure``
+
+    def configure(self, variants: dict[str, dict[str, Any]]) -> None:
+        """Take this system's entries of the config's ``settings.variants`` (keyed by variant id)."""
+        self.variant_settings = {k: dict(v) for k, v in variants.items() if k.split(":", 1)[0] == self.name}
+
+    def settings_for(self, mode: str) -> dict[str, Any]:
+        """The config's settings for the variant ``<name>:<mode>`` (empty when the config has none)."""
+        return self.variant_settings.get(f"{self.name}:{mode}", {})
+
+    def why_not(self, variant: str) -> str | None:
+        """Why this system offers no ``variant`` (an id a scenario names) here, e.g. a missing etcd; None: no reason.
+
+        The bench then falls back to the config's ``settings.variants[id].pending``.
+        """
+        return None
 
     @abc.abstractmethod
     def unavailable(self) -> str | None:
@@ -145,6 +192,18 @@ class ModeView(Server):
 
     def sample(self, endpoint: dict[str, Any]) -> dict[str, float | None]:
         return dict(self.server.sample(endpoint))
+
+    def processes(self) -> dict[str, list[int]]:
+        named = getattr(self.server, "processes", None)
+        return dict(named()) if named is not None else super().processes()
+
+    def leaders(self, endpoint: dict[str, Any]) -> dict[str, str] | None:
+        sampled = getattr(self.server, "leaders", None)
+        return sampled(endpoint) if sampled is not None else None
+
+    def leader_elections(self) -> int | None:
+        counted = getattr(self.server, "leader_elections", None)
+        return counted() if counted is not None else None
 
     def cleanup(self, endpoint: dict[str, Any]) -> None:
         self.server.cleanup(endpoint)

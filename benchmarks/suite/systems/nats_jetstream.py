@@ -7,6 +7,12 @@ Durability, stated next to the numbers:
   syncs periodically), so this is weaker than Conveyor's ``fsync=batch``. The
   peer the issue names for ``fsync=batch``.
 - ``memory``: a stream with memory storage. The match for ``fsync=none``.
+- ``r3``: a stream with three replicas on a local three-server cluster
+  (``nats_cluster.NatsCluster``), file storage under ``fsync=batch`` and memory
+  storage under ``fsync=none``. The peer for Conveyor's replicated topics. It
+  runs only where a scenario or ``--systems`` names ``nats:r3`` (see
+  ``benchmarks/cluster.json``); ``settings.variants["nats:r3"]`` may set
+  ``servers`` and ``replicas`` (3 and 3).
 
 Producer: nats-py ``js.publish_async()`` (acks awaited together, up to
 ``publish_async_max_pending`` outstanding). Consumer: one durable pull consumer
@@ -26,11 +32,16 @@ from typing import Any
 
 from conveyor.benchmarks.suite.scenario import Scenario
 from conveyor.benchmarks.suite.systems import base
+from conveyor.benchmarks.suite.systems.nats_cluster import NatsCluster
 
 TITLE = "NATS JetStream"
 DURABILITY = {
     "file": "file storage, publish acks (server default sync: no fsync per message)",
     "memory": "memory storage, publish acks",
+}
+R3_DURABILITY = {
+    "file": "R3 stream on 3 servers, file storage, publish acked by 2 of 3 (no fsync per message)",
+    "memory": "R3 stream on 3 servers, memory storage, publish acked by 2 of 3",
 }
 
 
@@ -126,6 +137,10 @@ class System(base.SharedServerSystem):
     title = TITLE
     reuse_server = False  # each run gets a ModeView; the real server is started once (SharedServerSystem)
 
+    def __init__(self) -> None:
+        super().__init__()
+        self.cluster: NatsCluster | None = None
+
     def unavailable(self) -> str | None:
         if not shutil.which("nats-server"):
             return "nats-server is not installed (apt-get install nats-server)"
@@ -137,10 +152,27 @@ class System(base.SharedServerSystem):
 
     def variants(self, scenario: Scenario) -> list[base.Variant]:
         mode = "file" if scenario.fsync == "batch" else "memory"
-        return [base.Variant("nats", mode, TITLE, DURABILITY[mode])]
+        r3 = base.Variant("nats", "r3", TITLE, R3_DURABILITY[mode], explicit=True, fsync=scenario.fsync)
+        return [base.Variant("nats", mode, TITLE, DURABILITY[mode]), r3]
 
     def new_server(self, root: Path) -> NatsServer:
         return NatsServer(root)
+
+    def start(self, variant: base.Variant, workdir: Path) -> base.Server:
+        if variant.mode != "r3":
+            return super().start(variant, workdir)
+        if self.cluster is None:
+            options = self.settings_for("r3")
+            self.cluster = NatsCluster(
+                workdir.parent, servers=int(options.get("servers", 3)), replicas=int(options.get("replicas", 3))
+            )
+        return ClusterView(self.cluster)
+
+    def close(self) -> None:
+        super().close()
+        if self.cluster is not None:
+            self.cluster.stop()
+            self.cluster = None
 
     def version(self) -> str:
         import nats
@@ -150,6 +182,16 @@ class System(base.SharedServerSystem):
 
     def client_api(self) -> str:
         return "nats-py: js.publish_async() + publish_async_completed(); pull consumer fetch(batch), msg.ack()"
+
+
+class ClusterView(base.ModeView):
+    """A run on the shared cluster: the stream's storage follows the scenario's fsync policy."""
+
+    def __init__(self, cluster: NatsCluster) -> None:
+        super().__init__(cluster, "r3")
+
+    def prepare(self, run: str, scenario: Scenario) -> dict[str, Any]:
+        return self.server.prepare_mode(run, scenario, "file" if scenario.fsync == "batch" else "memory")
 
 
 # --- clients ------------------------------------------------------------------------------------

@@ -182,9 +182,15 @@ def scenario_section(name: str, runs: list[dict[str, Any]], scenario: dict[str, 
     ]
     out.append(line_chart(series, x_label="seconds since start", y_label="messages"))
     out.append("<h3>CPU seconds per process (CPU µs per message)</h3>")
-    procs: list[str] = []
+    servers: list[str] = []
+    clients: list[str] = []
     for r in ok:
-        procs += [p for p in process_cpu(r) if p not in procs]
+        server_names = set(r.get("server_cpu") or {"server"})
+        for p in process_cpu(r):
+            column = servers if p in server_names else clients
+            if p not in column:
+                column.append(p)
+    procs = servers + clients
     leaders = any(r.get("leader_changes") is not None for r in ok)
     head = (
         "<tr><th class=l>system</th>"

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -18,7 +19,7 @@ import pytest
 from conveyor.benchmarks.suite.runner import LeaderWatch, add_process_cpu, changes, missing_variants, select_variants
 from conveyor.benchmarks.suite.scenario import Scenario, load_config
 from conveyor.benchmarks.suite.summary import check_targets, markdown_table, process_cpu
-from conveyor.benchmarks.suite.systems import system
+from conveyor.benchmarks.suite.systems import base, system
 from conveyor.benchmarks.suite.systems.nats_cluster import (
     consumer_counts,
     count_elections,
@@ -163,6 +164,27 @@ def _nats_missing() -> str:
     except ImportError:
         return "the nats-py client is not installed (make bench-peers, or pip install nats-py)"
     return ""
+
+
+@pytest.mark.skipif(not shutil.which("nats-server"), reason="nats-server is not installed (make bench-peers)")
+@pytest.mark.timeout(120)
+def test_a_cluster_whose_port_was_taken_is_started_again(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        taken = iter([int(held.getsockname()[1])])  # the first server's client port is in use: it exits at once
+        real = base.free_port
+        monkeypatch.setattr(base, "free_port", lambda: next(taken, 0) or real())
+        nats = system("nats")
+        server = nats.start(base.Variant("nats", "r3", "NATS JetStream", "R3", explicit=True), tmp_path / "run")
+        try:
+            assert set(server.processes()) == {"nats-1", "nats-2", "nats-3"}
+            assert next(taken, None) is None
+            first_try = (tmp_path / "try0" / "nats-cluster" / "nats-1" / "nats.log").read_text()
+            assert "address already in use" in first_try
+            assert (tmp_path / "try1" / "nats-cluster").is_dir()
+        finally:
+            nats.close()  # type: ignore[attr-defined]
 
 
 @pytest.mark.skipif(bool(_nats_missing()), reason=_nats_missing() or "")

@@ -42,6 +42,10 @@ ELECTION_LINES = (
 )
 
 
+class ServerExited(RuntimeError):
+    """A server of the cluster exited while it started (e.g. a free port was taken meanwhile): worth a retry."""
+
+
 def route_urls(cluster_ports: list[int], me: int) -> str:
     """The ``--routes`` value of server ``me``: every other server's cluster port."""
     return ",".join(f"nats://127.0.0.1:{port}" for i, port in enumerate(cluster_ports) if i != me)
@@ -155,8 +159,11 @@ class NatsCluster:
             for node in self.nodes:
                 base.wait_port(node.port, node.proc, 30, node.name, node.log)
             self.meta_leader = self._wait_for_meta_leader(READY_TIMEOUT)
-        except BaseException:
+        except BaseException as exc:
+            exited = [node.name for node in self.nodes if node.proc.poll() is not None]
             self.stop()
+            if exited and isinstance(exc, RuntimeError):
+                raise ServerExited(f"{', '.join(exited)} exited: {exc}") from exc
             raise
         self.pids = [node.proc.pid for node in self.nodes]
         self.urls = [node.url for node in self.nodes]

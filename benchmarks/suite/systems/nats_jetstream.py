@@ -32,7 +32,7 @@ from typing import Any
 
 from conveyor.benchmarks.suite.scenario import Scenario
 from conveyor.benchmarks.suite.systems import base
-from conveyor.benchmarks.suite.systems.nats_cluster import NatsCluster
+from conveyor.benchmarks.suite.systems.nats_cluster import NatsCluster, ServerExited
 
 TITLE = "NATS JetStream"
 DURABILITY = {
@@ -163,9 +163,15 @@ class System(base.SharedServerSystem):
             return super().start(variant, workdir)
         if self.cluster is None:
             options = self.settings_for("r3")
-            self.cluster = NatsCluster(
-                workdir.parent, servers=int(options.get("servers", 3)), replicas=int(options.get("replicas", 3))
-            )
+            servers, replicas = int(options.get("servers", 3)), int(options.get("replicas", 3))
+            for attempt in range(3):  # a free port can be taken by another process before a server binds it
+                try:
+                    self.cluster = NatsCluster(workdir.parent / f"try{attempt}", servers=servers, replicas=replicas)
+                    break
+                except ServerExited:
+                    if attempt == 2:
+                        raise
+        assert self.cluster is not None
         return ClusterView(self.cluster)
 
     def close(self) -> None:

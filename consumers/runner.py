@@ -24,14 +24,14 @@ import signal
 import socket
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import zmq
 from conveyor.broker.client.message import Message
 from conveyor.broker.client.subscription import DeadLettered, Subscription
-from conveyor.broker.config.addresses import broker_address
+from conveyor.broker.config.addresses import broker_addresses
 from conveyor.broker.net.wakeup import drain
 from conveyor.consumers.lanes import AsyncLane, Report, ThreadLane, split
 from conveyor.decorators.consumer import AckPolicy, Consumer
@@ -79,7 +79,7 @@ class Runner:
         self,
         consumers: list[Consumer],
         *,
-        broker: str | None = None,
+        broker: str | Sequence[str] | None = None,
         concurrency: int | None = None,
         graceful_timeout: float = 15.0,
         metrics_port: int = 9101,
@@ -91,7 +91,9 @@ class Runner:
         if not consumers:
             raise ValueError("no @consumer to run")
         self.consumers = consumers
-        self.broker = broker_address(broker)  # CONVEYOR_BROKER when not given
+        # One broker or a bootstrap list (comma-separated); CONVEYOR_BROKER when not given. Each subscription
+        # finds its topic's leader and subscribes again on a new one.
+        self.broker = ",".join(broker_addresses(broker))
         self.concurrency = concurrency
         self.graceful_timeout = graceful_timeout
         self.registry = registry or CollectorRegistry(auto_describe=True)

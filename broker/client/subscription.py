@@ -17,13 +17,13 @@ import itertools
 import logging
 import os
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from operator import attrgetter
 from typing import Any
 
 import zmq
 from conveyor.broker.client.message import Message, messages_from_entries
-from conveyor.broker.config.addresses import broker_address
+from conveyor.broker.client.metadata import Metadata
 from conveyor.broker.net.connection import DEFAULT_HWM, new_dealer
 from conveyor.broker.net.security import HandshakeWatch
 from conveyor.broker.net.transport import NOBLOCK, recv_frames, send_frames
@@ -31,12 +31,13 @@ from conveyor.broker.wire import commands
 from conveyor.broker.wire.protocol import Command, Frame, decode, error_from_header
 from conveyor.broker.wire.ranges import to_ranges
 
-from conveyor.errors import ConveyorError
+from conveyor.errors import ConveyorError, FencedLeaderEpoch, NotEnoughReplicas, NotLeader, UnknownLeaderEpoch
 
 log = logging.getLogger("conveyor.consumer")
 
 
 _offset_of = attrgetter("offset")
+_LEADERSHIP_ERRORS = (NotLeader, NotEnoughReplicas, FencedLeaderEpoch, UnknownLeaderEpoch)
 MAX_RANGES_PER_FRAME = 2048  # at most 19 bytes each: an ACK stays well under the broker's 64 KiB header limit
 
 
@@ -79,7 +80,7 @@ class Subscription:
         topic: str,
         group: str,
         *,
-        address: str | None = None,
+        address: str | Sequence[str] | None = None,
         credit: int = 1000,
         batch_size: int | None = None,
         start: str | int | dict[str, int] = "earliest",
@@ -98,7 +99,12 @@ class Subscription:
         self.on_dead_letter = on_dead_letter  # EVENT DEAD_LETTERED: messages the broker dead-lettered itself
         self.events: list[tuple[str, int]] = []  # (RESET | READY, offset), as the broker announced them
         self.group = group
-        self.address = broker_address(address)  # CONVEYOR_BROKER when not given
+        self.heartbeat = heartbeat_ms / 1000
+        self.liveness = liveness
+        # One broker, or a list: the subscription goes to the topic's leader and follows it (CONVEYOR_BROKER
+        # when not given). A METADATA refresh waits at most one liveness window.
+        self.metadata = Metadata(address, context=context, timeout=self.heartbeat * liveness)
+        self.address = self.metadata.bootstrap[0]  # the broker of the moment
         self.credit = credit
         self.batch_size = batch_size or credit
         self.options: dict[str, Any] = {"start": start, "key_affinity": key_affinity}
@@ -109,8 +115,6 @@ class Subscription:
         ):
             if value is not None:
                 self.options[name] = value
-        self.heartbeat = heartbeat_ms / 1000
-        self.liveness = liveness
         self.reconnects = 0
         self.subscribed = False
         # Since when this subscription has been without its broker (None while subscribed): from the start
@@ -127,6 +131,7 @@ class Subscription:
     # --- connection -----------------------------------------------------------------
 
     def _connect(self) -> None:
+        self.address = self._leader()
         # rcvhwm 0: credit bounds what can arrive
         self._sock, self._watch = new_dealer(self._ctx, self.address, sndhwm=DEFAULT_HWM, rcvhwm=0)
         self._send(commands.hello(f"conveyor-consumer/{os.getpid()}", rid=next(self._rids)))
@@ -146,8 +151,21 @@ class Subscription:
         if self.down_since is None:
             self.down_since = self._last_heard
 
-    def _reconnect(self, why: str) -> None:
-        log.warning("consumer %s/%s: %s; reconnecting to %s", self.topic, self.group, why, self.address)
+    def _leader(self) -> str:
+        """The topic's leader; the broker of the moment when no broker can say now (the silence check tries again)."""
+        try:
+            return self.metadata.leader_for(self.topic)
+        except ConveyorError as exc:
+            if not exc.retriable:
+                raise
+            log.warning("consumer %s/%s: no leader known (%s); trying %s", self.topic, self.group, exc, self.address)
+            return self.address
+
+    def _reconnect(self, why: str, *, lost: bool = False) -> None:
+        """A new socket to the topic's leader (``lost``: this broker went silent, ask the others first)."""
+        log.warning("consumer %s/%s: %s; reconnecting", self.topic, self.group, why)
+        if lost:
+            self.metadata.lost(self.address)
         self.reconnects += 1
         if self._watch is not None:
             self._watch.close()
@@ -220,7 +238,7 @@ class Subscription:
             self._resubscribe_at = 0.0
             self._reconnect("subscribing again after a retriable refusal")
         elif now - self._last_heard > self.heartbeat * self.liveness:
-            self._reconnect("broker silent")
+            self._reconnect(f"broker {self.address} silent", lost=True)
         elif now - self._last_sent >= self.heartbeat:
             assert self._sock is not None
             try:  # never blocks: without a connection there is no one to tell, and the silence check reconnects
@@ -263,7 +281,15 @@ class Subscription:
                 self.on_event(*event)
         elif frame.command is Command.ERROR:
             exc = error_from_header(frame.header)
-            if exc.name == "NOT_SUBSCRIBED":
+            if isinstance(exc, _LEADERSHIP_ERRORS):
+                # The leader moved (or this one cannot serve now): subscribe again where it is now.
+                if isinstance(exc, NotLeader):
+                    self.metadata.not_leader(self.topic, 0, exc)
+                else:
+                    self.metadata.stale(self.topic)
+                hinted = isinstance(exc, NotLeader) and bool(exc.fields.get("leader_addr"))
+                self._resubscribe_at = time.monotonic() + (0.0 if hinted else 0.2)
+            elif exc.name == "NOT_SUBSCRIBED":
                 self._reconnect("broker forgot this subscription")
             elif exc.retriable and not self.subscribed:
                 # The SUBSCRIBE itself was refused for now (RATE_LIMITED auto-creating its topic, say): again later.

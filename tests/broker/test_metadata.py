@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import time
+
 from conveyor.broker.client.metadata import Metadata, ask_metadata
+from conveyor.broker.client.subscription import Subscription
 from conveyor.broker.net.requester import Requester
 from conveyor.broker.wire import commands
 from conveyor.broker.wire.protocol import Command
@@ -85,3 +88,21 @@ def test_the_bootstrap_list_may_come_from_conveyor_broker(conveyor_broker, monke
     with Admin() as admin:
         assert admin.metadata.bootstrap[1] == conveyor_broker.address
         assert admin.list_topics() == []
+
+
+def test_a_subscription_given_a_dead_broker_first_subscribes_on_the_live_one(conveyor_broker):
+    # Given messages on a topic, and a bootstrap list that starts with a dead address
+    with Producer(conveyor_broker.address) as producer:
+        for i in range(3):
+            producer.send("subscribed", f"m{i}".encode())
+    bootstrap = [free_address(), conveyor_broker.address]
+    # When a subscription is given the list
+    with Subscription("subscribed", "g", address=bootstrap) as sub:
+        got = []
+        deadline = time.monotonic() + 30
+        while len(got) < 3 and time.monotonic() < deadline:
+            got += sub.receive(timeout=1)
+        sub.ack(got)
+        # Then it subscribed on the live broker and got everything
+        assert sub.address == conveyor_broker.address
+    assert [m.value for m in got] == [b"m0", b"m1", b"m2"]

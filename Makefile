@@ -18,7 +18,7 @@ $(BASE): $(PY) pyproject.toml
 	touch $@
 
 $(STAMP): $(PY) pyproject.toml
-	$(PY) -m pip install --quiet -e '.[dev,spark]'
+	$(PY) -m pip install --quiet -e '.[dev,spark,cluster]'
 	touch $(BASE) $@
 
 venv: $(STAMP)
@@ -30,9 +30,11 @@ run: $(BASE)
 ## Install what the tests need, lint, type-check and run the whole suite.
 test: $(STAMP) deps lint typecheck unit
 
-## promtool and prometheus (Debian's prometheus package): the monitoring tests run them.
+## promtool and prometheus (Debian's prometheus package): the monitoring tests run them;
+## etcd (Debian's etcd-server package): the cluster tests start it.
 deps:
 	@command -v promtool >/dev/null || (apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends prometheus)
+	@command -v etcd >/dev/null || (apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends etcd-server)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check conveyor broker consumers decorators monitoring benchmarks pipeline tests examples

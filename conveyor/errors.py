@@ -282,6 +282,17 @@ class UnknownLeaderEpoch(ClusterError):
     name = "UNKNOWN_LEADER_EPOCH"
 
 
+class EtcdError(ClusterError):
+    """etcd did not answer, timed out or answered something unexpected (never sent: the node retries or steps down).
+
+    ``fields`` may carry ``grpc_code`` (etcd's status code) and ``status`` (the HTTP status).
+    After a read timeout a write may or may not have been applied: the caller re-reads before it decides again.
+    """
+
+    code = 610
+    name = "ETCD_UNAVAILABLE"
+
+
 def buffer_full(held: int, buffer_memory: int, max_block: float) -> BufferFull:
     """What a producer's send raises when ``held`` bytes stayed over ``buffer_memory`` for ``max_block`` seconds."""
     return BufferFull(

@@ -6,6 +6,10 @@ Installed with Conveyor (entry point ``pytest11``); the fixtures can also be imp
     def test_orders(conveyor_broker):
         with Producer(conveyor_broker.address) as producer:
             producer.send("orders", {"id": 1}).result(timeout=5)
+
+``conveyor_etcd`` is a real etcd (the ``etcd`` binary, Debian's ``etcd-server``) on free
+loopback ports, for the cluster's tests: ``.endpoint``, ``.stop()``, ``.kill()``,
+``.pause()``, ``.resume()``, ``.restart()``.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from conveyor.broker_process import BrokerProcess
+from conveyor.etcd_process import EtcdProcess
 
 
 @pytest.fixture
@@ -37,3 +42,13 @@ def conveyor_broker_factory(tmp_path: Path) -> Iterator[Callable[..., BrokerProc
 def conveyor_broker(conveyor_broker_factory: Callable[..., BrokerProcess]) -> BrokerProcess:
     """A running broker (``.address``, ``.metrics_url``, ``.data_dir``, ``.restart()``)."""
     return conveyor_broker_factory()
+
+
+@pytest.fixture
+def conveyor_etcd(tmp_path: Path) -> Iterator[EtcdProcess]:
+    """A running one-member etcd in ``tmp_path/etcd`` (``.endpoint``: ``http://127.0.0.1:PORT``); killed afterwards."""
+    etcd = EtcdProcess(tmp_path / "etcd").start()
+    try:
+        yield etcd
+    finally:
+        etcd.close()

@@ -2,7 +2,8 @@
 
 ``BrokerProcess`` (from ``conveyor.broker_process``) starts ``python -m conveyor``
 on a free loopback port and can stop, kill and restart it; it needs no pytest, so
-benchmarks use it too. The fixtures ``conveyor_broker`` and ``conveyor_broker_factory``
+benchmarks use it too. ``EtcdProcess`` (from ``conveyor.etcd_process``) does the same for
+a one-member etcd, for the tests of replicated topics. The fixtures ``conveyor_broker`` and ``conveyor_broker_factory``
 are defined in ``conveyor.pytest_plugin``, which pytest loads by itself; importing them
 from here (in a conftest.py, or with plugin autoloading off) loads pytest on first use.
 """
@@ -12,9 +13,10 @@ from __future__ import annotations
 from typing import Any
 
 from conveyor.broker_process import BrokerProcess, scrape_metric
+from conveyor.etcd_process import EtcdProcess
 
-FIXTURES = ("conveyor_broker", "conveyor_broker_factory")
-__all__ = ["BrokerProcess", "scrape_metric", *FIXTURES]
+FIXTURES = ("conveyor_broker", "conveyor_broker_factory", "conveyor_etcd")
+__all__ = ["BrokerProcess", "EtcdProcess", "scrape_metric", *FIXTURES]
 
 
 def __getattr__(name: str) -> Any:

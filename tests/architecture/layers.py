@@ -73,8 +73,9 @@ LAYERS: dict[str, set[str]] = {
         "conveyor.testing",
     },
     "conveyor.broker_process": set(),
-    "conveyor.pytest_plugin": {"conveyor.broker_process"},
-    "conveyor.testing": {"conveyor.broker_process", "conveyor.pytest_plugin"},  # hands out both
+    "conveyor.etcd_process": set(),
+    "conveyor.pytest_plugin": {"conveyor.broker_process", "conveyor.etcd_process"},
+    "conveyor.testing": {"conveyor.broker_process", "conveyor.etcd_process", "conveyor.pytest_plugin"},  # hands out all
     "conveyor.broker.cli": {"*", "conveyor.benchmarks"},  # the top: `conveyor bench` runs the benchmarks
     "conveyor.benchmarks": {"*"},
     "conveyor.broker": set(),  # the package's own __init__

@@ -26,6 +26,12 @@ RETRIABLE = {
     "BufferFull",
     "TooManyOpenFiles",
     "RateLimited",
+    "ClusterError",
+    "NotLeader",
+    "NotEnoughReplicas",
+    "FencedLeaderEpoch",
+    "UnknownLeaderEpoch",
+    "EtcdError",
 }
 
 

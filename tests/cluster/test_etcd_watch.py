@@ -1,0 +1,110 @@
+"""Watches against a real etcd: order, resume after an etcd restart or pause, compaction, close."""
+
+from __future__ import annotations
+
+import time
+
+from conveyor.broker.cluster.etcd import Etcd, Op
+
+from conveyor.etcd_process import EtcdProcess
+from tests.cluster.etcd_helpers import Collected
+from tests.helpers import wait_for
+
+
+def watch(client: Etcd, prefix: str, start_revision: int, **options: float) -> Collected:
+    collected = Collected()
+    client.watch(
+        prefix,
+        start_revision=start_revision,
+        on_event=collected.on_event,
+        on_resync=collected.on_resync,
+        **options,  # type: ignore[arg-type]
+    )
+    return collected
+
+
+def test_puts_and_deletes_arrive_in_order(etcd_client: Etcd) -> None:
+    start = etcd_client.put("/c/other", b"not watched") + 1
+    collected = watch(etcd_client, "/c/nodes/", start)
+    etcd_client.put("/c/nodes/a", b"1")
+    etcd_client.put("/c/nodes/b", b"2")
+    etcd_client.put("/c/nodes/a", b"3")
+    etcd_client.delete("/c/nodes/a")
+    etcd_client.txn([], [Op.put("/c/nodes/c", b"4"), Op.delete("/c/nodes/b"), Op.put("/c/nodesX", b"outside")])
+    assert collected.wait(6) == [
+        ("PUT", "/c/nodes/a", b"1"),
+        ("PUT", "/c/nodes/b", b"2"),
+        ("PUT", "/c/nodes/a", b"3"),
+        ("DELETE", "/c/nodes/a", b""),
+        ("PUT", "/c/nodes/c", b"4"),
+        ("DELETE", "/c/nodes/b", b""),
+    ]
+    revisions = [event.kv.mod_revision for event in collected.events]
+    assert revisions == sorted(revisions) and revisions[-1] == revisions[-2]  # one txn, one revision
+
+
+def test_a_watch_from_an_old_revision_replays_the_history(etcd_client: Etcd) -> None:
+    first = etcd_client.put("/c/t/a", b"1")
+    etcd_client.put("/c/t/a", b"2")
+    collected = watch(etcd_client, "/c/t/", first)
+    assert collected.wait(2) == [("PUT", "/c/t/a", b"1"), ("PUT", "/c/t/a", b"2")]
+
+
+def test_the_watch_resumes_after_an_etcd_restart(etcd: EtcdProcess, etcd_client: Etcd) -> None:
+    collected = watch(etcd_client, "/c/nodes/", 1)
+    etcd_client.put("/c/nodes/a", b"before")
+    collected.wait(1)
+    for round_ in range(2):  # a clean stop, then a kill -9
+        etcd.restart(kill=bool(round_))
+        etcd_client.put("/c/nodes/a", f"after {round_}".encode())
+        etcd_client.delete("/c/nodes/a")
+    assert collected.wait(5) == [
+        ("PUT", "/c/nodes/a", b"before"),
+        ("PUT", "/c/nodes/a", b"after 0"),
+        ("DELETE", "/c/nodes/a", b""),
+        ("PUT", "/c/nodes/a", b"after 1"),
+        ("DELETE", "/c/nodes/a", b""),
+    ]
+    time.sleep(0.2)  # nothing to wait for: no event may come twice
+    assert len(collected.events) == 5 and collected.resyncs == []
+
+
+def test_the_watch_resumes_after_etcd_was_paused(etcd: EtcdProcess, etcd_client: Etcd) -> None:
+    collected = Collected()
+    handle = etcd_client.watch(
+        "/c/nodes/", start_revision=1, on_event=collected.on_event, on_resync=collected.on_resync, idle_timeout=1.0
+    )
+    wait_for(handle.connected.is_set, message="the watch to be created")
+    streams = handle.streams
+    etcd.pause()
+    time.sleep(2.5)  # the fault lasts longer than the watch's idle timeout: it reconnects meanwhile
+    etcd.resume()
+    etcd_client.put("/c/nodes/a", b"after the pause")
+    assert collected.wait(1) == [("PUT", "/c/nodes/a", b"after the pause")]
+    assert handle.streams > streams
+
+
+def test_compaction_makes_the_watch_resync(etcd_client: Etcd) -> None:
+    first = etcd_client.put("/c/t/a", b"1")
+    etcd_client.put("/c/t/a", b"2")
+    current = etcd_client.put("/c/t/b", b"3")
+    etcd_client.compact(current)
+    collected = watch(etcd_client, "/c/t/", first)  # its history is gone
+    wait_for(lambda: collected.resyncs, message="on_resync")
+    assert collected.resyncs == [current] and collected.events == []
+    kvs, _ = etcd_client.get_prefix("/c/t/", revision=collected.resyncs[0])  # what the owner re-reads
+    assert [(kv.key, kv.value) for kv in kvs] == [("/c/t/a", b"2"), ("/c/t/b", b"3")]
+    etcd_client.put("/c/t/c", b"4")  # and the watch goes on after the resync revision
+    assert collected.wait(1) == [("PUT", "/c/t/c", b"4")]
+
+
+def test_close_stops_the_watch_at_once(etcd_client: Etcd) -> None:
+    collected = Collected()
+    handle = etcd_client.watch("/c/", start_revision=1, on_event=collected.on_event, on_resync=collected.on_resync)
+    wait_for(handle.connected.is_set, message="the watch to be created")
+    started = time.monotonic()
+    handle.close()
+    assert time.monotonic() - started < 5  # cut by a socket shutdown, not by the 10 s idle timeout
+    etcd_client.put("/c/x", b"1")
+    time.sleep(0.2)  # nothing to wait for: no event may come after close
+    assert collected.events == []

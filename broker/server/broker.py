@@ -14,6 +14,7 @@ in small classes: ``Peers`` (liveness), ``Confirms`` (fsync, then confirm),
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import errno
 import logging
@@ -43,6 +44,7 @@ from conveyor.broker.server.limits import TopicLimits
 from conveyor.broker.server.metadata import MetadataProvider, SingleNodeMetadata, metadata_reply
 from conveyor.broker.server.metrics_state import state_snapshot
 from conveyor.broker.server.mirror import Mirror
+from conveyor.broker.server.partitions import Partitions
 from conveyor.broker.server.peers import Peers
 from conveyor.broker.server.startup import bind_router, open_mirror, open_store
 from conveyor.broker.server.subscription_fields import check_dead_letter_topic, checked_credit, group_settings
@@ -132,6 +134,9 @@ class Broker:
         self.loop_times = LoopTimes(last_pass=self.clock())
         self.poller = zmq.Poller()
         self.mirror: Mirror | None = None
+        self.partitions: Partitions | None = None  # this node's replicated partitions (cluster mode only)
+        self._next_partitions_tick: float | None = None
+        self._soon: collections.deque[Callable[[], None]] = collections.deque()
         self.registry_watch: RegistryWatch | None = None
         self._next_mirror_tick = 0.0
         self.topic_limits = TopicLimits(settings.max_topics, settings.auto_create_rate, clock=self.clock)
@@ -176,6 +181,26 @@ class Broker:
             ).start()
         return self.endpoint
 
+    def replicate(self, node_id: str, **options: Any) -> Partitions:
+        """Take part in replication as ``node_id``: roles are then set through the returned ``Partitions``.
+
+        Confirms and readers from then on see a replicated partition only up to its high
+        watermark, and PUBLISH/SUBSCRIBE go to its leader only. ``options`` go to ``Partitions``.
+        """
+        self.partitions = Partitions(self, node_id, clock=self.clock, **options)
+        self.fetches.replicas = self.partitions
+        self._next_partitions_tick = self.clock()
+        return self.partitions
+
+    def call_soon(self, fn: Callable[[], None]) -> None:
+        """Run ``fn`` on the loop's thread in its next pass (from any thread: the cluster agent, a test)."""
+        self._soon.append(fn)
+        self.stop_wake()
+
+    def fail_confirms_of(self, topic: str, exc: ConveyorError) -> None:
+        """Answer the confirms waiting on ``topic`` with ``exc`` (this node no longer leads it)."""
+        self.confirms.fail_topic(exc, topic)
+
     def stop_wake(self) -> None:
         """Wake the loop from another thread (the registry watcher)."""
         with contextlib.suppress(AttributeError, OSError):
@@ -212,9 +237,15 @@ class Broker:
                     self._read_burst()
                 if wake_r.fileno() in events:
                     drain(wake_r)
+                while self._soon:
+                    with self.containment.guard("call_soon"):
+                        self._soon.popleft()()
                 if self.mirror is not None:
                     with self.containment.guard("mirror"):
                         self._mirror_pass(events)
+                if self.partitions is not None:
+                    with self.containment.guard("replication"):
+                        self._replication_pass(events)
                 self._after_reads()
                 self.metrics.loop_seconds.observe(time.perf_counter() - started)
         finally:
@@ -248,6 +279,9 @@ class Broker:
             self._housekeeping(now)
         self.dead_letters.handle()
         self.appended.update(self.store.finish_creations())  # new topics now durable: confirm, deliver, serve
+        if self.partitions is not None:
+            for topic in self.appended:  # followers' FETCHes leave before this node's fsync: the two overlap
+                self.fetches.wake(topic)
         # self.confirms: a pass that only answered resent (duplicate) batches still owes their confirms.
         if self.appended or self.confirms or self.store.next_sync_due() is not None:
             with self.containment.guard("group_commit"):
@@ -267,10 +301,21 @@ class Broker:
         if now >= self._next_mirror_tick and (mirror.settings.upstream or mirror.socket is not None):
             self._next_mirror_tick = mirror.tick(now)
 
+    def _replication_pass(self, events: dict[Any, int]) -> None:
+        partitions = self.partitions
+        assert partitions is not None
+        partitions.on_events(events)
+        now = self.clock()
+        due = self._next_partitions_tick
+        if due is None or now >= due:
+            self._next_partitions_tick = partitions.tick(now)
+
     def _poll_timeout_ms(self) -> int:
         deadlines = [self._next_housekeeping, self.dispatcher.timers.next_due(), self.fetches.next_deadline()]
         if self.mirror is not None:
             deadlines.append(self._next_mirror_tick)
+        if self.partitions is not None:
+            deadlines.append(self._next_partitions_tick)
         deadlines.append(self.store.next_sync_due())
         return max(0, int((min(d for d in deadlines if d is not None) - self.clock()) * 1000) + 1)
 
@@ -291,6 +336,8 @@ class Broker:
         self.loop_times.fsync_seconds = time.perf_counter() - started
         self.metrics.fsync_seconds.observe(self.loop_times.fsync_seconds)
         self.appended.update(synced_log.name for synced_log in synced)
+        if self.partitions is not None:
+            self.partitions.after_sync(self.appended)  # HW may move with this node's durable end
         for topic in self.appended:
             self.fetches.wake(topic)
             self.to_dispatch.update(self.groups.of_topic(topic))
@@ -380,6 +427,9 @@ class Broker:
     def _on_publish(self, peer: bytes, frame: Frame) -> None:
         received = self.clock()
         topic = check_name(hfield(frame, "topic", str))
+        leader_epoch = None  # a single node writes batches without an epoch (magic 1)
+        if self.partitions is not None:
+            leader_epoch = self.partitions.check_publish(topic)  # NOT_LEADER, NOT_ENOUGH_REPLICAS: nothing appended
         producer_id = hfield(frame, "pid", int, NO_PRODUCER)
         sequence = hfield(frame, "seq", int, -1)
         if producer_id != NO_PRODUCER and sequence < 0:
@@ -389,7 +439,7 @@ class Broker:
         log_ = self.admission.topic_for_write(topic, peer)
         started = time.perf_counter()
         try:
-            result = log_.append(body, count, producer_id=producer_id, sequence=sequence)
+            result = log_.append(body, count, producer_id=producer_id, sequence=sequence, leader_epoch=leader_epoch)
         except ConveyorError as exc:
             self._fail_confirms(exc, cut_from=log_)  # a sync inside the append failed: the log was cut back
             raise
@@ -412,6 +462,8 @@ class Broker:
         topic = check_name(hfield(frame, "topic", str))
         name = check_name(hfield(frame, "group", str), "group")
         sub_id = hfield(frame, "sub", int)
+        if self.partitions is not None:
+            self.partitions.check_leader(topic)
         credit = checked_credit(hfield(frame, "credit", int, self.settings.default_credit), self.settings.max_credit)
         batch_size = max(1, min(hfield(frame, "batch_size", int, credit), credit))
         known = self.peers[peer]
@@ -601,6 +653,8 @@ class Broker:
             self.store.close()
             if self.mirror is not None:
                 self.mirror.close()
+            if self.partitions is not None:
+                self.partitions.close()
             if self.registry_watch is not None:
                 self.registry_watch.stop()
             self.socket.close(linger=500)

@@ -83,6 +83,16 @@ class Confirms:
                 waiting.append(confirm)
         self.waiting = waiting
 
+    def fail_topic(self, exc: ConveyorError, topic: str) -> None:
+        """Answer every confirm waiting on ``topic`` with ``exc`` (this node stopped leading it)."""
+        waiting: list[Confirm] = []
+        for confirm in self.waiting:
+            if confirm.log.name == topic:
+                self._reply_error(confirm.peer, exc, confirm.rid)
+            else:
+                waiting.append(confirm)
+        self.waiting = waiting
+
     def topic_deleted(self, topic: str, logs: Mapping[str, TopicLog]) -> None:
         """Confirms of a log no longer in ``logs`` (deleted) are answered UNKNOWN_TOPIC."""
         gone = UnknownTopic(f"no topic {topic} (deleted)", topic=topic)

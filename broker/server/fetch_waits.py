@@ -4,7 +4,14 @@ A mirror keeps one FETCH in flight per topic with ``wait_ms``; it is parked
 here and answered when a group commit makes its offset durable, when the
 topic moves past it (retention, a resync) or is deleted, or at its
 deadline. Deadlines are a heap the loop's poll timeout follows: nothing
-polls. A FETCH is answered with durable data only.
+polls. A FETCH is answered with visible data only: durable, and in a
+cluster below the partition's high watermark too (``TopicLog.visible_offset``).
+
+A follower's FETCH (it names a ``replica``) is the exception: it is checked
+and recorded by the partition's leader side (``ReplicaFetches``), served up
+to the log's end offset, and woken by an append rather than a sync, so the
+leader's fsync and the follower's overlap. Its answer carries the high
+watermark, and ``diverging`` when the follower's log left this one.
 """
 
 from __future__ import annotations
@@ -14,6 +21,7 @@ import itertools
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any, Protocol
 
 from conveyor.broker.log.data_dir import Store, check_name
 from conveyor.broker.log.topic_log import TopicLog
@@ -23,8 +31,16 @@ from conveyor.broker.wire import commands
 from conveyor.broker.wire.entry import wire_entry
 from conveyor.broker.wire.protocol import Frame
 from conveyor.broker.wire.protocol import field as hfield
+from conveyor.broker.wire.record import Batch
 
-from conveyor.errors import ConveyorError, OffsetOutOfRange, ShuttingDown, UnknownTopic
+from conveyor.errors import ConveyorError, NotLeader, OffsetOutOfRange, ShuttingDown, UnknownTopic
+
+
+class ReplicaFetches(Protocol):
+    """The leader side of replication, as a FETCH from a follower needs it (``partitions.Partitions``)."""
+
+    def on_replica_fetch(self, frame: Frame, log_: TopicLog) -> dict[str, int] | None: ...
+    def hw(self, topic: str, partition: int = 0) -> int: ...
 
 
 @dataclass(slots=True)
@@ -34,6 +50,7 @@ class FetchWait:
     deadline: float
     offset: int  # answered once this offset is durable (or at the deadline)
     done: bool = False  # answered before its deadline (its heap entry is skipped)
+    replica: bool = False  # a follower's: answered once this offset is appended
 
 
 class FetchWaits:
@@ -58,15 +75,24 @@ class FetchWaits:
         self._clock = clock
         self._max_wait_ms = max_wait_ms
         self._max_batch_bytes = max_batch_bytes
+        self.replicas: ReplicaFetches | None = None  # set when this node replicates partitions
 
     def fetch(self, peer: bytes, frame: Frame) -> None:
         """Answer a FETCH now, or park it while it asks to wait for offsets not yet durable."""
         topic = check_name(hfield(frame, "topic", str))
         log_ = self.store.topic(topic)
+        replica = frame.get("replica") is not None
+        if replica:
+            if self.replicas is None:
+                raise NotLeader(f"this broker replicates nothing: {topic} has no leader here", topic=topic)
+            diverging = self.replicas.on_replica_fetch(frame, log_)
+            if diverging is not None:
+                self._send(peer, self._fetched(frame, log_, [], offset=0, replica=True, diverging=diverging))
+                return
         offset = hfield(frame, "offset", int, log_.start_offset)
         wait_ms = max(0, min(hfield(frame, "wait_ms", int, 0), self._max_wait_ms))
-        if offset >= log_.visible_offset and wait_ms > 0:
-            wait = FetchWait(peer, frame, self._clock() + wait_ms / 1000, offset)
+        if offset >= _limit(log_, replica) and wait_ms > 0:
+            wait = FetchWait(peer, frame, self._clock() + wait_ms / 1000, offset, replica=replica)
             self.by_topic[topic].append(wait)
             heapq.heappush(self._deadlines, (wait.deadline, next(self._seq), wait))
             return
@@ -89,7 +115,7 @@ class FetchWaits:
         still: list[FetchWait] = []
         for wait in self.by_topic.pop(topic, []):
             # Answered: durable data to read, or nothing any more (retention, a resync, a deletion).
-            answer = log_ is None or wait.offset < log_.visible_offset or wait.offset < log_.start_offset
+            answer = log_ is None or wait.offset < _limit(log_, wait.replica) or wait.offset < log_.start_offset
             (ready if answer else still).append(wait)
         if still:
             self.by_topic[topic] = still
@@ -130,17 +156,32 @@ class FetchWaits:
 
     def _answer(self, peer: bytes, frame: Frame, log_: TopicLog) -> None:
         """Answer a FETCH; a parked one too, which may find retention (or a resync) moved the start past it."""
+        replica = frame.get("replica") is not None
         offset = hfield(frame, "offset", int, log_.start_offset)
         max_messages = max(1, hfield(frame, "max_messages", int, 10_000))
         max_bytes = max(1, min(hfield(frame, "max_bytes", int, 1 << 20), self._max_batch_bytes))
+        limit = _limit(log_, replica)
         batches = []
-        if offset < log_.visible_offset:
+        if offset < limit:
             try:
                 batches = log_.read(offset, max_bytes=max_bytes, max_messages=max_messages)
             except OffsetOutOfRange as exc:
                 self._reply_error(peer, exc, frame.get("rid"))
                 return
-            batches = [b for b in batches if b.base_offset < log_.visible_offset][:MAX_ENTRIES]  # fits a header
+            batches = [b for b in batches if b.base_offset < limit][:MAX_ENTRIES]  # fits a header
+        self._send(peer, self._fetched(frame, log_, batches, offset=offset, replica=replica))
+
+    def _fetched(
+        self,
+        frame: Frame,
+        log_: TopicLog,
+        batches: list[Batch],
+        *,
+        offset: int,
+        replica: bool,
+        diverging: dict[str, int] | None = None,
+    ) -> list[Any]:
+        """The FETCHED frames; a follower's also carry the high watermark and ``diverging``."""
         entries = [
             wire_entry(
                 b.base_offset,
@@ -154,14 +195,19 @@ class FetchWaits:
             )
             for b in batches
         ]
-        self._send(
-            peer,
-            commands.fetched(
-                frame.get("rid"),
-                log_.name,
-                start_offset=log_.start_offset,
-                end_offset=log_.visible_offset,
-                entries=entries,
-                bodies=[b.body for b in batches],
-            ),
+        hw = self.replicas.hw(log_.name) if replica and self.replicas is not None else None
+        return commands.fetched(
+            frame.get("rid"),
+            log_.name,
+            start_offset=log_.start_offset,
+            end_offset=_limit(log_, replica),
+            entries=entries,
+            bodies=[b.body for b in batches],
+            hw=hw,
+            diverging=diverging,
         )
+
+
+def _limit(log_: TopicLog, replica: bool) -> int:
+    """How far a FETCH may read: a follower's to the end, anyone else's to the visible offset."""
+    return log_.end_offset if replica else log_.visible_offset

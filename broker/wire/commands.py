@@ -95,9 +95,24 @@ def credit(sub: int, credit: int, *, batch_size: int | None = None) -> list[Any]
 
 
 def fetch(
-    topic: str, offset: int, *, max_messages: int, max_bytes: int = 1 << 20, wait_ms: int = 0, rid: Any = None
+    topic: str,
+    offset: int,
+    *,
+    max_messages: int,
+    max_bytes: int = 1 << 20,
+    wait_ms: int = 0,
+    replica: str | None = None,
+    leader_epoch: int | None = None,
+    last_epoch: int | None = None,
+    durable: int | None = None,
+    rid: Any = None,
 ) -> list[Any]:
-    """Read from ``offset`` without a group; ``wait_ms`` > 0 parks it until data comes (long poll)."""
+    """Read from ``offset`` without a group; ``wait_ms`` > 0 parks it until data comes (long poll).
+
+    A follower fetching from its partition leader also names itself (``replica``, its node id) and
+    says which ``leader_epoch`` it follows, the epoch of its last batch (``last_epoch``) and how far
+    its log is durable (``durable``): the leader's high watermark moves on that report.
+    """
     header = {
         "topic": topic,
         "offset": offset,
@@ -105,7 +120,8 @@ def fetch(
         "max_bytes": max_bytes,
         "wait_ms": wait_ms,
     }
-    return encode(Command.FETCH, _request(rid, header))
+    replica_fields = {"replica": replica, "leader_epoch": leader_epoch, "last_epoch": last_epoch, "durable": durable}
+    return encode(Command.FETCH, _request(rid, _with(header, **replica_fields)))
 
 
 def admin(op: str, args: Mapping[str, Any] | None = None, *, rid: Any = None) -> list[Any]:
@@ -191,8 +207,15 @@ def fetched(
     end_offset: int,
     entries: WireEntries,
     bodies: Iterable[Body],
+    hw: int | None = None,
+    diverging: Mapping[str, int] | None = None,
 ) -> list[Any]:
-    """The answer to a FETCH: where the log starts and (durably) ends, and one body per entry."""
+    """The answer to a FETCH: where the log starts and (durably) ends, and one body per entry.
+
+    A replica FETCH's answer also carries the leader's high watermark (``hw``), and
+    ``diverging`` (``{epoch, end_offset}``) when the follower's log left the leader's:
+    the follower truncates to ``end_offset`` and fetches again.
+    """
     header = {
         "rid": rid,
         "topic": topic,
@@ -200,7 +223,8 @@ def fetched(
         "end_offset": end_offset,
         "entries": entries,
     }
-    return encode(Command.FETCHED, header, *bodies)
+    optional = {"hw": hw, "diverging": None if diverging is None else dict(diverging)}
+    return encode(Command.FETCHED, _with(header, **optional), *bodies)
 
 
 def result(rid: Any, value: Any) -> list[Any]:

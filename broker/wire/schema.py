@@ -123,6 +123,7 @@ RANGES = Field(offset_ranges, required=True)
 OFFSET = Field(integer(0, I64_MAX))
 I64 = Field(integer(I64_MIN, I64_MAX))  # counts and durations the handler clamps to the broker's limits
 FREE_TEXT = Field(TEXT_OR_NIL)
+EPOCH = Field(integer(0, I32_MAX))  # a leader epoch: the batch header's i32
 
 # By command name. Broker -> client commands have no entry: their receivers check what they read.
 COMMANDS: dict[str, dict[str, Field]] = {
@@ -154,7 +155,18 @@ COMMANDS: dict[str, dict[str, Field]] = {
         "IN_PROGRESS": {"sub": SUB, "ranges": RANGES},
         "TERM": {"sub": SUB, "ranges": RANGES, "reason": FREE_TEXT},
         "CREDIT": {"sub": SUB, "credit": Field(integer(0, U32_MAX), required=True), "batch_size": I64},
-        "FETCH": {"topic": NAME, "offset": OFFSET, "max_messages": I64, "max_bytes": I64, "wait_ms": I64},
+        "FETCH": {
+            "topic": NAME,
+            "offset": OFFSET,
+            "max_messages": I64,
+            "max_bytes": I64,
+            "wait_ms": I64,
+            # A follower's FETCH from its partition leader (docs/protocol.md, "Replica FETCH").
+            "replica": Field(TEXT),  # its node id
+            "leader_epoch": EPOCH,  # the leader epoch it follows
+            "last_epoch": EPOCH,  # the epoch of its last batch
+            "durable": OFFSET,  # its durable end offset
+        },
         "ADMIN": {"op": Field(TEXT, required=True)},
         "METADATA": {"topics": Field(name_list)},  # absent: every topic
     }.items()

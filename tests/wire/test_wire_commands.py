@@ -91,6 +91,26 @@ REQUESTS = {
             {"rid": 9, "topic": "orders", "offset": 10, "max_messages": 100, "max_bytes": 4096, "wait_ms": 500},
         ),
     ),
+    "replica_fetch": (
+        commands.fetch(
+            "orders", 10, max_messages=100, wait_ms=500, replica="b", leader_epoch=3, last_epoch=2, durable=8, rid=9
+        ),
+        frames(
+            0x0A,
+            {
+                "rid": 9,
+                "topic": "orders",
+                "offset": 10,
+                "max_messages": 100,
+                "max_bytes": 1 << 20,
+                "wait_ms": 500,
+                "replica": "b",
+                "leader_epoch": 3,
+                "last_epoch": 2,
+                "durable": 8,
+            },
+        ),
+    ),
     "admin": (
         commands.admin("describe_group", {"topic": "orders", "group": "billing"}, rid=4),
         frames(0x0B, {"rid": 4, "op": "describe_group", "topic": "orders", "group": "billing"}),
@@ -204,6 +224,24 @@ def test_fetched() -> None:
 def test_fetched_with_nothing_to_read() -> None:
     got = commands.fetched(8, "orders", start_offset=0, end_offset=0, entries=[], bodies=[])
     assert got == frames(0x24, {"rid": 8, "topic": "orders", "start_offset": 0, "end_offset": 0, "entries": []})
+
+
+def test_fetched_for_a_replica_carries_the_high_watermark_and_where_the_logs_diverge() -> None:
+    got = commands.fetched(
+        8, "orders", start_offset=0, end_offset=9, entries=[], bodies=[], hw=7, diverging={"epoch": 2, "end_offset": 5}
+    )
+    assert got == frames(
+        0x24,
+        {
+            "rid": 8,
+            "topic": "orders",
+            "start_offset": 0,
+            "end_offset": 9,
+            "entries": [],
+            "hw": 7,
+            "diverging": {"epoch": 2, "end_offset": 5},
+        },
+    )
 
 
 def test_result() -> None:

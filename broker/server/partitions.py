@@ -1,0 +1,277 @@
+"""This node's role for each replicated partition, and the broker's hooks that depend on it.
+
+Each (topic, partition) is LEADER (it takes publishes, serves subscribers,
+and its ``PartitionLeader`` keeps the followers' state and the high
+watermark), FOLLOWER (``Replicas`` fetches it from the leader) or NONE. The
+cluster agent drives the transitions (``become_leader``, ``become_follower``,
+``stop``) from the partition records it watches; tests call them directly.
+Everything runs on the broker's loop thread: another thread hands work over
+with ``Broker.call_soon``.
+
+A single-node broker has no ``Partitions`` at all: none of this runs, and
+every hook the broker calls is behind ``if self.partitions is not None``.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import zmq
+from conveyor.broker.log.data_dir import Store
+from conveyor.broker.log.topic_log import TopicLog
+from conveyor.broker.server.replica import Replicas
+from conveyor.broker.server.replication import IsrChange, PartitionLeader, check_epoch, diverging
+from conveyor.broker.wire.protocol import Frame
+from conveyor.broker.wire.protocol import field as hfield
+
+from conveyor.errors import ConveyorError, NotLeader
+
+log = logging.getLogger("conveyor.partitions")
+
+TopicPartition = tuple[str, int]
+
+
+class Role(enum.Enum):
+    LEADER = "leader"
+    FOLLOWER = "follower"
+    NONE = "none"
+
+
+@dataclass(frozen=True, slots=True)
+class Following:
+    leader: str
+    address: str
+    epoch: int
+
+
+class PartitionsHost(Protocol):
+    """What the roles need of their broker (the broker is one)."""
+
+    @property
+    def ctx(self) -> zmq.Context[Any]: ...
+    @property
+    def poller(self) -> zmq.Poller: ...
+    @property
+    def store(self) -> Store: ...
+    @property
+    def appended(self) -> set[str]: ...  # topics whose readers the next group commit wakes
+    @property
+    def max_batch_bytes(self) -> int: ...
+
+    def fail_confirms_of(self, topic: str, exc: ConveyorError) -> None: ...
+
+
+class Partitions:
+    """The roles of this node (``node_id``); ISR changes go to ``propose`` (the cluster agent)."""
+
+    def __init__(
+        self,
+        host: PartitionsHost,
+        node_id: str,
+        *,
+        propose: Callable[[IsrChange], None] = lambda change: None,
+        lag_max_ms: int = 10_000,
+        fetch_wait_ms: int = 500,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.host = host
+        self.node_id = node_id
+        self.propose = propose
+        self.lag_max = lag_max_ms / 1000
+        self.clock = clock
+        self.leading: dict[TopicPartition, PartitionLeader] = {}
+        self.following: dict[TopicPartition, Following] = {}
+        # The leader-epoch history per partition, (epoch, start offset): what DIVERGING answers come from.
+        self.epochs: dict[TopicPartition, list[tuple[int, int]]] = {}
+        self.replicas = Replicas(host, node_id, wait_ms=fetch_wait_ms, clock=clock)
+
+    # --- transitions ------------------------------------------------------------------------
+
+    def become_leader(
+        self,
+        topic: str,
+        partition: int = 0,
+        *,
+        epoch: int,
+        replicas: Iterable[str],
+        isr: Iterable[str],
+        min_insync: int,
+    ) -> PartitionLeader:
+        """Lead this partition from ``epoch`` on; HW starts at the last one heard as a follower."""
+        tp = (topic, partition)
+        current = self.leading.get(tp)
+        if current is not None and current.epoch == epoch:
+            current.isr_written(isr)
+            current.replicas = tuple(replicas)
+            current.min_insync = min_insync
+            return current
+        followed = self.replicas.unfollow(topic, partition)
+        self.following.pop(tp, None)
+        log_ = self._log(topic)
+        hw = min(log_.durable_offset, followed.hw if followed is not None else log_.durable_offset)
+        history = self.epochs.setdefault(tp, [])
+        if not history or history[-1][0] < epoch:
+            history.append((epoch, log_.end_offset))  # before any publish of this epoch
+        leader = PartitionLeader(
+            topic,
+            partition,
+            self.node_id,
+            epoch,
+            tuple(replicas),
+            set(isr),
+            min_insync,
+            self.lag_max,
+            self.propose,
+            epoch_start=log_.end_offset,
+            hw=hw,
+        )
+        leader.now_caught_up(self.clock())
+        self.leading[tp] = leader
+        log.info("%s/%d: leader, epoch %d, isr %s, hw %d", topic, partition, epoch, sorted(leader.isr), hw)
+        self._hw_moved(topic, leader, log_)
+        return leader
+
+    def become_follower(self, topic: str, partition: int = 0, *, leader: str, address: str, epoch: int) -> None:
+        """Follow ``leader`` (at ``address``) from ``epoch`` on; a leader stepping down fails its waiting confirms."""
+        tp = (topic, partition)
+        was = self.leading.pop(tp, None)
+        self._log(topic)
+        if was is not None:
+            self.host.fail_confirms_of(topic, self.not_leader(topic, partition))
+        self.following[tp] = Following(leader, address, epoch)
+        self.host.store.topic(topic).set_high_watermark(was.hw if was is not None else 0)
+        history = self.epochs.setdefault(tp, [])
+        if not history or history[-1][0] < epoch:
+            history.append((epoch, self.host.store.topic(topic).end_offset))
+        hw = was.hw if was is not None else 0
+        self.replicas.follow(topic, partition, leader=leader, address=address, epoch=epoch, hw=hw)
+        log.info("%s/%d: follower of %s (%s), epoch %d", topic, partition, leader, address, epoch)
+
+    def stop(self, topic: str, partition: int = 0) -> None:
+        """Neither lead nor follow this partition any more (it moved away, or the node stops)."""
+        tp = (topic, partition)
+        if self.leading.pop(tp, None) is not None:
+            self.host.fail_confirms_of(topic, self.not_leader(topic, partition))
+        self.following.pop(tp, None)
+        self.replicas.unfollow(topic, partition)
+
+    def role(self, topic: str, partition: int = 0) -> Role:
+        if (topic, partition) in self.leading:
+            return Role.LEADER
+        if (topic, partition) in self.following:
+            return Role.FOLLOWER
+        return Role.NONE
+
+    def leader_of(self, topic: str, partition: int = 0) -> PartitionLeader | None:
+        return self.leading.get((topic, partition))
+
+    # --- ISR answers from the agent ------------------------------------------------------------
+
+    def isr_written(self, topic: str, partition: int, isr: Iterable[str]) -> None:
+        """The agent wrote (or etcd holds) this ISR for a partition this node leads."""
+        leader = self.leading.get((topic, partition))
+        if leader is not None:
+            leader.isr_written(isr)
+            self._hw_moved(topic, leader, self.host.store.topic(topic))
+
+    def isr_refused(self, topic: str, partition: int) -> None:
+        leader = self.leading.get((topic, partition))
+        if leader is not None:
+            leader.isr_refused()
+
+    def follower_gone(self, node: str) -> None:
+        """A node's key left etcd: propose dropping it from every ISR this node leads."""
+        for leader in self.leading.values():
+            leader.follower_gone(node)
+
+    # --- what the broker asks --------------------------------------------------------------------
+
+    def not_leader(self, topic: str, partition: int = 0) -> NotLeader:
+        following = self.following.get((topic, partition))
+        if following is None:
+            return NotLeader(f"{topic}/{partition} is not led by this node", topic=topic, partition=partition)
+        return NotLeader(
+            f"{topic}/{partition} is led by {following.leader}",
+            topic=topic,
+            partition=partition,
+            leader=following.leader,
+            leader_addr=following.address,
+            leader_epoch=following.epoch,
+        )
+
+    def check_leader(self, topic: str, partition: int = 0) -> PartitionLeader:
+        """This node's leadership of the partition, or ``NOT_LEADER`` naming the leader it knows."""
+        leader = self.leading.get((topic, partition))
+        if leader is None:
+            raise self.not_leader(topic, partition)
+        return leader
+
+    def check_publish(self, topic: str, partition: int = 0) -> int:
+        """A PUBLISH goes only to the leader, and only while enough replicas are in sync; the epoch to write."""
+        leader = self.check_leader(topic, partition)
+        leader.check_publish()
+        return leader.epoch
+
+    def on_replica_fetch(self, frame: Frame, log_: TopicLog) -> dict[str, int] | None:
+        """A follower's FETCH: check it, record it; the ``diverging`` answer when its log left this one."""
+        topic = log_.name
+        leader = self.check_leader(topic)
+        check_epoch(hfield(frame, "leader_epoch", int, None), leader.epoch)
+        offset = hfield(frame, "offset", int, 0)
+        last_epoch = hfield(frame, "last_epoch", int, None)
+        found = diverging(self.epochs.get((topic, 0), []), log_.end_offset, last_epoch, offset)
+        if found is not None:
+            return found
+        durable = hfield(frame, "durable", int, 0)
+        leader.on_fetch(hfield(frame, "replica", str), offset, durable, log_.end_offset, self.clock())
+        self._hw_moved(topic, leader, log_)
+        return None
+
+    def hw(self, topic: str, partition: int = 0) -> int:
+        leader = self.leading.get((topic, partition))
+        if leader is not None:
+            return leader.hw
+        followed = self.replicas.followed(topic, partition)
+        return followed.hw if followed is not None else 0
+
+    # --- the loop's hooks -------------------------------------------------------------------------
+
+    def after_sync(self, topics: Iterable[str]) -> None:
+        """After the group commit: a led partition's own durable end moved (HW may follow); followers fetch."""
+        for topic in list(topics):
+            leader = self.leading.get((topic, 0))
+            if leader is not None:
+                self._hw_moved(topic, leader, self.host.store.topic(topic))
+        self.replicas.after_sync()
+
+    def on_events(self, events: dict[Any, int]) -> None:
+        self.replicas.on_events(events)
+
+    def tick(self, now: float) -> float | None:
+        """Links to leaders (connects, silence, retries) and ISR lag checks; when to come back."""
+        for leader in self.leading.values():
+            leader.check_lag(now)
+        wanted = self.replicas.tick(now)
+        if self.leading:
+            wanted = min(wanted, now + 1.0) if wanted is not None else now + 1.0
+        return wanted
+
+    def close(self) -> None:
+        self.replicas.close()
+
+    def _hw_moved(self, topic: str, leader: PartitionLeader, log_: TopicLog) -> None:
+        moved = leader.update_hw(log_.durable_offset)
+        if moved or log_.high_watermark != leader.hw:
+            log_.set_high_watermark(leader.hw)  # readers and confirms see up to it (``visible_offset``)
+            self.host.appended.add(topic)  # the group commit wakes confirms, deliveries and FETCHes
+
+    def _log(self, topic: str) -> TopicLog:
+        store = self.host.store
+        if topic not in store.logs:
+            store.create_topic(topic)
+        return store.topic(topic)

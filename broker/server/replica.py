@@ -1,0 +1,304 @@
+"""The follower side of replicated partitions: fetch from each leader, append at its offsets, report durable.
+
+A node follows some partitions; their leaders are other nodes. It keeps one
+``Fetcher`` (one DEALER) per leader node and one long-poll replica FETCH in
+flight per partition, naming itself, the leader epoch it follows, the epoch
+of its last batch and how far its log is durable. An answer is appended at
+the leader's offsets with the batch's producer id and sequence, so that a
+producer's resend after a failover is still recognised here; the next FETCH
+goes out after the broker's group commit of that pass, so it reports the
+new durable end and the leader's high watermark moves on it. ``diverging``
+in an answer means this log holds batches the leader never had: it is cut
+there and fetched again. The last ``hw`` received is kept: a new leader
+starts from it.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Any, Protocol
+
+import zmq
+from conveyor.broker.log.data_dir import Store
+from conveyor.broker.log.topic_log import TopicLog
+from conveyor.broker.server.fetcher import Fetcher
+from conveyor.broker.wire import commands
+from conveyor.broker.wire.entry import entries_from_wire
+from conveyor.broker.wire.protocol import Command, Frame, error_from_header
+
+log = logging.getLogger("conveyor.replica")
+
+RETRY_AFTER = 0.5  # seconds before fetching again after an error answer (the agent may be moving roles)
+
+
+class ReplicaHost(Protocol):
+    """What the follower side needs of its broker (the broker is one)."""
+
+    @property
+    def ctx(self) -> zmq.Context[Any]: ...
+    @property
+    def poller(self) -> zmq.Poller: ...
+    @property
+    def store(self) -> Store: ...
+    @property
+    def appended(self) -> set[str]: ...  # topics appended to this pass: the group commit syncs them
+    @property
+    def max_batch_bytes(self) -> int: ...
+
+
+@dataclass
+class Followed:
+    """One partition this node follows."""
+
+    topic: str
+    partition: int
+    leader: str
+    epoch: int
+    hw: int = 0  # the leader's high watermark in its last answer
+    last_epoch: int | None = None  # the epoch of this log's last batch, when known
+    rid: int | None = None  # the FETCH in flight
+    due: bool = False  # an answer was applied: fetch again after this pass's sync
+    retry_at: float | None = None  # an error answer: fetch again then
+    fetched_batches: int = 0
+    truncations: int = 0
+
+
+@dataclass
+class LeaderLink:
+    """One leader node: its link and the partitions this node follows from it."""
+
+    fetcher: Fetcher
+    partitions: dict[tuple[str, int], Followed] = field(default_factory=dict)
+
+
+class Replicas:
+    """Every partition this node follows, grouped by leader node."""
+
+    def __init__(
+        self,
+        host: ReplicaHost,
+        node_id: str,
+        *,
+        wait_ms: int = 500,
+        max_bytes: int = 4 << 20,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.host = host
+        self.node_id = node_id
+        self.wait_ms = wait_ms
+        self.max_bytes = max_bytes
+        self.clock = clock
+        self.links: dict[str, LeaderLink] = {}
+
+    # --- roles ------------------------------------------------------------------------------
+
+    def follow(self, topic: str, partition: int, *, leader: str, address: str, epoch: int, hw: int = 0) -> None:
+        """Start (or go on) following ``leader`` at ``address`` for this partition."""
+        previous = self.unfollow(topic, partition)
+        link = self.links.get(leader)
+        if link is None:
+            link = self.links[leader] = LeaderLink(self._fetcher(leader, address))
+        else:
+            link.fetcher.change_address(address)
+        followed = Followed(topic, partition, leader, epoch, hw=max(hw, previous.hw if previous else 0))
+        log_ = self.host.store.logs.get(topic)
+        followed.last_epoch = previous.last_epoch if previous is not None else last_batch_epoch(log_)
+        link.partitions[(topic, partition)] = followed
+        self._fetch(link, followed)
+
+    def unfollow(self, topic: str, partition: int) -> Followed | None:
+        """Stop following this partition; what was known of it (None if it was not followed)."""
+        for leader, link in list(self.links.items()):
+            followed = link.partitions.pop((topic, partition), None)
+            if followed is not None:
+                if not link.partitions:
+                    link.fetcher.close()
+                    del self.links[leader]
+                return followed
+        return None
+
+    def followed(self, topic: str, partition: int) -> Followed | None:
+        for link in self.links.values():
+            found = link.partitions.get((topic, partition))
+            if found is not None:
+                return found
+        return None
+
+    def close(self) -> None:
+        for link in self.links.values():
+            link.fetcher.close()
+        self.links.clear()
+
+    # --- the loop's hooks ---------------------------------------------------------------------
+
+    def on_events(self, events: dict[Any, int]) -> None:
+        for link in list(self.links.values()):
+            if link.fetcher.socket is not None and link.fetcher.socket in events:
+                link.fetcher.on_readable()
+
+    def tick(self, now: float) -> float | None:
+        """Connect, reconnect, retry; when it wants to run again (None: only on an answer)."""
+        wanted: list[float] = []
+        for link in list(self.links.values()):
+            come_back = link.fetcher.tick(now)
+            if come_back is not None:
+                wanted.append(come_back)
+                continue
+            wanted.append(link.fetcher.silence_deadline())
+            for followed in link.partitions.values():
+                if followed.retry_at is not None and now >= followed.retry_at:
+                    followed.retry_at = None
+                    self._fetch(link, followed)
+                elif followed.retry_at is not None:
+                    wanted.append(followed.retry_at)
+                elif followed.rid is None and not followed.due:
+                    self._fetch(link, followed)
+        return min(wanted) if wanted else None
+
+    def after_sync(self) -> None:
+        """The group commit is done: fetch again for every answer applied this pass, reporting the durable end."""
+        for link in self.links.values():
+            for followed in link.partitions.values():
+                if followed.due:
+                    followed.due = False
+                    self._fetch(link, followed)
+
+    # --- fetching -------------------------------------------------------------------------------
+
+    def _fetcher(self, leader: str, address: str) -> Fetcher:
+        fetcher = Fetcher(
+            self.host.ctx,
+            self.host.poller,
+            address,
+            wait_ms=self.wait_ms,
+            max_batch_bytes=self.host.max_batch_bytes,
+            on_reply=partial(self._on_reply, leader),
+            on_connect=partial(self._on_connect, leader),
+            clock=self.clock,
+            name=f"leader {leader}",
+        )
+        fetcher.connect()
+        return fetcher
+
+    def _on_connect(self, leader: str) -> None:
+        link = self.links.get(leader)
+        if link is not None:
+            for followed in link.partitions.values():
+                followed.rid = None  # answers to the old socket's requests never come
+                followed.due = False
+
+    def _fetch(self, link: LeaderLink, followed: Followed) -> None:
+        log_ = self.host.store.logs.get(followed.topic)
+        if log_ is None or link.fetcher.socket is None:
+            return
+        request = partial(
+            commands.fetch,
+            followed.topic,
+            log_.end_offset,
+            max_messages=1_000_000,
+            max_bytes=self.max_bytes,
+            wait_ms=self.wait_ms,
+            replica=self.node_id,
+            leader_epoch=followed.epoch,
+            last_epoch=followed.last_epoch,
+            durable=log_.durable_offset,
+        )
+        followed.rid = link.fetcher.request(request)
+
+    def _on_reply(self, leader: str, reply: Frame) -> None:
+        link = self.links.get(leader)
+        if link is None:
+            return
+        rid = reply.get("rid")
+        followed = next((f for f in link.partitions.values() if f.rid == rid and rid is not None), None)
+        if followed is None:
+            return  # an answer to a request from before a reconnect or a role change
+        followed.rid = None
+        log_ = self.host.store.logs.get(followed.topic)
+        if log_ is None:
+            return
+        if reply.command is Command.ERROR:
+            exc = error_from_header(reply.header)
+            if exc.name == "OFFSET_OUT_OF_RANGE" and "start_offset" in exc.fields:
+                self._restart_at(followed, log_, int(exc.fields["start_offset"]))
+                self._fetch(link, followed)
+                return
+            log.warning("replica FETCH %s/%d from %s: %s", followed.topic, followed.partition, leader, exc)
+            followed.retry_at = self.clock() + RETRY_AFTER
+            return
+        if reply.command is not Command.FETCHED:
+            return
+        if reply.get("hw") is not None:
+            followed.hw = int(reply.get("hw"))
+            log_.set_high_watermark(followed.hw)  # a new leader starts from it; readers here see up to it
+        diverging = reply.get("diverging")
+        if diverging:
+            self._truncate(followed, log_, int(diverging["end_offset"]), int(diverging["epoch"]))
+            self._fetch(link, followed)
+            return
+        if self._apply(followed, log_, reply):
+            self.host.appended.add(followed.topic)
+            followed.due = True  # fetch again once the group commit has made it durable
+        else:
+            self._fetch(link, followed)
+
+    def _apply(self, followed: Followed, log_: TopicLog, reply: Frame) -> bool:
+        """Append the answer's batches at the leader's offsets; whether anything was appended."""
+        leader_start = int(reply.get("start_offset", 0))
+        if log_.end_offset < leader_start and not reply.payload:
+            self._restart_at(followed, log_, leader_start)
+        appended = False
+        for entry, body in zip(entries_from_wire(reply.get("entries")), reply.payload, strict=False):
+            if entry.base_offset + entry.count <= log_.end_offset:
+                continue  # already here
+            if entry.base_offset < log_.end_offset:
+                # This log's tail cuts a batch of the leader's: it is not the leader's tail.
+                self._truncate(followed, log_, entry.base_offset, followed.epoch)
+            elif entry.base_offset > log_.end_offset:
+                self._restart_at(followed, log_, entry.base_offset)
+            log_.append(
+                bytes(body),
+                entry.count,
+                timestamp_ms=entry.timestamp_ms,
+                base_offset=entry.base_offset,
+                producer_id=entry.producer_id,
+                sequence=entry.sequence,
+                leader_epoch=entry.leader_epoch or None,
+            )
+            followed.last_epoch = entry.leader_epoch
+            followed.fetched_batches += 1
+            appended = True
+        return appended
+
+    def _truncate(self, followed: Followed, log_: TopicLog, offset: int, epoch: int) -> None:
+        log.warning(
+            "%s/%d: log diverged from leader %s; truncating %d -> %d",
+            followed.topic,
+            followed.partition,
+            followed.leader,
+            log_.end_offset,
+            offset,
+        )
+        log_.truncate_to(offset)
+        followed.last_epoch = epoch if log_.end_offset > 0 else None
+        followed.truncations += 1
+
+    def _restart_at(self, followed: Followed, log_: TopicLog, start: int) -> None:
+        """The leader no longer holds what comes next here (retention): start again at its start."""
+        if start != log_.end_offset:
+            tp = f"{followed.topic}/{followed.partition}"
+            log.warning("%s: leader starts at %d; this log restarts there", tp, start)
+            log_.reset_to(start)
+            followed.last_epoch = None
+
+
+def last_batch_epoch(log_: TopicLog | None) -> int | None:
+    """The leader epoch of the log's last batch (None: empty, or written outside a cluster)."""
+    if log_ is None or log_.end_offset <= log_.start_offset:
+        return None
+    batches = log_.read(log_.end_offset - 1, max_bytes=1)
+    return (batches[-1].leader_epoch or None) if batches else None

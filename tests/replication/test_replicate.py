@@ -1,0 +1,163 @@
+"""Three real brokers in this process replicate a partition; their roles are set directly (no etcd yet).
+
+The oracle: every confirmed message is at the same offset on every replica, the
+segments are byte-identical, and a confirm comes only once every in-sync replica
+reported the batch durable (and only with ``min_insync_replicas`` of them).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from concurrent.futures import Future
+from pathlib import Path
+
+import pytest
+import zmq
+from conveyor.broker.client.producer import Producer
+from conveyor.broker.server.partitions import Role
+from conveyor.broker.wire import commands
+from conveyor.broker.wire.protocol import Command, decode, error_from_header
+
+from conveyor.errors import NotLeader
+from tests.helpers import stays_false, wait_for
+from tests.replication.cluster_helpers import Node, batch, follow, lead, request
+
+TOPIC = "orders"
+
+
+@pytest.fixture
+def nodes(tmp_path: Path) -> Iterator[dict[str, Node]]:
+    made = {name: Node(name, tmp_path / name, lag_max_ms=1000) for name in "abc"}
+    for node in made.values():
+        node.start()
+    yield made
+    for node in made.values():
+        node.stop()
+
+
+def replicate_from_a(nodes: dict[str, Node], *, min_insync: int = 2, followers: str = "bc") -> None:
+    a = nodes["a"]
+    lead(a, TOPIC, epoch=1, replicas=["a", "b", "c"], isr=["a", "b", "c"], min_insync=min_insync)
+    for name in followers:
+        follow(nodes[name], TOPIC, a, epoch=1)
+
+
+def send(address: str, count: int, start: int = 0) -> list[Future[int]]:
+    with Producer(address, linger_ms=1, batch_size=500, delivery_timeout_ms=120_000) as producer:
+        futures = [producer.send(TOPIC, f"message {i}".encode()) for i in range(start, start + count)]
+        producer.flush(timeout=60)
+    return futures
+
+
+def caught_up(node: Node, end: int) -> bool:
+    return node.log_offsets(TOPIC) == (end, end)
+
+
+def test_three_replicas_hold_byte_identical_segments_of_10000_messages(nodes: dict[str, Node]) -> None:
+    replicate_from_a(nodes)
+    futures = send(nodes["a"].address, 10_000)
+    assert [f.result(timeout=60) for f in futures] == list(range(10_000))
+    for name in "bc":
+        wait_for(lambda name=name: caught_up(nodes[name], 10_000), message=f"{name} holds all 10,000 durably")
+    assert nodes["a"].on_loop(lambda: nodes["a"].partitions.hw(TOPIC)) == 10_000
+    first = nodes["b"].on_loop(lambda: nodes["b"].broker.store.topic(TOPIC).read(0)[0])
+    assert first.leader_epoch == 1 and first.producer_id >= 0 and first.sequence == 0  # the leader's header, kept
+    for node in nodes.values():
+        node.stop()
+    leader = nodes["a"].segments(TOPIC)
+    assert leader and sum(len(b) for b in leader.values()) > 10_000 * 10
+    assert nodes["b"].segments(TOPIC) == leader
+    assert nodes["c"].segments(TOPIC) == leader
+
+
+def test_a_confirm_waits_for_every_in_sync_replica_and_for_min_insync(nodes: dict[str, Node]) -> None:
+    a, b, c = nodes["a"], nodes["b"], nodes["c"]
+    for node in (a, b, c):
+        node.write_isr = False  # the "agent" writes nothing: c stays in the ISR although it never fetches
+    replicate_from_a(nodes, min_insync=3, followers="b")
+    with Producer(a.address, linger_ms=1, delivery_timeout_ms=120_000) as producer:
+        future = producer.send(TOPIC, b"held")
+        wait_for(lambda: caught_up(b, 1), message="b holds the message durably")
+        stays_false(future.done, 2.0, message="a confirm while c (in the ISR) has not got the message")
+        # The agent writes the shrink c's lag asked for: with min_insync 3, still no confirm.
+        wait_for(lambda: a.proposed, message="a proposes dropping c")
+        assert a.proposed[0].isr == ("a", "b") and a.proposed[0].shrink
+        a.on_loop(lambda: a.partitions.isr_written(TOPIC, 0, ("a", "b")))
+        stays_false(future.done, 1.0, message="a confirm with 2 in-sync replicas and min_insync 3")
+        # min_insync 2 (the same epoch, a new config): the confirm comes.
+        lead(a, TOPIC, epoch=1, replicas=["a", "b", "c"], isr=["a", "b"], min_insync=2)
+        assert future.result(timeout=30) == 0
+        producer.flush(timeout=30)
+
+
+def test_a_follower_restarted_behind_catches_up_and_rejoins_the_isr(nodes: dict[str, Node]) -> None:
+    a, c = nodes["a"], nodes["c"]
+    replicate_from_a(nodes)
+    assert [f.result(timeout=60) for f in send(a.address, 1000)] == list(range(1000))
+    wait_for(lambda: caught_up(c, 1000), message="c holds the first 1000")
+    c.stop()
+    # c lags: once it is out of the ISR (1 s), a and b confirm without it.
+    assert [f.result(timeout=60) for f in send(a.address, 2000, 1000)] == list(range(1000, 3000))
+    assert "c" not in a.on_loop(lambda: set(a.partitions.check_leader(TOPIC).isr))
+    c.start()
+    follow(c, TOPIC, a, epoch=1)
+    wait_for(lambda: caught_up(c, 3000), message="c caught up after its restart")
+    wait_for(lambda: "c" in a.on_loop(lambda: set(a.partitions.check_leader(TOPIC).isr)), message="c back in the ISR")
+    for node in nodes.values():
+        node.stop()
+    assert c.segments(TOPIC) == a.segments(TOPIC) == nodes["b"].segments(TOPIC)
+
+
+def test_a_follower_answers_publish_and_subscribe_with_not_leader_naming_the_leader(nodes: dict[str, Node]) -> None:
+    replicate_from_a(nodes)
+    b = nodes["b"]
+    assert b.on_loop(lambda: b.partitions.role(TOPIC)) is Role.FOLLOWER
+    for frames in (commands.publish(TOPIC, batch(b"x"), rid=1), commands.subscribe(1, TOPIC, "g", rid=2)):
+        answer = request(b.address, frames)
+        assert answer.command is Command.ERROR
+        error = error_from_header(answer.header)
+        assert isinstance(error, NotLeader)
+        assert error.fields["leader"] == "a" and error.fields["leader_addr"] == nodes["a"].address
+        assert error.fields["leader_epoch"] == 1
+    assert b.log_offsets(TOPIC) == (0, 0)
+
+
+def test_a_publish_below_min_insync_is_refused_and_appends_nothing(nodes: dict[str, Node]) -> None:
+    a = nodes["a"]
+    lead(a, TOPIC, epoch=1, replicas=["a", "b", "c"], isr=["a", "b"], min_insync=3)
+    answer = request(a.address, commands.publish(TOPIC, batch(b"x"), rid=1))
+    assert error_from_header(answer.header).name == "NOT_ENOUGH_REPLICAS"
+    assert a.log_offsets(TOPIC) == (0, 0)
+
+
+def test_an_old_leaders_unreplicated_tail_is_truncated_when_it_follows_the_new_leader(
+    nodes: dict[str, Node],
+) -> None:
+    a, b = nodes["a"], nodes["b"]
+    for node in (a, b):
+        node.write_isr = False
+    lead(a, TOPIC, epoch=1, replicas=["a", "b"], isr=["a", "b"], min_insync=1)
+    follow(b, TOPIC, a, epoch=1)
+    for i in range(3):
+        answer = request(a.address, commands.publish(TOPIC, batch(b"kept %d" % i, b"kept"), rid=i))
+        assert answer.command is Command.PUBLISHED
+    wait_for(lambda: caught_up(b, 6), message="b holds the first 6 durably")
+    b.on_loop(lambda: b.partitions.stop(TOPIC))  # b stops fetching: what a appends now only a holds
+    with contextlib.closing(zmq.Context.instance().socket(zmq.DEALER)) as sock:
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(a.address)
+        sock.send_multipart(commands.publish(TOPIC, batch(b"lost 1", b"lost 2", b"lost 3"), rid=9))
+        wait_for(lambda: a.log_offsets(TOPIC) == (9, 9), message="a appended a tail b never saw")
+        # b becomes the leader of epoch 2 (a was cut off), a its follower: a's confirm is NOT_LEADER.
+        lead(b, TOPIC, epoch=2, replicas=["a", "b"], isr=["b"], min_insync=1)
+        follow(a, TOPIC, b, epoch=2)
+        assert sock.poll(30_000)
+        assert error_from_header(decode(sock.recv_multipart()).header).name == "NOT_LEADER"
+    answer = request(b.address, commands.publish(TOPIC, batch(b"new"), rid=10))
+    assert answer.command is Command.PUBLISHED and answer.get("base_offset") == 6
+    wait_for(lambda: caught_up(a, 7), message="a truncated its tail and copied b's")
+    assert a.on_loop(lambda: a.partitions.replicas.followed(TOPIC, 0)).truncations == 1
+    for node in nodes.values():
+        node.stop()
+    assert a.segments(TOPIC) == b.segments(TOPIC)

@@ -1,0 +1,202 @@
+"""The leader's replication decisions, without a broker: HW, the caught-up rule, ISR changes, diverging logs."""
+
+from __future__ import annotations
+
+import pytest
+from conveyor.broker.server.replication import (
+    IsrChange,
+    PartitionLeader,
+    caught_up_time,
+    check_epoch,
+    diverging,
+    end_offset_for,
+    high_watermark,
+    lagging,
+    may_advance,
+    rejoining,
+)
+
+from conveyor.errors import FencedLeaderEpoch, NotEnoughReplicas, UnknownLeaderEpoch
+
+# --- HW arithmetic ---------------------------------------------------------------------------
+
+
+def test_hw_is_the_smallest_durable_end_over_the_isr() -> None:
+    assert high_watermark({"a": 100, "b": 80, "c": 95}, {"a", "b", "c"}, 0) == 80
+
+
+def test_hw_ignores_replicas_out_of_the_isr() -> None:
+    assert high_watermark({"a": 100, "b": 80, "c": 5}, {"a", "b"}, 0) == 80
+
+
+def test_hw_never_moves_back() -> None:
+    assert high_watermark({"a": 100, "b": 40}, {"a", "b"}, 60) == 60
+
+
+def test_an_isr_member_never_heard_from_holds_hw_at_its_start() -> None:
+    assert high_watermark({"a": 100}, {"a", "b"}, 0) == 0
+
+
+def test_hw_moves_only_with_enough_in_sync_replicas() -> None:
+    assert may_advance(2, 2)
+    assert not may_advance(1, 2)
+
+
+# --- the caught-up rule (Kafka's lastCaughtUpTime) -----------------------------------------------
+
+
+def test_a_fetch_at_the_leaders_end_is_caught_up_now() -> None:
+    assert caught_up_time(100, 50.0, leader_end=100, previous_fetch=40.0, end_at_previous_fetch=90, last=10.0) == 50.0
+
+
+def test_a_fetch_that_reached_the_end_of_the_previous_fetch_was_caught_up_then() -> None:
+    got = caught_up_time(95, 50.0, leader_end=100, previous_fetch=40.0, end_at_previous_fetch=90, last=10.0)
+    assert got == 40.0
+
+
+def test_a_fetch_behind_both_ends_leaves_the_time_where_it_was() -> None:
+    assert caught_up_time(80, 50.0, leader_end=100, previous_fetch=40.0, end_at_previous_fetch=90, last=10.0) == 10.0
+
+
+def test_followers_not_caught_up_within_the_lag_are_lagging() -> None:
+    caught = {"b": 90.0, "c": 99.0}
+    assert lagging(caught, {"a", "b", "c"}, "a", now=100.0, lag_max=5.0) == ["b"]
+    assert lagging(caught, {"a", "c"}, "a", now=100.0, lag_max=5.0) == []
+
+
+def test_a_replica_rejoins_once_durable_to_hw_and_to_the_epoch_start() -> None:
+    durable = {"b": 50, "c": 70}
+    assert rejoining(durable, ("a", "b", "c"), {"a"}, hw=60, epoch_start=40) == ["c"]
+    assert rejoining(durable, ("a", "b", "c"), {"a"}, hw=30, epoch_start=60) == ["c"]
+    assert rejoining(durable, ("a", "b", "c"), {"a", "c"}, hw=10, epoch_start=0) == ["b"]
+
+
+# --- epochs --------------------------------------------------------------------------------------
+
+
+def test_a_request_with_this_nodes_epoch_or_none_passes() -> None:
+    check_epoch(None, 3)
+    check_epoch(3, 3)
+
+
+def test_a_newer_epoch_fences_this_node_and_an_older_one_is_unknown() -> None:
+    with pytest.raises(FencedLeaderEpoch):
+        check_epoch(4, 3)
+    with pytest.raises(UnknownLeaderEpoch):
+        check_epoch(2, 3)
+
+
+HISTORY = [(1, 0), (3, 100), (4, 150)]  # epoch 1 from 0, 3 from 100, 4 from 150; the log ends at 180
+
+
+def test_an_epoch_ends_where_the_next_starts_and_the_last_at_the_log_end() -> None:
+    assert end_offset_for(HISTORY, 180, 1) == (1, 100)
+    assert end_offset_for(HISTORY, 180, 3) == (3, 150)
+    assert end_offset_for(HISTORY, 180, 4) == (4, 180)
+
+
+def test_an_epoch_missing_here_answers_with_the_largest_before_it() -> None:
+    assert end_offset_for(HISTORY, 180, 2) == (1, 100)
+    assert end_offset_for(HISTORY, 180, 9) == (4, 180)
+    assert end_offset_for(HISTORY, 180, 0) is None
+
+
+def test_a_follower_within_its_epoch_does_not_diverge() -> None:
+    assert diverging(HISTORY, 180, 3, 120) is None
+    assert diverging(HISTORY, 180, 3, 150) is None
+    assert diverging(HISTORY, 180, 4, 180) is None
+
+
+def test_a_follower_past_the_end_of_its_epoch_here_truncates_to_it() -> None:
+    # KIP-101: the follower wrote offsets 100..119 as epoch 1's leader, which this leader never had.
+    assert diverging(HISTORY, 180, 1, 120) == {"epoch": 1, "end_offset": 100}
+
+
+def test_a_follower_with_an_epoch_this_leader_never_had_truncates_to_the_one_before() -> None:
+    # It was leader of epoch 2 (which nobody else saw) and wrote past offset 100.
+    assert diverging(HISTORY, 180, 2, 130) == {"epoch": 1, "end_offset": 100}
+
+
+def test_a_follower_older_than_the_history_starts_from_its_first_offset() -> None:
+    assert diverging([(3, 100)], 180, 1, 120) == {"epoch": 3, "end_offset": 100}
+
+
+def test_a_follower_without_an_epoch_or_an_empty_log_is_not_checked() -> None:
+    assert diverging(HISTORY, 180, None, 120) is None
+    assert diverging(HISTORY, 180, 4, 0) is None
+
+
+# --- one partition's leader ------------------------------------------------------------------------
+
+
+def leader(min_insync: int = 2, isr: tuple[str, ...] = ("a", "b", "c")) -> tuple[PartitionLeader, list[IsrChange]]:
+    proposed: list[IsrChange] = []
+    state = PartitionLeader("t", 0, "a", 5, ("a", "b", "c"), set(isr), min_insync, 10.0, proposed.append)
+    state.now_caught_up(0.0)
+    return state, proposed
+
+
+def test_hw_follows_the_slowest_durable_follower_and_this_nodes_own_durable_end() -> None:
+    state, _ = leader()
+    state.on_fetch("b", 100, 100, leader_end=100, now=1.0)
+    assert not state.update_hw(100)  # c has reported nothing
+    state.on_fetch("c", 100, 60, leader_end=100, now=1.0)
+    assert state.update_hw(100) and state.hw == 60
+    state.on_fetch("c", 100, 100, leader_end=100, now=2.0)
+    assert state.update_hw(90) and state.hw == 90  # this node's own sync is behind
+
+
+def test_a_followers_durable_end_never_counts_past_its_fetch_offset() -> None:
+    state, _ = leader(isr=("a", "b"))
+    state.on_fetch("b", 50, 80, leader_end=100, now=1.0)
+    state.update_hw(100)
+    assert state.hw == 50
+
+
+def test_a_lagging_follower_is_proposed_out_but_counts_until_the_change_is_written() -> None:
+    state, proposed = leader()
+    state.on_fetch("b", 100, 100, leader_end=100, now=15.0)
+    state.on_fetch("c", 10, 10, leader_end=100, now=15.0)
+    state.check_lag(now=20.0)
+    assert proposed == [IsrChange("t", 0, 5, ("a", "b"), shrink=True)]
+    state.update_hw(100)
+    assert state.hw == 10  # c still in the ISR: HW waits for it
+    state.check_lag(now=21.0)
+    assert len(proposed) == 1  # one proposal at a time
+    state.isr_written(("a", "b"))
+    assert state.update_hw(100) and state.hw == 100
+
+
+def test_a_refused_shrink_leaves_the_isr_and_is_proposed_again() -> None:
+    state, proposed = leader()
+    state.on_fetch("b", 100, 100, leader_end=100, now=15.0)
+    state.check_lag(now=20.0)
+    state.isr_refused()
+    assert state.isr == {"a", "b", "c"}
+    state.check_lag(now=21.0)
+    assert len(proposed) == 2
+
+
+def test_a_follower_that_catches_up_rejoins_at_once() -> None:
+    state, proposed = leader(isr=("a", "b"))
+    state.on_fetch("b", 100, 100, leader_end=100, now=1.0)
+    state.update_hw(100)
+    state.on_fetch("c", 50, 50, leader_end=100, now=1.0)
+    assert "c" not in state.isr
+    state.on_fetch("c", 100, 100, leader_end=100, now=2.0)
+    assert "c" in state.isr
+    assert proposed[-1] == IsrChange("t", 0, 5, ("a", "b", "c"), shrink=False)
+
+
+def test_below_min_insync_hw_stays_and_publishes_are_refused() -> None:
+    state, _ = leader(min_insync=3, isr=("a", "b"))
+    state.on_fetch("b", 100, 100, leader_end=100, now=1.0)
+    assert not state.update_hw(100)
+    with pytest.raises(NotEnoughReplicas):
+        state.check_publish()
+
+
+def test_a_gone_follower_is_proposed_out_at_once() -> None:
+    state, proposed = leader()
+    state.follower_gone("c")
+    assert proposed == [IsrChange("t", 0, 5, ("a", "b"), shrink=True)]

@@ -156,6 +156,18 @@ def test_nats_logs_and_monitoring_answers_are_read_as_leaders() -> None:
     assert consumer_counts(views, "s1") == {"g0": (5, 7)}  # the consumer leader's count, not a follower's
 
 
+def test_conveyor_leaders_come_from_metadata(conveyor_broker: Any) -> None:
+    from conveyor.benchmarks.suite.systems.conveyor import MetadataLeaders
+    from conveyor.broker.client.admin import Admin
+
+    with Admin(conveyor_broker.address) as admin:
+        admin.create_topic("bench.leaders")
+    ask = MetadataLeaders([conveyor_broker.address], timeout=30)
+    leaders = ask(["bench.leaders", "bench.absent"])
+    assert leaders == {"controller": "local", "bench.leaders/0": "local@0"}  # a single node: itself, epoch 0
+    assert MetadataLeaders(["tcp://127.0.0.1:9"], timeout=0.2)(["bench.leaders"]) == {}  # no answer: no sample
+
+
 def _nats_missing() -> str:
     if not shutil.which("nats-server"):
         return "nats-server is not installed (make bench-peers, or apt-get install nats-server)"

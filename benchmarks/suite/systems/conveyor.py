@@ -9,6 +9,7 @@ it as a range).
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +17,41 @@ from conveyor.benchmarks.suite.scenario import Scenario
 from conveyor.benchmarks.suite.systems import base
 
 TITLE = "Conveyor"
+
+
+def partition_leaders(view: Any, topics: Sequence[str]) -> dict[str, str]:
+    """``{"controller": node, "<topic>/<partition>": "node@epoch"}`` from a METADATA answer (a ``ClusterView``).
+
+    The epoch is in the value, so a re-election of the same node counts as a
+    change; an offline partition reads ``"offline@epoch"``.
+    """
+    found = {"controller": view.controller} if view.controller else {}
+    for topic in topics:
+        for number, info in sorted(view.topics.get(topic, {}).items()):
+            found[f"{topic}/{number}"] = f"{'offline' if info.offline else info.leader}@{info.leader_epoch}"
+    return found
+
+
+class MetadataLeaders:
+    """Who leads a run's topics, asked with METADATA of any of ``addresses``: a Conveyor cluster's ``leaders`` hook.
+
+    A server of several brokers gives its ``Server.leaders`` as
+    ``MetadataLeaders(addresses)(topics)``; an unanswered question is an
+    empty sample (skipped), never a change.
+    """
+
+    def __init__(self, addresses: Sequence[str], timeout: float = 1.0) -> None:
+        self.addresses = list(addresses)
+        self.timeout = timeout
+
+    def __call__(self, topics: Sequence[str]) -> dict[str, str]:
+        from conveyor.broker.client.metadata import ask_metadata
+
+        try:
+            view = ask_metadata(self.addresses, list(topics), timeout=self.timeout)
+        except Exception:  # no broker answered in time: this sample is skipped
+            return {}
+        return partition_leaders(view, topics)
 
 
 class ConveyorServer(base.Server):

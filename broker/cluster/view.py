@@ -43,6 +43,8 @@ class KeyValueLike(Protocol):
     def mod_revision(self) -> int: ...
     @property
     def create_revision(self) -> int: ...
+    @property
+    def lease(self) -> int: ...
 
 
 @dataclass(frozen=True)
@@ -52,6 +54,7 @@ class Versioned(Generic[T]):
     value: T
     mod_revision: int
     create_revision: int
+    lease: int = 0
 
 
 @dataclass(frozen=True)
@@ -85,6 +88,7 @@ class ClusterView:
 
     keys: Keys
     revision: int = 0
+    loaded_revision: int = 0  # the last range read's: watch events at or below it are already in
     nodes: dict[str, NodeRecord] = field(default_factory=dict)
     controller: str | None = None
     controller_revision: int = 0  # create_revision of the controller key: the controller epoch
@@ -104,11 +108,17 @@ class ClusterView:
         self.creates, self.shutdowns, self.reassigns, self.damaged = {}, {}, {}, {}
         for kv in kvs:
             self._put(kv)
-        self.revision = revision
+        self.revision = self.loaded_revision = revision
         return self._diff(before)
 
     def apply(self, kind: str, kv: KeyValueLike) -> Change | None:
-        """One watch event (``kind`` "PUT" or "DELETE", ``kv`` a ``KeyValue``); ``None`` if it changed nothing."""
+        """One watch event (``kind`` "PUT" or "DELETE", ``kv`` a ``KeyValue``); ``None`` if it changed nothing.
+
+        An event the last range read already holds (a watch resumed from before a
+        reload delivers some again) is ignored, so a reload never goes back in time.
+        """
+        if kv.mod_revision <= self.loaded_revision:
+            return None
         self.revision = max(self.revision, kv.mod_revision)
         if kind == "DELETE":
             return self._delete(kv.key)
@@ -132,7 +142,7 @@ class ClusterView:
     # --- one key ----------------------------------------------------------
 
     def _put(self, kv: KeyValueLike) -> Change | None:
-        key, value, mod, created = kv.key, kv.value, kv.mod_revision, kv.create_revision
+        key, value, mod, created, lease = kv.key, kv.value, kv.mod_revision, kv.create_revision, kv.lease
         try:
             parsed = self.keys.parse(key)
             change = Change(parsed.kind, key, node_id=parsed.node_id, topic=parsed.topic, tp=parsed.tp)
@@ -151,12 +161,12 @@ class ClusterView:
                     self.partitions[parsed.tp] = k.decode_partition(key, value)
                     self.partition_revisions[parsed.tp] = mod
                 case "create":
-                    self.creates[parsed.topic] = Versioned(k.decode_create(key, value), mod, created)
+                    self.creates[parsed.topic] = Versioned(k.decode_create(key, value), mod, created, lease)
                 case "shutdown":
-                    self.shutdowns[parsed.node_id] = Versioned(k.decode_shutdown(key, value), mod, created)
+                    self.shutdowns[parsed.node_id] = Versioned(k.decode_shutdown(key, value), mod, created, lease)
                 case "reassign":
                     assert parsed.tp is not None
-                    self.reassigns[parsed.tp] = Versioned(k.decode_reassign(key, value), mod, created)
+                    self.reassigns[parsed.tp] = Versioned(k.decode_reassign(key, value), mod, created, lease)
         except RecordError as exc:
             self.damaged[key] = str(exc)
             return None

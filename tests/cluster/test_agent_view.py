@@ -18,6 +18,7 @@ class KV:
     value: bytes
     mod_revision: int
     create_revision: int = 1
+    lease: int = 0
 
 
 def test_load_then_watch_events_keep_the_view() -> None:
@@ -43,6 +44,16 @@ def test_load_then_watch_events_keep_the_view() -> None:
     gone = view.apply("DELETE", KV(KEYS.node("a"), b"", 11))
     assert gone is not None and gone.deleted and gone.node_id == "a" and view.nodes == {}
     assert view.apply("DELETE", KV(KEYS.node("a"), b"", 12)) is None  # already gone
+
+
+def test_events_a_reload_already_holds_are_ignored() -> None:
+    view = ClusterView(KEYS)
+    new = PartitionState(("a", "b"), "b", 2, ("b",))
+    view.load([KV(KEYS.partition(TP), k.encode_partition(new), 8)], revision=9)
+    old = PartitionState(("a", "b"), "a", 1, ("a", "b"))
+    assert view.apply("PUT", KV(KEYS.partition(TP), k.encode_partition(old), 7)) is None
+    assert view.apply("DELETE", KV(KEYS.partition(TP), b"", 9)) is None
+    assert view.partitions[TP] == new
 
 
 def test_a_damaged_value_is_skipped_and_the_old_record_kept() -> None:

@@ -175,3 +175,51 @@ def test_no_bytes_crash_a_decoder(value: bytes) -> None:
             decode("key", value)
         except RecordError:
             pass
+
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers(-5, 5) | st.text(max_size=3),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=3), inner, max_size=3),
+    max_leaves=8,
+)
+fields = st.sampled_from(
+    [
+        "assignment",
+        "leader",
+        "leader_epoch",
+        "isr",
+        "offline",
+        "replication_factor",
+        "min_insync_replicas",
+        "settings",
+        "from",
+        "config",
+        "refused",
+        "successors",
+        "done",
+        "advertise",
+        "started_ms",
+        "node",
+    ]
+)
+
+
+@given(st.dictionaries(fields, json_values, max_size=6))
+def test_no_json_object_crashes_a_decoder(obj: dict[str, object]) -> None:
+    value = json.dumps(obj).encode()
+    for decode in (
+        k.decode_partition,
+        k.decode_topic_config,
+        k.decode_create,
+        k.decode_reassign,
+        k.decode_shutdown,
+        k.decode_controller,
+    ):
+        try:
+            decode("key", value)
+        except RecordError:
+            pass
+    try:
+        k.decode_node("key", "n1", value)
+    except RecordError:
+        pass

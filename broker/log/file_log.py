@@ -11,6 +11,7 @@ from pathlib import Path
 from conveyor.broker.config.fsync import FsyncPolicy
 from conveyor.broker.log import syscalls
 from conveyor.broker.log.durable import atomic_write, free_name, fsync_dir, make_dirs, storage_errors
+from conveyor.broker.log.epochs import EPOCHS_FILE, open_cache
 from conveyor.broker.log.segment import INDEX_ENTRY, Segment
 from conveyor.broker.log.topic_log import TopicConfig, TopicLog
 from conveyor.broker.wire.record import Batch, BatchHeader
@@ -68,7 +69,9 @@ class FileLog(TopicLog):
         bases = sorted(int(p.stem) for p in self.directory.glob("*.log") if p.stem.isdigit())
         if not bases:
             self._new_segment(0, sync_directory=sync_new_directory)
+            self.epochs = open_cache(self.directory / EPOCHS_FILE, [], start_offset=0, end_offset=0)
             return
+        epoch_starts: list[tuple[int, int]] = []  # (epoch, base offset) where the batches' epoch changes
         lost_from: int | None = None  # base of the oldest segments quarantined before any was kept
         newest_lost_end: int | None = None  # the newest segment was quarantined: offsets it used up to here
         for i, base in enumerate(bases):
@@ -87,11 +90,15 @@ class FileLog(TopicLog):
             self.segments.append(segment)
             self._bases.append(base)
             self._adopt_producers(segment.recovered_headers)
+            _epoch_starts(segment.recovered_headers, epoch_starts)
         if newest_lost_end is not None:
             self._continue_after_quarantine(lost_from, newest_lost_end)
         self._continue_after_loss()
         self.start_offset = self.segments[0].base_offset
         self.end_offset = self.durable_offset = self.segments[-1].next_offset
+        self.epochs = open_cache(
+            self.directory / EPOCHS_FILE, epoch_starts, start_offset=self.start_offset, end_offset=self.end_offset
+        )
 
     def _known_offsets(self, committed: Mapping[str, int]) -> list[tuple[int, str]]:
         """``(end, why)`` for each sign that offsets below ``end`` once existed, highest first.
@@ -387,6 +394,15 @@ class FileLog(TopicLog):
             path.rmdir() if path.is_dir() else path.unlink()
         self.directory.rmdir()
         fsync_dir(self.directory.parent)
+
+
+def _epoch_starts(headers: list[BatchHeader], starts: list[tuple[int, int]]) -> None:
+    """Add ``(epoch, base offset)`` to ``starts`` wherever the batches' epoch changes."""
+    last = starts[-1][0] if starts else 0
+    for header in headers:
+        if header.leader_epoch != last:
+            last = header.leader_epoch
+            starts.append((last, header.base_offset))
 
 
 MIN_RECORD_BYTES = 4  # a stored record is at least a msgpack [key, headers, value] of nils

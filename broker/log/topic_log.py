@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from conveyor.broker.config.fsync import FsyncPolicy
 from conveyor.broker.config.topic_settings import TOPIC_SETTINGS, check_topic_setting, check_topic_settings
+from conveyor.broker.log.epochs import LeaderEpochCache
 from conveyor.broker.log.idempotence import ProducerState
 from conveyor.broker.log.tail_cache import TailCache
 from conveyor.broker.wire.record import NO_PRODUCER, Batch, encode_header
@@ -142,6 +143,7 @@ class TopicLog(ABC):
         # opened: confirmed data lost; never given again. One entry per range: start, end and the evidence.
         self.lost_ranges: list[dict[str, Any]] = []
         self.producers = ProducerState()
+        self.epochs = LeaderEpochCache()  # where each leader epoch began (a FileLog saves it beside its segments)
         self.cache = TailCache(config.cache_bytes)
         self._last_sync = monotonic()
         self.io_health: IoHealth | None = None  # the store's: writes and syncs report their outcome there
@@ -234,6 +236,8 @@ class TopicLog(ABC):
         self.cache.add(Batch(base, count, ts, body, producer_id, sequence, leader_epoch or 0))
         if producer_id != NO_PRODUCER:
             self.producers.record(producer_id, sequence, base, count)
+        if leader_epoch and leader_epoch != self.epochs.latest_epoch:
+            self.epochs.assign(leader_epoch, base)  # once per leader change, not per batch
         if self.fsync.mode == "none" and not self.held:
             self.durable_offset = self.end_offset
         elif self.fsync.mode == "interval":
@@ -352,6 +356,25 @@ class TopicLog(ABC):
         self.durable_offset = min(self.durable_offset, offset)
         self.cache.truncate(offset)
         self.producers.truncate(offset)
+        self.epochs.truncate_from_end(offset)
+
+    # --- leader epochs ---------------------------------------------------------------------------
+
+    @property
+    def last_epoch(self) -> int:
+        """The epoch of the newest leader this log knows of (0: it never held a replicated batch)."""
+        return self.epochs.latest_epoch
+
+    def assign_epoch(self, epoch: int) -> None:
+        """A new leader's epoch starts at the log end, before its first publish is accepted."""
+        self.epochs.assign(epoch, self.end_offset)
+
+    def epoch_end_offset(self, epoch: int) -> tuple[int, int]:
+        """``LeaderEpochCache.end_offset_for`` with this log's end: where ``epoch`` ended here.
+
+        ``(-1, -1)`` when this log knows no epoch as old as or older than the one asked.
+        """
+        return self.epochs.end_offset_for(epoch, self.end_offset)
 
     def reconfigure(self, config: TopicConfig) -> None:
         """Apply altered settings live: retention at its next pass, segment size at the next roll."""
@@ -364,6 +387,7 @@ class TopicLog(ABC):
         self.start_offset = self.end_offset = self.durable_offset = offset
         self.cache = TailCache(self.config.cache_bytes)
         self.producers = ProducerState()
+        self.epochs.clear()
 
     def _reset(self, offset: int) -> None:
         """Backends with storage override this to delete their files."""
@@ -376,6 +400,8 @@ class TopicLog(ABC):
         dropped = max(0, new_start - self.start_offset)
         self.start_offset = max(self.start_offset, new_start)
         self.cache.drop_before(self.start_offset)
+        if dropped:
+            self.epochs.truncate_from_start(self.start_offset)
         return dropped
 
 

@@ -20,7 +20,7 @@ from collections.abc import Callable, Sequence
 from datetime import datetime
 from typing import Any
 
-from conveyor.broker.config.addresses import DEFAULT_BROKER, check_address, endpoint
+from conveyor.broker.config.addresses import DEFAULT_BROKER, broker_addresses, endpoint_list
 from conveyor.broker.config.broker_settings import BrokerSettings, broker_options
 from conveyor.broker.config.options import Option
 from conveyor.broker.config.sources import add_options, resolve
@@ -30,7 +30,7 @@ from conveyor import exitcodes
 from conveyor.errors import ConfigError, ConveyorError, OffsetOutOfRange, UnknownGroup
 
 CLIENT_OPTIONS = [
-    Option("broker", DEFAULT_BROKER, "broker address", endpoint),
+    Option("broker", DEFAULT_BROKER, "broker address, or several separated by commas", endpoint_list),
     Option("curve-server-key", "", "the broker's CURVE public key (40 characters, or its .key file)"),
     Option("curve-key", "", "this client's CURVE certificate (.key_secret file)"),
 ]
@@ -41,7 +41,7 @@ def client_options(args: argparse.Namespace, command: str, options: list[Option]
     from conveyor.broker.net import security
 
     opts = resolve(args, options or CLIENT_OPTIONS, command)
-    check_address(opts["broker"])  # the clients check it too; here it fails before `run` imports any handler
+    broker_addresses(opts["broker"])  # the clients check it too; here it fails before `run` imports any handler
     if opts.get("curve_server_key") or opts.get("curve_key"):
         if not (opts.get("curve_server_key") and opts.get("curve_key")):
             raise ConfigError("CURVE needs both --curve-server-key and --curve-key")

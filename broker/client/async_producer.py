@@ -13,22 +13,32 @@ import itertools
 import logging
 import random
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, cast
 
 import tenacity
 import zmq
 import zmq.asyncio
+from conveyor.broker.client.metadata import Metadata
 from conveyor.broker.client.options import check_producer_options
-from conveyor.broker.config.addresses import broker_address
-from conveyor.broker.net.connection import DEFAULT_HWM, new_dealer
+from conveyor.broker.net.connection import DEFAULT_HWM, backoff_seconds, new_dealer
 from conveyor.broker.net.security import HandshakeWatch
 from conveyor.broker.wire import commands
 from conveyor.broker.wire.protocol import Command, decode, error_from_header
 from conveyor.broker.wire.record import pack_records
 from conveyor.broker.wire.values import make_record
 
-from conveyor.errors import ConveyorError, RequestTimeout, buffer_full, delivery_timed_out
+from conveyor.errors import (
+    ConveyorError,
+    FencedLeaderEpoch,
+    NotEnoughReplicas,
+    NotLeader,
+    RequestTimeout,
+    UnknownLeaderEpoch,
+    buffer_full,
+    delivery_timed_out,
+)
 
 
 @dataclass(slots=True)
@@ -43,6 +53,25 @@ class _Batch:
     sent_at: float = 0.0
     attempts: int = 0
     last_error: ConveyorError | None = None  # the last retriable error the broker answered
+    address: str = ""  # the broker it was last sent to: an error from another one is stale
+
+
+@dataclass(slots=True)
+class _Link:
+    """The socket to one broker, its handshake watch, and the tasks reading them."""
+
+    address: str
+    sock: zmq.asyncio.Socket
+    watch: HandshakeWatch
+    tasks: list[asyncio.Task[None]] = field(default_factory=list)
+
+
+def _in_order(item: tuple[int, _Batch]) -> tuple[str, int]:
+    return item[1].topic, item[1].seq
+
+
+# Answers that mean "ask who leads now": the topic's unconfirmed batches follow the leader, in order.
+_LEADERSHIP_ERRORS = (NotLeader, NotEnoughReplicas, FencedLeaderEpoch, UnknownLeaderEpoch)
 
 
 class AsyncProducer:
@@ -55,7 +84,7 @@ class AsyncProducer:
 
     def __init__(
         self,
-        address: str | None = None,
+        address: str | Sequence[str] | None = None,
         *,
         linger_ms: float = 5.0,
         batch_size: int = 1000,
@@ -78,7 +107,9 @@ class AsyncProducer:
             max_block_ms=max_block_ms,
             close_timeout_ms=close_timeout_ms,
         )
-        self.address = broker_address(address)
+        # One address, a comma-separated bootstrap list or a list; CONVEYOR_BROKER when not given.
+        self.metadata = Metadata(address, timeout=request_timeout_ms / 1000)
+        self.address = ",".join(self.metadata.bootstrap)
         self.close_timeout = close_timeout_ms / 1000
         self._last_settled = time.monotonic()
         self._last_heard: float | None = None  # when the broker last answered anything
@@ -95,8 +126,9 @@ class AsyncProducer:
         self.retry_wait = retry_wait or tenacity.wait_random_exponential(multiplier=0.05, max=2.0)
         self.producer_id = random.getrandbits(62) or 1
         self._ctx = zmq.asyncio.Context.instance()
-        self._sock: zmq.asyncio.Socket | None = None
-        self._watch: HandshakeWatch | None = None
+        self._started = False
+        self._links: dict[str, _Link] = {}  # one socket per broker that leads a topic
+        self._resending: set[str] = set()  # topics whose batches wait to follow their leader
         self._buffers: dict[str, _Batch] = {}
         self._in_flight: dict[int, _Batch] = {}
         self._seqs: dict[str, int] = {}
@@ -106,50 +138,53 @@ class AsyncProducer:
         self._flights: dict[str, int] = {}  # batches in flight per topic
 
     async def start(self) -> AsyncProducer:
-        self._sock = self._new_socket()
-        self._tasks = [
-            asyncio.create_task(self._reader()),
-            asyncio.create_task(self._watchdog()),
-            asyncio.create_task(self._handshakes()),
-        ]
+        self._started = True
+        if self.metadata.single:
+            self._link(self.metadata.bootstrap[0])  # connect now, as before clusters
+        self._tasks = [asyncio.create_task(self._watchdog())]
         return self
 
-    def _new_socket(self) -> zmq.asyncio.Socket:
-        """A DEALER to the broker; its handshakes are watched (``self._watch``, replacing the old socket's)."""
-        if self._watch is not None:
-            self._watch.close()
-            self._watch = None
-        sock, self._watch = new_dealer(self._ctx, self.address, sndhwm=DEFAULT_HWM, rcvhwm=DEFAULT_HWM)
-        return cast(zmq.asyncio.Socket, sock)
+    def _link(self, address: str) -> _Link:
+        """The socket to ``address`` (made on first use), with its reader and its handshake watch."""
+        link = self._links.get(address)
+        if link is None:
+            sock, watch = new_dealer(self._ctx, address, sndhwm=DEFAULT_HWM, rcvhwm=DEFAULT_HWM)
+            link = self._links[address] = _Link(address, cast(zmq.asyncio.Socket, sock), watch)
+            link.tasks = [asyncio.create_task(self._reader(link)), asyncio.create_task(self._handshakes(link))]
+        return link
 
-    async def _handshakes(self) -> None:
-        """When the broker refuses this producer's handshake, what is in flight fails with AUTH_FAILED at once."""
+    async def _close_link(self, link: _Link) -> None:
+        if self._links.get(link.address) is link:
+            del self._links[link.address]
+        for task in link.tasks:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        link.watch.close()
+        link.sock.close(linger=0)
+
+    async def _handshakes(self, link: _Link) -> None:
+        """When a broker refuses this producer's handshake, what is in flight there fails with AUTH_FAILED at once."""
         while True:
-            watch = self._watch
-            assert watch is not None
-            try:
-                frames = await cast(zmq.asyncio.Socket, watch.socket).recv_multipart()
-            except (zmq.ZMQError, asyncio.CancelledError):
-                if watch is self._watch:
-                    raise  # this task is being cancelled (close())
-                continue  # the watch was replaced with its socket (a reconnect): watch the new one
-            watch.on_event(frames)
-            if watch.failure is not None and watch is self._watch:
-                self._refused(watch.failure)
+            frames = await cast(zmq.asyncio.Socket, link.watch.socket).recv_multipart()
+            link.watch.on_event(frames)
+            if link.watch.failure is not None:
+                self._refused(link.watch.failure, link.address)
 
-    def _refused(self, error: ConveyorError) -> None:
-        batches, self._in_flight = list(self._in_flight.values()), {}
-        for batch in batches:
-            self._settled(batch)
-            for future in batch.futures:
-                if not future.done():
-                    future.set_exception(error)
+    def _refused(self, error: ConveyorError, address: str) -> None:
+        for rid, batch in list(self._in_flight.items()):
+            if batch.address == address:
+                del self._in_flight[rid]
+                self._settled(batch)
+                for future in batch.futures:
+                    if not future.done():
+                        future.set_exception(error)
 
     async def send(
         self, topic: str, value: Any, *, key: str | bytes | None = None, headers: dict[str, str] | None = None
     ) -> asyncio.Future[int]:
         """Queue one message; the returned future resolves to its offset."""
-        if self._sock is None:
+        if not self._started:
             await self.start()
         record = make_record(value, key, headers)
         size = len(record[2]) + 16
@@ -219,53 +254,94 @@ class AsyncProducer:
         self._transmit(rid, batch)
 
     def _transmit(self, rid: int, batch: _Batch) -> None:
-        assert self._sock is not None
+        """Send ``batch`` to its topic's leader of the moment (the one address, without a cluster).
+
+        A refresh of the leaders (only with several brokers, or after a broker
+        named another leader) asks METADATA on this thread: at most
+        ``request_timeout_ms``.
+        """
+        if rid not in self._in_flight:
+            return  # settled while it waited for this resend
+        try:
+            address = self.metadata.leader_for(batch.topic)
+        except ConveyorError as exc:
+            if not exc.retriable:
+                raise
+            batch.last_error = exc
+            batch.sent_at = float("inf")
+            delay = backoff_seconds(self.retry_wait, batch.attempts + 1)
+            asyncio.get_running_loop().call_later(delay, self._transmit, rid, batch)
+            return
         frames = commands.publish(batch.topic, batch.body, pid=self.producer_id, seq=batch.seq, rid=rid)
+        batch.address = address
         batch.sent_at = time.monotonic()
         batch.attempts += 1
-        self._sock.send_multipart(frames)
+        self._link(address).sock.send_multipart(frames)
 
-    async def _reader(self) -> None:
+    async def _reader(self, link: _Link) -> None:
         while True:
-            assert self._sock is not None
-            sock = self._sock
-            try:
-                frames = await sock.recv_multipart()
-            except zmq.ZMQError:
-                await asyncio.sleep(0.01)  # the socket was replaced under us
-                continue
+            frames = await link.sock.recv_multipart()
             self._last_heard = time.monotonic()
             try:
                 reply = decode(frames)
             except ConveyorError:
                 continue
-            batch = self._in_flight.pop(reply.get("rid"), None)
+            rid = reply.get("rid")
+            batch = self._in_flight.get(rid)
             if batch is None:
                 continue
             if reply.command is Command.PUBLISHED:
+                del self._in_flight[rid]
                 self._settled(batch)
                 base = int(reply.get("base_offset"))
                 for i, future in enumerate(batch.futures):
                     if not future.done():
                         future.set_result(base + i)
-            elif reply.command is Command.ERROR:
-                self._on_error(reply.get("rid"), batch, error_from_header(reply.header))
+            elif reply.command is Command.ERROR and batch.address == link.address:  # else: a former leader's
+                self._on_error(rid, batch, error_from_header(reply.header))
 
     def _on_error(self, rid: int, batch: _Batch, exc: ConveyorError) -> None:
         if exc.retriable:
             batch.last_error = exc
             if time.monotonic() - batch.first_sent < self.delivery_timeout:
-                self._in_flight[rid] = batch
+                if isinstance(exc, _LEADERSHIP_ERRORS):
+                    self._follow_leader(batch, exc)
+                    return
+                batch.sent_at = float("inf")
                 asyncio.get_running_loop().call_later(self.request_timeout / 10, self._transmit, rid, batch)
                 return
             exc = delivery_timed_out(self.address, batch.topic, exc, batch.attempts)
+        del self._in_flight[rid]
         self._settled(batch)
         for future in batch.futures:
             if not future.done():
                 future.set_exception(exc)
 
+    def _follow_leader(self, batch: _Batch, exc: ConveyorError) -> None:
+        """As ``Producer``: the topic's unconfirmed batches go again, in sequence order, with the same pid and
+        seq, to the leader the ``NOT_LEADER`` names (at once) or METADATA names (after a backoff)."""
+        if isinstance(exc, NotLeader):
+            self.metadata.not_leader(batch.topic, 0, exc)
+        else:
+            self.metadata.stale(batch.topic)
+        if batch.topic in self._resending:
+            return
+        self._resending.add(batch.topic)
+        for other in self._in_flight.values():
+            if other.topic == batch.topic:
+                other.sent_at = float("inf")  # not waiting for the old leader's answer
+        hinted = isinstance(exc, NotLeader) and bool(exc.fields.get("leader_addr"))
+        delay = 0.0 if hinted else backoff_seconds(self.retry_wait, batch.attempts)
+        asyncio.get_running_loop().call_later(delay, self._resend_topic, batch.topic)
+
+    def _resend_topic(self, topic: str) -> None:
+        self._resending.discard(topic)
+        for rid, batch in sorted(self._in_flight.items(), key=_in_order):
+            if batch.topic == topic:
+                self._transmit(rid, batch)
+
     async def _watchdog(self) -> None:
-        """Resend on a fresh socket when confirms stop coming."""
+        """Resend on a fresh socket (to the leader of the moment) when confirms stop coming."""
         while True:
             await asyncio.sleep(min(1.0, self.request_timeout / 2))
             now = time.monotonic()
@@ -277,12 +353,15 @@ class AsyncProducer:
                     for future in batch.futures:
                         if not future.done():
                             future.set_exception(error)
-            if any(now - b.sent_at > self.request_timeout for b in self._in_flight.values()):
-                old, self._sock = self._sock, self._new_socket()
-                if old is not None:
-                    old.close(linger=0)
-                for rid, batch in sorted(self._in_flight.items(), key=lambda item: (item[1].topic, item[1].seq)):
-                    self._transmit(rid, batch)
+            stuck = {b.address for b in self._in_flight.values() if now - b.sent_at > self.request_timeout}
+            for address in stuck:
+                link = self._links.get(address)
+                if link is not None:
+                    await self._close_link(link)
+                self.metadata.lost(address)
+                for rid, batch in sorted(self._in_flight.items(), key=_in_order):
+                    if batch.address == address:
+                        self._transmit(rid, batch)
 
     async def flush(self, timeout: float | None = None) -> None:
         """Ship every buffer and wait for all confirms; past ``timeout``, a ``RequestTimeout`` naming the broker."""
@@ -328,12 +407,8 @@ class AsyncProducer:
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
-            if self._watch is not None:
-                self._watch.close()
-                self._watch = None
-            if self._sock is not None:
-                self._sock.close(linger=0)
-                self._sock = None
+            for link in list(self._links.values()):
+                await self._close_link(link)
 
     def _fail_in_flight(self, error: RequestTimeout) -> None:
         for batch in self._in_flight.values():

@@ -163,7 +163,7 @@ class Subscription:
 
     def _reconnect(self, why: str, *, lost: bool = False) -> None:
         """A new socket to the topic's leader (``lost``: this broker went silent, ask the others first)."""
-        log.warning("consumer %s/%s: %s; reconnecting", self.topic, self.group, why)
+        log.warning("consumer %s/%s: %s; reconnecting to %s", self.topic, self.group, why, self.address)
         if lost:
             self.metadata.lost(self.address)
         self.reconnects += 1
@@ -238,7 +238,7 @@ class Subscription:
             self._resubscribe_at = 0.0
             self._reconnect("subscribing again after a retriable refusal")
         elif now - self._last_heard > self.heartbeat * self.liveness:
-            self._reconnect(f"broker {self.address} silent", lost=True)
+            self._reconnect("broker silent", lost=True)
         elif now - self._last_sent >= self.heartbeat:
             assert self._sock is not None
             try:  # never blocks: without a connection there is no one to tell, and the silence check reconnects

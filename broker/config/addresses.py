@@ -38,6 +38,14 @@ def endpoint(value: Any, *, bind: bool = False) -> str:
     return address
 
 
+def endpoint_list(value: Any) -> str:
+    """One endpoint to connect to, or several separated by commas (a bootstrap list), as ``a,b``."""
+    items = [item.strip() for item in text(value).split(",") if item.strip()]
+    if not items:
+        raise ValueError(f"{value!r} is not a broker address: use tcp://HOST:PORT (like {DEFAULT_BROKER})")
+    return ",".join(dict.fromkeys(endpoint(item) for item in items))
+
+
 def bind_endpoint(value: Any) -> str:
     """An endpoint to bind: ``tcp://HOST:PORT``, port ``*`` for any free one."""
     return endpoint(value, bind=True)

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 
+from conveyor.broker.client.async_producer import AsyncProducer
 from conveyor.broker.client.metadata import Metadata, ask_metadata
 from conveyor.broker.client.subscription import Subscription
 from conveyor.broker.net.requester import Requester
@@ -106,3 +108,11 @@ def test_a_subscription_given_a_dead_broker_first_subscribes_on_the_live_one(con
         # Then it subscribed on the live broker and got everything
         assert sub.address == conveyor_broker.address
     assert [m.value for m in got] == [b"m0", b"m1", b"m2"]
+
+
+def test_an_async_producer_given_a_dead_broker_first_uses_the_live_one(conveyor_broker):
+    async def run() -> list[int]:
+        async with AsyncProducer([free_address(), conveyor_broker.address], linger_ms=1) as producer:
+            return [await producer.send_and_wait("async-listed", f"m{i}".encode()) for i in range(3)]
+
+    assert asyncio.run(asyncio.wait_for(run(), 60)) == [0, 1, 2]

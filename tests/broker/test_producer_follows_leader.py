@@ -9,10 +9,12 @@ future must resolve once, with ``b``'s offset.
 
 from __future__ import annotations
 
+import asyncio
 import threading
 from typing import Any
 
 import zmq
+from conveyor.broker.client.async_producer import AsyncProducer
 from conveyor.broker.client.producer import Producer
 from conveyor.broker.wire import commands
 from conveyor.broker.wire.protocol import Command, decode
@@ -116,3 +118,23 @@ def test_a_producer_given_several_brokers_keeps_no_more_in_flight_than_a_leader_
         assert several.max_in_flight == WINDOW
     with Producer("tcp://127.0.0.1:9", max_in_flight=64) as one:
         assert one.max_in_flight == 64, "one broker: as before clusters"
+
+
+def test_the_async_producer_follows_the_leader_the_same_way():
+    stand_ins = StandIns()
+
+    async def run() -> tuple[list[int], int]:
+        bootstrap = [stand_ins.addresses["m"], stand_ins.addresses["b"]]
+        async with AsyncProducer(bootstrap, linger_ms=0, batch_size=1, request_timeout_ms=30_000) as producer:
+            futures = [await producer.send("orders", f"m{i}".encode()) for i in range(3)]
+            offsets = [await asyncio.wait_for(future, 30) for future in futures]
+            return offsets, producer.producer_id
+
+    try:
+        offsets, pid = asyncio.run(run())
+        assert offsets == [100, 101, 102]
+        assert (pid, 0) in stand_ins.published["a"]
+        assert set(stand_ins.published["a"]) <= set(stand_ins.published["b"]) == {(pid, 0), (pid, 1), (pid, 2)}
+        assert list(dict.fromkeys(stand_ins.published["b"])) == [(pid, 0), (pid, 1), (pid, 2)]
+    finally:
+        stand_ins.close()

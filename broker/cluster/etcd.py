@@ -531,6 +531,9 @@ class Lease:
             try:
                 remaining = self._refresh(timeout=max(0.1, min(self._etcd.transport.timeout, left)))
             except EtcdError as exc:
+                if exc.fields.get("grpc_code") == NOT_FOUND:
+                    self._lose("etcd does not know the lease")
+                    return
                 failures += 1
                 log.debug("lease %x: refresh failed (%s)", self.id, exc)
                 self._stop.wait(min(period, 0.05 * 2**failures, max(0.0, left)))
@@ -649,8 +652,15 @@ class Watch:
             }
         }
         headers = transport.headers(self._session, endpoint, transport.timeout)
+        # etcd cancels the watch if its member loses the raft leader (clientv3's WithRequireLeader):
+        # a member cut off from the quorum would otherwise keep the stream open and silent.
+        require_leader = {"Grpc-Metadata-hasleader": "true"}
         response = self._session.post(
-            f"{endpoint}/v3/watch", json=body, headers=headers, stream=True, timeout=(transport.timeout, self._idle)
+            f"{endpoint}/v3/watch",
+            json=body,
+            headers={**headers, **require_leader},
+            stream=True,
+            timeout=(transport.timeout, self._idle),
         )
         self._response = response
         try:

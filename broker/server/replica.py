@@ -63,6 +63,7 @@ class Followed:
     rid: int | None = None  # the FETCH in flight
     due: bool = False  # an answer was applied: fetch again after this pass's sync
     retry_at: float | None = None  # an error answer: fetch again then
+    reported_durable: int = 0  # the durable end the last FETCH told the leader
     fetched_batches: int = 0
     truncations: int = 0
 
@@ -159,13 +160,23 @@ class Replicas:
                     self._fetch(link, followed)
         return min(wanted) if wanted else None
 
-    def after_sync(self) -> None:
-        """The group commit is done: fetch again for every answer applied this pass, reporting the durable end."""
+    def after_sync(self, synced: set[str] | frozenset[str] = frozenset()) -> None:
+        """The group commit is done: fetch again for every answer applied this pass, reporting the durable end.
+
+        Under ``interval:MS`` the sync may come in a later pass, while the next FETCH is
+        already parked at the leader with the older durable end: a FETCH made durable by
+        this sync (``synced``) is sent again, so the leader learns it now rather than at
+        its next append or wait. The answer to the older one is then ignored.
+        """
         for link in self.links.values():
             for followed in link.partitions.values():
                 if followed.due:
                     followed.due = False
                     self._fetch(link, followed)
+                elif followed.rid is not None and followed.topic in synced:
+                    log_ = self.host.store.logs.get(followed.topic)
+                    if log_ is not None and log_.durable_offset > followed.reported_durable:
+                        self._fetch(link, followed)
 
     # --- fetching -------------------------------------------------------------------------------
 
@@ -208,6 +219,7 @@ class Replicas:
             durable=log_.durable_offset,
         )
         followed.rid = link.fetcher.request(request)
+        followed.reported_durable = log_.durable_offset
 
     def _on_reply(self, leader: str, reply: Frame) -> None:
         link = self.links.get(leader)

@@ -29,6 +29,7 @@ class Node:
     node_id: str
     data_dir: Path
     lag_max_ms: int = 10_000
+    fsync: str = "batch"
     broker: Broker = field(init=False)
     address: str = ""
     thread: threading.Thread | None = None
@@ -36,7 +37,9 @@ class Node:
     write_isr: bool = True  # act as the agent: every proposal is written at once
 
     def start(self) -> Node:
-        settings = BrokerSettings(bind="tcp://127.0.0.1:*", data_dir=str(self.data_dir), metrics_port=-1)
+        settings = BrokerSettings(
+            bind="tcp://127.0.0.1:*", data_dir=str(self.data_dir), metrics_port=-1, fsync=self.fsync
+        )
         self.broker = Broker(settings, registry=CollectorRegistry())
         self.address = self.broker.bind()
         self.broker.replicate(self.node_id, propose=self._propose, lag_max_ms=self.lag_max_ms)

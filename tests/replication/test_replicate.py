@@ -161,3 +161,18 @@ def test_an_old_leaders_unreplicated_tail_is_truncated_when_it_follows_the_new_l
     for node in nodes.values():
         node.stop()
     assert a.segments(TOPIC) == b.segments(TOPIC)
+
+
+def test_followers_that_sync_on_an_interval_report_their_durable_end_after_the_sync(tmp_path: Path) -> None:
+    made = {name: Node(name, tmp_path / name, fsync="batch" if name == "a" else "interval:200") for name in "abc"}
+    for node in made.values():
+        node.start()
+    try:
+        replicate_from_a(made)
+        assert [f.result(timeout=60) for f in send(made["a"].address, 2000)] == list(range(2000))
+        for name in "bc":
+            wait_for(lambda name=name: caught_up(made[name], 2000), message=f"{name} holds all 2000 durably")
+    finally:
+        for node in made.values():
+            node.stop()
+    assert made["b"].segments(TOPIC) == made["c"].segments(TOPIC) == made["a"].segments(TOPIC)

@@ -86,8 +86,6 @@ class Partitions:
         self.clock = clock
         self.leading: dict[TopicPartition, PartitionLeader] = {}
         self.following: dict[TopicPartition, Following] = {}
-        # The leader-epoch history per partition, (epoch, start offset): what DIVERGING answers come from.
-        self.epochs: dict[TopicPartition, list[tuple[int, int]]] = {}
         self.replicas = Replicas(host, node_id, wait_ms=fetch_wait_ms, clock=clock)
 
     # --- transitions ------------------------------------------------------------------------
@@ -114,9 +112,8 @@ class Partitions:
         self.following.pop(tp, None)
         log_ = self._log(topic)
         hw = min(log_.durable_offset, followed.hw if followed is not None else log_.durable_offset)
-        history = self.epochs.setdefault(tp, [])
-        if not history or history[-1][0] < epoch:
-            history.append((epoch, log_.end_offset))  # before any publish of this epoch
+        if epoch > log_.last_epoch:
+            log_.assign_epoch(epoch)  # this epoch starts at the log end, before any publish of it
         leader = PartitionLeader(
             topic,
             partition,
@@ -145,9 +142,6 @@ class Partitions:
             self.host.fail_confirms_of(topic, self.not_leader(topic, partition))
         self.following[tp] = Following(leader, address, epoch)
         self.host.store.topic(topic).set_high_watermark(was.hw if was is not None else 0)
-        history = self.epochs.setdefault(tp, [])
-        if not history or history[-1][0] < epoch:
-            history.append((epoch, self.host.store.topic(topic).end_offset))
         hw = was.hw if was is not None else 0
         self.replicas.follow(topic, partition, leader=leader, address=address, epoch=epoch, hw=hw)
         log.info("%s/%d: follower of %s (%s), epoch %d", topic, partition, leader, address, epoch)
@@ -224,7 +218,7 @@ class Partitions:
         check_epoch(hfield(frame, "leader_epoch", int, None), leader.epoch)
         offset = hfield(frame, "offset", int, 0)
         last_epoch = hfield(frame, "last_epoch", int, None)
-        found = diverging(self.epochs.get((topic, 0), []), log_.end_offset, last_epoch, offset)
+        found = diverging(log_.epoch_end_offset(last_epoch) if last_epoch else (-1, -1), last_epoch, offset)
         if found is not None:
             return found
         durable = hfield(frame, "durable", int, 0)

@@ -26,6 +26,7 @@ import zmq
 from conveyor.broker.log.data_dir import Store
 from conveyor.broker.log.topic_log import TopicLog
 from conveyor.broker.server.fetcher import Fetcher
+from conveyor.broker.server.replication import truncation_offset
 from conveyor.broker.wire import commands
 from conveyor.broker.wire.entry import entries_from_wire
 from conveyor.broker.wire.protocol import Command, Frame, error_from_header
@@ -59,7 +60,6 @@ class Followed:
     leader: str
     epoch: int
     hw: int = 0  # the leader's high watermark in its last answer
-    last_epoch: int | None = None  # the epoch of this log's last batch, when known
     rid: int | None = None  # the FETCH in flight
     due: bool = False  # an answer was applied: fetch again after this pass's sync
     retry_at: float | None = None  # an error answer: fetch again then
@@ -106,8 +106,6 @@ class Replicas:
         else:
             link.fetcher.change_address(address)
         followed = Followed(topic, partition, leader, epoch, hw=max(hw, previous.hw if previous else 0))
-        log_ = self.host.store.logs.get(topic)
-        followed.last_epoch = previous.last_epoch if previous is not None else last_batch_epoch(log_)
         link.partitions[(topic, partition)] = followed
         self._fetch(link, followed)
 
@@ -215,7 +213,7 @@ class Replicas:
             wait_ms=self.wait_ms,
             replica=self.node_id,
             leader_epoch=followed.epoch,
-            last_epoch=followed.last_epoch,
+            last_epoch=log_.last_epoch or None,  # from the log's leader-epoch cache
             durable=log_.durable_offset,
         )
         followed.rid = link.fetcher.request(request)
@@ -249,7 +247,8 @@ class Replicas:
             log_.set_high_watermark(followed.hw)  # a new leader starts from it; readers here see up to it
         diverging = reply.get("diverging")
         if diverging:
-            self._truncate(followed, log_, int(diverging["end_offset"]), int(diverging["epoch"]))
+            own = log_.epoch_end_offset(int(diverging["epoch"]))
+            self._truncate(followed, log_, truncation_offset(diverging, own))
             self._fetch(link, followed)
             return
         if self._apply(followed, log_, reply):
@@ -269,7 +268,7 @@ class Replicas:
                 continue  # already here
             if entry.base_offset < log_.end_offset:
                 # This log's tail cuts a batch of the leader's: it is not the leader's tail.
-                self._truncate(followed, log_, entry.base_offset, followed.epoch)
+                self._truncate(followed, log_, entry.base_offset)
             elif entry.base_offset > log_.end_offset:
                 self._restart_at(followed, log_, entry.base_offset)
             log_.append(
@@ -281,12 +280,11 @@ class Replicas:
                 sequence=entry.sequence,
                 leader_epoch=entry.leader_epoch or None,
             )
-            followed.last_epoch = entry.leader_epoch
             followed.fetched_batches += 1
             appended = True
         return appended
 
-    def _truncate(self, followed: Followed, log_: TopicLog, offset: int, epoch: int) -> None:
+    def _truncate(self, followed: Followed, log_: TopicLog, offset: int) -> None:
         log.warning(
             "%s/%d: log diverged from leader %s; truncating %d -> %d",
             followed.topic,
@@ -295,8 +293,7 @@ class Replicas:
             log_.end_offset,
             offset,
         )
-        log_.truncate_to(offset)
-        followed.last_epoch = epoch if log_.end_offset > 0 else None
+        log_.truncate_to(offset)  # its leader-epoch cache is cut with it
         followed.truncations += 1
 
     def _restart_at(self, followed: Followed, log_: TopicLog, start: int) -> None:
@@ -305,12 +302,3 @@ class Replicas:
             tp = f"{followed.topic}/{followed.partition}"
             log.warning("%s: leader starts at %d; this log restarts there", tp, start)
             log_.reset_to(start)
-            followed.last_epoch = None
-
-
-def last_batch_epoch(log_: TopicLog | None) -> int | None:
-    """The leader epoch of the log's last batch (None: empty, or written outside a cluster)."""
-    if log_ is None or log_.end_offset <= log_.start_offset:
-        return None
-    batches = log_.read(log_.end_offset - 1, max_bytes=1)
-    return (batches[-1].leader_epoch or None) if batches else None

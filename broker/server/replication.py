@@ -20,7 +20,7 @@ the state of one partition and calls them.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
 from conveyor.errors import FencedLeaderEpoch, NotEnoughReplicas, UnknownLeaderEpoch
@@ -84,42 +84,34 @@ def check_epoch(theirs: int | None, mine: int) -> None:
     raise UnknownLeaderEpoch(f"leader epoch {theirs} is older than this leader's {mine}", leader_epoch=mine)
 
 
-def end_offset_for(epochs: Sequence[tuple[int, int]], log_end: int, epoch: int) -> tuple[int, int] | None:
-    """``(epoch, end offset)`` of the largest epoch <= ``epoch`` in the history, None if it starts later.
-
-    ``epochs`` is the leader-epoch history, ``(epoch, start_offset)`` in order: an epoch
-    ends where the next one starts, the last one at ``log_end`` (KIP-101/KIP-279).
-    """
-    found: tuple[int, int] | None = None
-    for i, (known, _start) in enumerate(epochs):
-        if known > epoch:
-            break
-        end = epochs[i + 1][1] if i + 1 < len(epochs) else log_end
-        found = (known, end)
-    return found
-
-
-def diverging(
-    epochs: Sequence[tuple[int, int]], log_end: int, last_epoch: int | None, offset: int
-) -> dict[str, int] | None:
+def diverging(found: tuple[int, int], last_epoch: int | None, offset: int) -> dict[str, int] | None:
     """Where a follower at ``offset`` whose last batch has ``last_epoch`` must truncate to, or None.
 
-    The leader's history says which of its epochs is the follower's (the largest not past
-    it) and where that epoch ended here. The logs agree up to the follower's end only when
-    it is that very epoch and it ended at or past that end; otherwise the follower holds
-    batches the leader never had, and truncates to ``end_offset`` (then fetches again, with
-    ``epoch`` as its last epoch). A follower older than the whole history starts again
-    from the history's first offset.
+    ``found`` is the leader's ``LeaderEpochCache.end_offset_for(last_epoch)``: the largest
+    epoch it knows that is not newer, and where that epoch ended in its log. The logs
+    agree up to the follower's end only when it is that very epoch and the follower
+    does not go past its end; otherwise the follower holds batches the leader never had
+    (KIP-101). A follower with no epoch (empty, or written outside a cluster) or one
+    newer than anything the leader knows is not checked (the epoch checks fence that).
     """
-    if last_epoch is None or offset == 0 or not epochs:
+    if not last_epoch or offset == 0:
         return None
-    found = end_offset_for(epochs, log_end, last_epoch)
-    if found is None:
-        return {"epoch": epochs[0][0], "end_offset": min(epochs[0][1], offset)}
     epoch, end = found
-    if epoch == last_epoch and offset <= end:
+    if epoch < 0 or (epoch == last_epoch and offset <= end):
         return None
     return {"epoch": epoch, "end_offset": min(end, offset)}
+
+
+def truncation_offset(answer: Mapping[str, int], own: tuple[int, int]) -> int:
+    """Where a follower cuts its log on a ``diverging`` answer (KIP-279).
+
+    ``own`` is the follower's own ``end_offset_for(answer["epoch"])``: its copy of that
+    epoch may end before the leader's (it wrote a later epoch of its own from there),
+    so it cuts at the smaller of the two ends.
+    """
+    own_epoch, own_end = own
+    end = int(answer["end_offset"])
+    return end if own_epoch < 0 else min(end, own_end)
 
 
 # --- one led partition -------------------------------------------------------------------------

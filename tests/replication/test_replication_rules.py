@@ -3,17 +3,18 @@
 from __future__ import annotations
 
 import pytest
+from conveyor.broker.log.epochs import LeaderEpochCache
 from conveyor.broker.server.replication import (
     IsrChange,
     PartitionLeader,
     caught_up_time,
     check_epoch,
     diverging,
-    end_offset_for,
     high_watermark,
     lagging,
     may_advance,
     rejoining,
+    truncation_offset,
 )
 
 from conveyor.errors import FencedLeaderEpoch, NotEnoughReplicas, UnknownLeaderEpoch
@@ -86,44 +87,51 @@ def test_a_newer_epoch_fences_this_node_and_an_older_one_is_unknown() -> None:
         check_epoch(2, 3)
 
 
-HISTORY = [(1, 0), (3, 100), (4, 150)]  # epoch 1 from 0, 3 from 100, 4 from 150; the log ends at 180
+def cache(*entries: tuple[int, int]) -> LeaderEpochCache:
+    return LeaderEpochCache(entries)
 
 
-def test_an_epoch_ends_where_the_next_starts_and_the_last_at_the_log_end() -> None:
-    assert end_offset_for(HISTORY, 180, 1) == (1, 100)
-    assert end_offset_for(HISTORY, 180, 3) == (3, 150)
-    assert end_offset_for(HISTORY, 180, 4) == (4, 180)
+LEADER = cache((1, 0), (3, 100), (4, 150))  # epoch 1 from 0, 3 from 100, 4 from 150; the log ends at 180
 
 
-def test_an_epoch_missing_here_answers_with_the_largest_before_it() -> None:
-    assert end_offset_for(HISTORY, 180, 2) == (1, 100)
-    assert end_offset_for(HISTORY, 180, 9) == (4, 180)
-    assert end_offset_for(HISTORY, 180, 0) is None
+def leader_answer(last_epoch: int, offset: int) -> dict[str, int] | None:
+    return diverging(LEADER.end_offset_for(last_epoch, 180), last_epoch, offset)
 
 
 def test_a_follower_within_its_epoch_does_not_diverge() -> None:
-    assert diverging(HISTORY, 180, 3, 120) is None
-    assert diverging(HISTORY, 180, 3, 150) is None
-    assert diverging(HISTORY, 180, 4, 180) is None
+    assert leader_answer(3, 120) is None
+    assert leader_answer(3, 150) is None
+    assert leader_answer(4, 180) is None
 
 
 def test_a_follower_past_the_end_of_its_epoch_here_truncates_to_it() -> None:
     # KIP-101: the follower wrote offsets 100..119 as epoch 1's leader, which this leader never had.
-    assert diverging(HISTORY, 180, 1, 120) == {"epoch": 1, "end_offset": 100}
+    assert leader_answer(1, 120) == {"epoch": 1, "end_offset": 100}
 
 
-def test_a_follower_with_an_epoch_this_leader_never_had_truncates_to_the_one_before() -> None:
-    # It was leader of epoch 2 (which nobody else saw) and wrote past offset 100.
-    assert diverging(HISTORY, 180, 2, 130) == {"epoch": 1, "end_offset": 100}
+def test_a_follower_with_an_epoch_this_leader_never_had_truncates_where_its_own_copy_of_the_one_before_ends() -> None:
+    # It led epoch 2 (which nobody else saw) from offset 90 and wrote up to 130.
+    answer = leader_answer(2, 130)
+    assert answer == {"epoch": 1, "end_offset": 100}
+    follower = cache((1, 0), (2, 90))
+    assert truncation_offset(answer, follower.end_offset_for(1, 130)) == 90  # KIP-279: its own end of epoch 1
+    after = diverging(LEADER.end_offset_for(1, 180), 1, 90)
+    assert after is None  # then the logs agree
 
 
-def test_a_follower_older_than_the_history_starts_from_its_first_offset() -> None:
-    assert diverging([(3, 100)], 180, 1, 120) == {"epoch": 3, "end_offset": 100}
+def test_a_follower_older_than_the_cache_truncates_to_its_first_offset() -> None:
+    assert diverging(cache((3, 100)).end_offset_for(1, 180), 1, 120) == {"epoch": 1, "end_offset": 100}
 
 
-def test_a_follower_without_an_epoch_or_an_empty_log_is_not_checked() -> None:
-    assert diverging(HISTORY, 180, None, 120) is None
-    assert diverging(HISTORY, 180, 4, 0) is None
+def test_a_follower_without_an_epoch_an_empty_log_or_a_newer_epoch_is_not_checked() -> None:
+    assert leader_answer(0, 120) is None
+    assert diverging((-1, -1), None, 120) is None
+    assert leader_answer(4, 0) is None
+    assert leader_answer(9, 200) is None  # newer than the leader: the epoch checks fence it
+
+
+def test_a_follower_without_its_own_copy_of_the_epoch_cuts_at_the_leaders_end() -> None:
+    assert truncation_offset({"epoch": 1, "end_offset": 100}, (-1, -1)) == 100
 
 
 # --- one partition's leader ------------------------------------------------------------------------

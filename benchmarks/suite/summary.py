@@ -223,12 +223,12 @@ def observations(report: dict[str, Any]) -> list[str]:
                 f"(whole-run p99 {metric(r, 'p99') or 0:.1f} ms)."
             )
     # Best concurrency: among Conveyor max-rate runs with the same message size and fsync.
-    families: dict[tuple[int, str], list[Result]] = defaultdict(list)
+    families: dict[tuple[int, str, str], list[Result]] = defaultdict(list)  # one per variant: r3 apart from one node
     for r in results:
         s = scenarios.get(r["scenario"], {})
         if r["system"] == "conveyor" and s.get("rate") == "max":
-            families[(s["message_size"], s["fsync"])].append(r)
-    for (size, fsync), runs in families.items():
+            families[(s["message_size"], s["fsync"], r["variant"])].append(r)
+    for (size, fsync, _variant), runs in families.items():
         shapes = {(scenarios[r["scenario"]]["producers"], scenarios[r["scenario"]]["consumers"]) for r in runs}
         if len(shapes) < 2:
             continue

@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 from conveyor.benchmarks.suite.runner import LeaderWatch, add_process_cpu, changes, missing_variants, select_variants
 from conveyor.benchmarks.suite.scenario import Scenario, load_config
-from conveyor.benchmarks.suite.summary import check_targets, markdown_table, process_cpu
+from conveyor.benchmarks.suite.summary import check_targets, markdown_table, observations, process_cpu
 from conveyor.benchmarks.suite.systems import base, system
 from conveyor.benchmarks.suite.systems.nats_cluster import (
     consumer_counts,
@@ -83,6 +83,30 @@ def test_a_variant_no_system_provides_yet_is_skipped_with_the_configs_reason() -
     notes = {t["system"]: t["note"] for t in check_targets(report)}
     assert "not built yet" in notes["conveyor:r3"]
     assert "conveyor:r3 in" in markdown_table(report)
+
+
+def test_the_cluster_targets_compare_r3_with_one_node_and_with_nats_r3() -> None:
+    from tests.bench.test_bench_smoke import _result
+
+    config = load_config(CLUSTER_JSON)
+    name = "cluster-1p-2c-100B-batch"
+    results = [
+        _result(name, "conveyor:batch", 300_000, 400.0),
+        {**_result(name, "conveyor:r3", 160_000, 500.0), "leader_changes": 0},
+        {**_result(name, "conveyor:batch", 50_000, 300.0), "variant": "nats:r3", "system": "nats", "title": "NATS"},
+    ]
+    report = {
+        "results": results,
+        "settings": config.settings,
+        "scenarios": [{"name": name, "rate": "max", "producers": 1, "consumers": 2, "message_size": 100, "fsync": ""}],
+        "machine": {"cpus": 2},
+    }
+    met = {(t["system"], t.get("vs"), t["metric"]): t["met"] for t in check_targets(report) if t["scenario"] == name}
+    assert met[("conveyor:r3", "conveyor:batch", "e2e_msg_per_s")] is True  # 160,000 >= 50% of 300,000
+    assert met[("conveyor:r3", "nats:r3", "e2e_msg_per_s")] is False  # 3.2x, not 5x
+    assert met[("conveyor:r3", None, "leader_changes")] is True
+    notes = " ".join(observations(report))
+    assert "Conveyor (r3) end-to-end 160,000 msg/s" in notes and "Conveyor (batch)" in notes
 
 
 class FakeServer:

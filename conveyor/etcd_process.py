@@ -5,7 +5,10 @@ installs it) as a one-member cluster on free loopback client and peer ports, in
 a directory of its own, and waits until ``GET /health`` says ``true``. The fault
 tests of replication need the rest: ``stop`` (SIGTERM), ``kill`` (-9), ``pause``
 and ``resume`` (SIGSTOP/SIGCONT) and ``restart`` on the same data and ports.
-It signals only the process it started, and needs no pytest and no ``requests``.
+With ``tls=EtcdTls.generate(dir)`` it serves https and asks for client
+certificates (a test CA made with the ``openssl`` command). ``enable_auth``
+turns on etcd's user/password auth. It signals only the process it started,
+and needs no pytest and no ``requests``.
 """
 
 from __future__ import annotations
@@ -16,10 +19,12 @@ import os
 import shutil
 import signal
 import socket
+import ssl
 import subprocess
 import tempfile
 import time
 import urllib.request
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -32,8 +37,64 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+@dataclass(frozen=True)
+class EtcdTls:
+    """A test CA, etcd's server certificate (for 127.0.0.1) and a client certificate, as PEM files."""
+
+    ca: Path
+    server_cert: Path
+    server_key: Path
+    client_cert: Path
+    client_key: Path
+
+    @classmethod
+    def generate(cls, directory: str | os.PathLike[str]) -> EtcdTls:
+        """Make them with the ``openssl`` command (EC P-256, valid one day)."""
+        folder = Path(directory)
+        folder.mkdir(parents=True, exist_ok=True)
+        ca_ext = "basicConstraints=critical,CA:TRUE\nkeyUsage=critical,keyCertSign,cRLSign\nsubjectKeyIdentifier=hash\n"
+        leaf_ext = "basicConstraints=CA:FALSE\nkeyUsage=critical,digitalSignature\nsubjectAltName=IP:127.0.0.1\n"
+        (folder / "ca.ext").write_text(ca_ext)
+        (folder / "server.ext").write_text(leaf_ext + "extendedKeyUsage=serverAuth,clientAuth\n")
+        (folder / "client.ext").write_text(leaf_ext + "extendedKeyUsage=clientAuth\n")
+        key = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
+        ca = folder / "ca.pem"
+        _openssl("req", "-x509", *key, "-keyout", folder / "ca.key", "-out", ca, "-days", "1")
+        _openssl(
+            "x509", "-in", ca, "-signkey", folder / "ca.key", "-out", ca, "-days", "1", "-extfile", folder / "ca.ext"
+        )
+        for name in ("server", "client"):
+            _openssl("req", *key, "-keyout", folder / f"{name}.key", "-out", folder / f"{name}.csr", subject=name)
+            _openssl(
+                "x509", "-req", "-in", folder / f"{name}.csr", "-CA", ca, "-CAkey", folder / "ca.key",
+                "-CAcreateserial", "-out", folder / f"{name}.pem", "-days", "1", "-extfile", folder / f"{name}.ext",
+            )  # fmt: skip
+        return cls(ca, folder / "server.pem", folder / "server.key", folder / "client.pem", folder / "client.key")
+
+    def etcd_flags(self) -> list[str]:
+        """etcd's flags: serve TLS, and accept only clients with a certificate of this CA."""
+        return [
+            *("--cert-file", str(self.server_cert), "--key-file", str(self.server_key)),
+            *("--trusted-ca-file", str(self.ca), "--client-cert-auth"),
+        ]
+
+    def client_context(self) -> ssl.SSLContext:
+        context = ssl.create_default_context(cafile=str(self.ca))
+        context.load_cert_chain(str(self.client_cert), str(self.client_key))
+        return context
+
+
+def _openssl(*args: str | Path, subject: str = "conveyor-test-ca") -> None:
+    command = ["openssl", *map(str, args)]
+    if args[0] == "req":
+        command += ["-subj", f"/CN={subject}"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=60)
+    if done.returncode:
+        raise RuntimeError(f"{' '.join(command)} failed:\n{done.stderr}")
+
+
 class EtcdProcess:
-    """One etcd member on 127.0.0.1: ``.endpoint`` is ``http://127.0.0.1:PORT``."""
+    """One etcd member on 127.0.0.1: ``.endpoint`` is ``http://127.0.0.1:PORT`` (``https`` with ``tls``)."""
 
     def __init__(
         self,
@@ -42,12 +103,14 @@ class EtcdProcess:
         name: str = "conveyor-test",
         extra: list[str] | None = None,
         binary: str = "etcd",
+        tls: EtcdTls | None = None,
     ) -> None:
         self._own_directory = directory is None
         self.directory = Path(directory) if directory is not None else Path(tempfile.mkdtemp(prefix="conveyor-etcd-"))
         self.name = name
         self.extra = list(extra or [])
         self.binary = binary
+        self.tls = tls
         self.client_port = 0
         self.peer_port = 0
         self.proc: subprocess.Popen[bytes] | None = None
@@ -64,7 +127,7 @@ class EtcdProcess:
 
     @property
     def endpoint(self) -> str:
-        return f"http://127.0.0.1:{self.client_port}"
+        return f"{'https' if self.tls else 'http'}://127.0.0.1:{self.client_port}"
 
     @property
     def pid(self) -> int:
@@ -72,7 +135,7 @@ class EtcdProcess:
         return self.proc.pid
 
     def command(self) -> list[str]:
-        client = f"http://127.0.0.1:{self.client_port}"
+        client = self.endpoint
         peer = f"http://127.0.0.1:{self.peer_port}"
         return [
             self.binary,
@@ -81,6 +144,7 @@ class EtcdProcess:
             *("--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer),
             *("--initial-cluster", f"{self.name}={peer}", "--initial-cluster-state", "new"),
             *("--logger", "zap", "--log-level", "warn"),
+            *(self.tls.etcd_flags() if self.tls else []),
             *self.extra,
         ]
 
@@ -107,7 +171,7 @@ class EtcdProcess:
 
     def healthy(self, timeout: float = 2.0) -> bool:
         try:
-            with urllib.request.urlopen(f"{self.endpoint}/health", timeout=timeout) as answer:
+            with self._open(f"{self.endpoint}/health", timeout) as answer:
                 return bool(json.loads(answer.read()).get("health") == "true")
         except (OSError, ValueError):
             return False
@@ -188,9 +252,13 @@ class EtcdProcess:
             data=json.dumps(body).encode(),
             headers={"Content-Type": "application/json", **({"Authorization": token} if token else {})},
         )
-        with urllib.request.urlopen(request, timeout=30) as answer:
+        with self._open(request, 30) as answer:
             result: dict[str, Any] = json.loads(answer.read())
             return result
+
+    def _open(self, request: str | urllib.request.Request, timeout: float) -> Any:
+        context = self.tls.client_context() if self.tls else None
+        return urllib.request.urlopen(request, timeout=timeout, context=context)
 
     def enable_auth(self, password: str = "conveyor-root", user: str = "root") -> tuple[str, str]:
         """Create ``root`` with a password and turn auth on: from then on every call needs a token.
@@ -222,4 +290,4 @@ class EtcdProcess:
         self.close()
 
 
-__all__ = ["EtcdProcess", "free_port"]
+__all__ = ["EtcdProcess", "EtcdTls", "free_port"]

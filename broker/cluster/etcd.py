@@ -1,7 +1,8 @@
 """The etcd client: key-value calls, transactions, leases with keepalive, and a watch that resumes.
 
 It talks to etcd's v3 JSON gateway (``POST /v3/kv/range`` and friends, etcd ≥ 3.4)
-through ``requests`` sessions configured here: TLS (``ca``, ``cert``/``key``), a
+through ``requests`` sessions: TLS (``ca``, ``cert``/``key``, given with each request,
+since a session's CA loses to a ``REQUESTS_CA_BUNDLE`` variable), a
 token from ``POST /v3/auth/authenticate`` in the ``Authorization`` header when a
 user is given (fetched again on a 401), and a list of endpoints tried in turn
 when one cannot be reached. This is the only module that imports ``requests``;
@@ -259,12 +260,17 @@ class _Transport:
         self._lock = threading.Lock()
 
     def session(self) -> requests.Session:
-        session = self.requests.Session()
+        return self.requests.Session()
+
+    @property
+    def tls(self) -> dict[str, Any]:
+        """``verify`` and ``cert`` for each request: on the session, REQUESTS_CA_BUNDLE would override the CA."""
+        options: dict[str, Any] = {}
         if self.ca:
-            session.verify = self.ca
+            options["verify"] = self.ca
         if self.cert:
-            session.cert = self.cert
-        return session
+            options["cert"] = self.cert
+        return options
 
     def rotation(self) -> list[str]:
         """The endpoints, the one that last answered first."""
@@ -291,9 +297,8 @@ class _Transport:
                 self._token = None
 
     def _authenticate(self, session: requests.Session, endpoint: str, timeout: float) -> str:
-        response = session.post(
-            f"{endpoint}/v3/auth/authenticate", json={"name": self.user, "password": self.password}, timeout=timeout
-        )
+        body = {"name": self.user, "password": self.password}
+        response = session.post(f"{endpoint}/v3/auth/authenticate", json=body, timeout=timeout, **self.tls)
         answer = _answer(response)
         token = str(answer["token"])
         with self._lock:
@@ -314,7 +319,9 @@ class _Transport:
             for attempt in (1, 2):
                 try:
                     headers = self.headers(session, endpoint, timeout)
-                    response = session.post(f"{endpoint}/v3/{path}", json=body, headers=headers, timeout=timeout)
+                    response = session.post(
+                        f"{endpoint}/v3/{path}", json=body, headers=headers, timeout=timeout, **self.tls
+                    )
                     if response.status_code == 401 and self.user is not None and attempt == 1:
                         self.forget_token(headers.get("Authorization"))
                         continue
@@ -661,6 +668,7 @@ class Watch:
             headers={**headers, **require_leader},
             stream=True,
             timeout=(transport.timeout, self._idle),
+            **transport.tls,
         )
         self._response = response
         try:

@@ -17,11 +17,12 @@ from __future__ import annotations
 import enum
 import logging
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 import zmq
+from conveyor.broker.cluster.keys import PartitionState
 from conveyor.broker.log.data_dir import Store
 from conveyor.broker.log.topic_log import TopicLog
 from conveyor.broker.server.replica import Replicas
@@ -47,6 +48,17 @@ class Following:
     leader: str
     address: str
     epoch: int
+
+
+def role_for(state: PartitionState | None, me: str) -> Role:
+    """What a partition record makes this node: its leader, one of its followers, or nothing.
+
+    An offline partition (no live in-sync replica) or one this node is not assigned
+    gives no role; a follower needs a leader to fetch from.
+    """
+    if state is None or state.offline or state.leader is None or me not in state.assignment:
+        return Role.NONE
+    return Role.LEADER if state.leader == me else Role.FOLLOWER
 
 
 class PartitionsHost(Protocol):
@@ -89,6 +101,40 @@ class Partitions:
         self.replicas = Replicas(host, node_id, wait_ms=fetch_wait_ms, clock=clock)
 
     # --- transitions ------------------------------------------------------------------------
+
+    def apply_state(
+        self,
+        topic: str,
+        partition: int,
+        state: PartitionState | None,
+        *,
+        min_insync: int,
+        addresses: Mapping[str, str],
+    ) -> Role:
+        """Take the role a partition record (a ``PartitionChanged``) gives this node; the role taken.
+
+        ``addresses``: each live node's advertised endpoint. The same record twice changes
+        nothing; a record of this node's own epoch with another ISR is the ISR written.
+        A follower whose leader has no known address yet stays as it is.
+        """
+        role = role_for(state, self.node_id)
+        if role is Role.LEADER and state is not None:
+            self.become_leader(
+                topic,
+                partition,
+                epoch=state.leader_epoch,
+                replicas=state.assignment,
+                isr=state.isr,
+                min_insync=min_insync,
+            )
+        elif role is Role.FOLLOWER and state is not None and state.leader is not None:
+            address = addresses.get(state.leader)
+            if address is None:
+                return self.role(topic, partition)
+            self.become_follower(topic, partition, leader=state.leader, address=address, epoch=state.leader_epoch)
+        else:
+            self.stop(topic, partition)
+        return role
 
     def become_leader(
         self,
@@ -136,6 +182,8 @@ class Partitions:
     def become_follower(self, topic: str, partition: int = 0, *, leader: str, address: str, epoch: int) -> None:
         """Follow ``leader`` (at ``address``) from ``epoch`` on; a leader stepping down fails its waiting confirms."""
         tp = (topic, partition)
+        if self.following.get(tp) == Following(leader, address, epoch):
+            return  # already so
         was = self.leading.pop(tp, None)
         self._log(topic)
         if was is not None:

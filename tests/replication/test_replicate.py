@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import zmq
 from conveyor.broker.client.producer import Producer
+from conveyor.broker.cluster.keys import PartitionState
 from conveyor.broker.server.partitions import Role
 from conveyor.broker.wire import commands
 from conveyor.broker.wire.protocol import Command, decode, error_from_header
@@ -176,3 +177,27 @@ def test_followers_that_sync_on_an_interval_report_their_durable_end_after_the_s
         for node in made.values():
             node.stop()
     assert made["b"].segments(TOPIC) == made["c"].segments(TOPIC) == made["a"].segments(TOPIC)
+
+
+def test_a_failover_driven_by_partition_records_keeps_every_confirmed_message(nodes: dict[str, Node]) -> None:
+    a, b, c = nodes["a"], nodes["b"], nodes["c"]
+    addresses = {name: node.address for name, node in nodes.items()}
+
+    def apply(node: Node, state: PartitionState) -> Role:
+        return node.on_loop(lambda: node.partitions.apply_state(TOPIC, 0, state, min_insync=2, addresses=addresses))
+
+    first = PartitionState(("a", "b", "c"), "a", 1, ("a", "b", "c"))
+    assert [apply(node, first) for node in (a, b, c)] == [Role.LEADER, Role.FOLLOWER, Role.FOLLOWER]
+    assert [f.result(timeout=60) for f in send(a.address, 1000)] == list(range(1000))
+    a.stop()  # the leader dies; the controller elects b from the ISR
+    second = PartitionState(("a", "b", "c"), "b", 2, ("b", "c"))
+    assert [apply(node, second) for node in (b, c)] == [Role.LEADER, Role.FOLLOWER]
+    assert [f.result(timeout=60) for f in send(b.address, 1000, 1000)] == list(range(1000, 2000))
+    a.start()  # back, behind: it follows the new leader and catches up
+    addresses["a"] = a.address
+    assert apply(a, second) is Role.FOLLOWER
+    wait_for(lambda: caught_up(a, 2000), message="the old leader caught up with the new one")
+    wait_for(lambda: "a" in b.on_loop(lambda: set(b.partitions.check_leader(TOPIC).isr)), message="a back in the ISR")
+    for node in nodes.values():
+        node.stop()
+    assert a.segments(TOPIC) == b.segments(TOPIC) == c.segments(TOPIC)

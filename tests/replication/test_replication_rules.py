@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import pytest
+from conveyor.broker.cluster.keys import PartitionState
 from conveyor.broker.log.epochs import LeaderEpochCache
+from conveyor.broker.server.partitions import Role, role_for
 from conveyor.broker.server.replication import (
     IsrChange,
     PartitionLeader,
@@ -208,3 +210,19 @@ def test_a_gone_follower_is_proposed_out_at_once() -> None:
     state, proposed = leader()
     state.follower_gone("c")
     assert proposed == [IsrChange("t", 0, 5, ("a", "b"), shrink=True)]
+
+
+# --- roles from a partition record -------------------------------------------------------------------
+
+
+def test_the_record_names_the_leader_its_followers_and_nobody_else() -> None:
+    state = PartitionState(("a", "b", "c"), "a", 4, ("a", "b"))
+    assert role_for(state, "a") is Role.LEADER
+    assert role_for(state, "b") is Role.FOLLOWER
+    assert role_for(state, "c") is Role.FOLLOWER  # out of the ISR, it fetches to get back in
+    assert role_for(state, "d") is Role.NONE
+
+
+def test_an_offline_or_deleted_partition_gives_no_role() -> None:
+    assert role_for(PartitionState(("a", "b"), None, 4, (), offline=True), "a") is Role.NONE
+    assert role_for(None, "a") is Role.NONE

@@ -31,7 +31,7 @@ from typing import Any
 
 from conveyor.broker.cluster import keys as k
 from conveyor.broker.cluster.controller import Controller, Deposed
-from conveyor.broker.cluster.etcd import Compare, Etcd, EtcdError, Lease, Op, Watch, WatchEvent
+from conveyor.broker.cluster.etcd import NOT_FOUND, Compare, Etcd, EtcdError, Lease, Op, Watch, WatchEvent
 from conveyor.broker.cluster.events import (
     ClusterEvent,
     ClusterSettings,
@@ -260,7 +260,14 @@ class ClusterAgent:
         record = NodeRecord(
             self.node_id, self.settings.advertise, self.settings.metrics, self.settings.version, self._started_ms
         )
-        self.etcd.put(self.keys.node(self.node_id), k.encode_node(record), lease=self.lease.id)
+        try:
+            self.etcd.put(self.keys.node(self.node_id), k.encode_node(record), lease=self.lease.id)
+        except EtcdError as exc:
+            if exc.fields.get("grpc_code") == NOT_FOUND:  # etcd dropped the lease before the keepalive said so
+                self._on_lease_lost(self.lease.id)
+                self.lease.close()
+                self.lease = None
+            raise
         self.etcd.put_if_absent(self.keys.meta, k.encode_meta())
         self.registered.set()
         if "load" not in self._pending_steps:

@@ -9,14 +9,17 @@ the partition record is what the new controller left.
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 from conveyor.broker.cluster import keys as k
 from conveyor.broker.cluster.controller import Controller, Deposed
-from conveyor.broker.cluster.etcd import Etcd
+from conveyor.broker.cluster.etcd import Etcd, WatchEvent
+from conveyor.broker.cluster.events import LeaseLost, TopicCreated
 from conveyor.broker.cluster.keys import Keys, NodeRecord, PartitionState, TopicPartition
 from conveyor.broker.cluster.view import ClusterView
 
-from tests.cluster.cluster_harness import Backend, backend_fixture, wait_for  # noqa: F401  (the fixture)
+from tests.cluster.cluster_harness import Backend, backend_fixture, started, wait_for  # noqa: F401  (the fixture)
 
 TP = TopicPartition("orders", 0)
 KEYS = Keys("test")
@@ -72,3 +75,49 @@ def test_a_cas_conflict_is_decided_again_from_the_record_etcd_returns(backend: B
     after = k.decode_partition("key", client.get(KEYS.partition(TP)).value)  # type: ignore[union-attr]
     assert after == PartitionState(("a", "b", "c"), "b", 5, ("b",))  # a was out of sync: b leads
     lease.revoke()
+
+
+def test_a_stalled_controller_agent_resumes_and_its_queued_event_is_fenced(
+    backend: Backend, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The spike's SIGSTOP case with agents: a node leaves while the controller is stopped, then its lease ends.
+
+    On resuming, the zombie handles the queued NODE_GONE before it sees its own
+    controller key go, so it acts as controller: the fence makes that write fail.
+    """
+    nodes = [backend.agent(n) for n in "abc"]
+    with started(nodes) as running:
+        for node in running:
+            wait_for(lambda node=node: len(node.agent.snapshot().nodes) == 3, what="3 nodes")
+        zombie = wait_for(lambda: next((n for n in running if n.agent.is_controller), None), what="a controller")
+        request_id = zombie.agent.create_topic("orders")
+        wait_for(lambda: any(e.request_id == request_id for e in zombie.of(TopicCreated)), what="the topic")
+        wait_for(lambda: zombie.agent.snapshot().partitions.get(TP), what="the partition")
+        victim, heir = (n for n in running if n is not zombie)
+
+        gate = threading.Event()
+        handle = zombie.agent._on_watch
+
+        def stalled(event: WatchEvent) -> None:
+            gate.wait(60)
+            handle(event)
+
+        zombie.agent._on_watch = stalled  # type: ignore[method-assign]  # SIGSTOP
+        writes = zombie.agent.controller.writes
+        victim.agent.close()  # a node leaves: its NODE_GONE queues up for the stopped controller
+        wait_for(lambda: victim.agent.node_id not in heir.agent.snapshot().nodes, what="the victim's key to go")
+        assert zombie.agent.lease is not None
+        zombie.agent.lease.close()  # the stopped keepalive: the lease runs out and the controller key goes
+        wait_for(lambda: heir.agent.is_controller, what="the heir to take over")
+        settled = wait_for(
+            lambda: (s := heir.agent.snapshot().partitions.get(TP)) and s.isr == (heir.agent.node_id,) and s,
+            what="the new controller's repair",
+        )
+        assert settled.leader == heir.agent.node_id
+
+        gate.set()  # SIGCONT
+        wait_for(lambda: not zombie.agent.is_controller and zombie.of(LeaseLost), what="the zombie to stand down")
+        wait_for(lambda: "controller epoch" in caplog.text, what="the fenced write")
+        assert zombie.agent.controller.writes == writes
+        assert heir.agent.snapshot().partitions[TP] == settled
+        wait_for(lambda: zombie.agent.node_id in heir.agent.snapshot().nodes, what="the zombie registered again")

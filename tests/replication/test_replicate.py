@@ -201,3 +201,19 @@ def test_a_failover_driven_by_partition_records_keeps_every_confirmed_message(no
     for node in nodes.values():
         node.stop()
     assert a.segments(TOPIC) == b.segments(TOPIC) == c.segments(TOPIC)
+
+
+def test_a_resend_to_the_new_leader_is_answered_with_the_offsets_the_old_leader_gave(nodes: dict[str, Node]) -> None:
+    a, b = nodes["a"], nodes["b"]
+    lead(a, TOPIC, epoch=1, replicas=["a", "b"], isr=["a", "b"], min_insync=2)
+    follow(b, TOPIC, a, epoch=1)
+    body = batch(b"one", b"two", b"three")
+    first = request(a.address, commands.publish(TOPIC, body, pid=77, seq=0, rid=1))
+    assert first.command is Command.PUBLISHED and first.get("base_offset") == 0
+    request(a.address, commands.publish(TOPIC, batch(b"four"), pid=77, seq=1, rid=2))
+    a.stop()
+    lead(b, TOPIC, epoch=2, replicas=["a", "b"], isr=["b"], min_insync=1)
+    again = request(b.address, commands.publish(TOPIC, body, pid=77, seq=0, rid=3))
+    assert again.command is Command.PUBLISHED
+    assert (again.get("base_offset"), again.get("duplicate")) == (0, True)
+    assert b.log_offsets(TOPIC) == (4, 4)

@@ -188,3 +188,25 @@ def test_a_leader_killed_with_9_is_replaced_from_the_isr(
     total, reaction = kill_the_leader(raw, observer, processes)
     print(f"failover: kill -9 -> new record {total:.2f} s; key DELETE -> new record {reaction * 1000:.0f} ms")
     wait_for(lambda: len(raw.get_prefix(KEYS.nodes)[0]) == 2, what="2 nodes")
+
+
+def test_a_key_left_by_a_previous_run_is_taken_over(backend: Backend) -> None:
+    raw = backend.client()
+    old_lease = raw.grant(600)  # the previous run's lease, still alive for minutes
+    raw.put(KEYS.node("a"), b'{"advertise": "tcp://old:1"}', lease=old_lease)
+    with started([make(backend, "a", lease_ms=1000)]) as (node,):
+        wait_for(lambda: node.agent.registered.is_set(), what="registered")
+        kv = raw.get(KEYS.node("a"))
+        assert kv is not None and node.agent.lease is not None
+        assert kv.lease == node.agent.lease.id and b"old" not in kv.value
+    # closed without revoking: the key goes with the new lease's short TTL, not the old one's
+    wait_for(lambda: raw.get(KEYS.node("a")) is None, what="the key to go after the new lease's TTL")
+
+
+def test_a_create_asked_before_any_controller_is_done_by_the_first_one(backend: Backend) -> None:
+    raw = backend.client()
+    raw.put(KEYS.create_request("orders"), k.encode_create(CreateRequest("someone", 1)))
+    with started([make(backend, "a")]) as (node,):
+        state = wait_for(lambda: state_on(node), what="the partition")
+        assert state == PartitionState(("a",), "a", 1, ("a",))
+        wait_for(lambda: raw.get(KEYS.create_request("orders")) is None, what="the request consumed")

@@ -12,20 +12,29 @@ Reading is in ``broker_reader``, writing in ``broker_publisher``.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
 import zmq
+from conveyor.broker.client.metadata import Metadata
 from conveyor.broker.net.connection import DEFAULT_HWM
 from conveyor.broker.net.requester import FramesFor, Requester
 from conveyor.broker.net.security import ClientKeys
 from conveyor.broker.wire import commands
 from conveyor.broker.wire.entry import entries_from_wire
+from conveyor.broker.wire.protocol import Frame
 
 from conveyor.errors import (
     AuthFailed,
+    BrokerUnavailable,
     ConveyorError,
+    FencedLeaderEpoch,
+    NotEnoughReplicas,
+    NotLeader,
+    UnknownLeaderEpoch,
+    UnknownTopic,
 )
 
 __all__ = [
@@ -66,20 +75,27 @@ class Connection(Requester):
     more: ZeroMQ does not quietly re-establish it, so when the broker dies,
     everything sent after the loss fails too, instead of reaching the
     restarted broker ahead of the lost messages. The publisher needs that.
+
+    ``address`` may be a bootstrap list (``tcp://a:5555,tcp://b:5555``): the
+    connection then goes to ``topic``'s leader, and each reconnect goes to
+    the leader of the moment (``conveyor.broker.client.metadata``).
     """
 
     def __init__(
         self,
-        address: str,
+        address: str | Sequence[str],
         *,
+        topic: str | None = None,
         request_timeout: float = 10.0,
         retry_for: float = 120.0,
         auto_reconnect: bool = True,
         keys: ClientKeys | None = None,
         context: zmq.Context[Any] | None = None,
     ) -> None:
+        self.topic = topic
+        self.metadata = Metadata(address, context=context, keys=keys, timeout=request_timeout)
         super().__init__(
-            address,
+            self._leader(),
             context=context,
             keys=keys,
             timeout=request_timeout,
@@ -91,6 +107,36 @@ class Connection(Requester):
     @property
     def request_timeout(self) -> float:
         return self.timeout
+
+    def _leader(self) -> str:
+        """The topic's leader (any broker without a topic); with one address, that address."""
+        try:
+            return self.metadata.leader_for(self.topic) if self.topic else self.metadata.any_address()
+        except ConveyorError as exc:
+            if not exc.retriable:
+                raise
+            return self.metadata.any_address()  # no broker can say now: the retry asks again
+
+    def note(self, error: ConveyorError | None) -> None:
+        """What the last failure says about the leader (None: no answer in time); the next reconnect follows it."""
+        if error is None or isinstance(error, BrokerUnavailable):
+            self.metadata.lost(self.address)
+        elif isinstance(error, NotLeader) and self.topic:
+            self.metadata.not_leader(self.topic, 0, error)
+        elif isinstance(error, NotEnoughReplicas | FencedLeaderEpoch | UnknownLeaderEpoch | UnknownTopic):
+            self.metadata.stale(self.topic)
+
+    def wait_for(self, rid: int, timeout: float | None = None) -> Frame:
+        try:
+            return super().wait_for(rid, timeout)
+        except ConveyorError as exc:
+            self.note(exc)
+            raise
+
+    def reconnect(self) -> None:
+        """A fresh socket to the topic's leader of the moment."""
+        self.address = self._leader()
+        super().reconnect()
 
     def refusal(self, refused: AuthFailed) -> AuthFailed:
         return AuthFailed(

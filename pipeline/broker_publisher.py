@@ -120,6 +120,7 @@ class BatchPublisher:
             raise ValueError("max_in_flight must be 1..4 (half the broker's window of 8 sequences)")
         self.conn = Connection(
             self.address,
+            topic=self.topic,
             request_timeout=self.request_timeout,
             retry_for=self.delivery_timeout,
             auto_reconnect=False,
@@ -200,6 +201,7 @@ class BatchPublisher:
         oldest = min(f.sent_at for f in self._flights.values())
         reply = self.conn.receive(max(0.001, oldest + self.request_timeout - now))
         if reply is None:
+            self.conn.note(None)
             self._connection_lost()  # no answer in time: the broker may be gone
             return
         flight = self._flights.get(reply.get("rid"))
@@ -234,6 +236,7 @@ class BatchPublisher:
                 topic=self.topic,
             )
         if exc.retriable:
+            self.conn.note(exc)  # NOT_LEADER and the like: the fresh connection goes to the leader of the moment
             self._connection_lost()  # later batches may be refused too: resend them all, in order
             return
         raise exc
@@ -250,7 +253,11 @@ class BatchPublisher:
 
     def _verify(self, flight: _Flight, base: int) -> None:
         with Connection(
-            self.address, request_timeout=self.request_timeout, retry_for=self.delivery_timeout, keys=self.keys
+            self.address,
+            topic=self.topic,
+            request_timeout=self.request_timeout,
+            retry_for=self.delivery_timeout,
+            keys=self.keys,
         ) as conn:
             entries, bodies, _, _ = next(iter(fetch_range(conn, self.topic, base, base + flight.count)))
         stored = [bytes(body) for entry, body in zip(entries, bodies, strict=False) if entry.base_offset == base]

@@ -119,7 +119,11 @@ def resolve(conn: Connection, opts: ReadOptions, position: StartPosition, bounds
 def _connect(opts: ReadOptions) -> Connection:
     """A connection with the reader's options (its CURVE keys travel with it to the executors)."""
     return Connection(
-        opts.broker, request_timeout=opts.request_timeout, retry_for=opts.broker_timeout, keys=opts.client_keys()
+        opts.broker,
+        topic=opts.topic,
+        request_timeout=opts.request_timeout,
+        retry_for=opts.broker_timeout,
+        keys=opts.client_keys(),
     )
 
 

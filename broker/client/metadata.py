@@ -23,6 +23,7 @@ sockets.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -238,7 +239,10 @@ class Metadata:
         return address
 
     def any_address(self) -> str:
-        """A broker for requests any node answers: the last one that answered, else the first bootstrap."""
+        """A broker for requests any node answers: the one that answered last (asking the list when none has yet)."""
+        if (self.view is None or self._stale) and not self.single:
+            with contextlib.suppress(BrokerUnavailable):
+                self.refresh()
         if self.view is not None and self.view.source not in self._dead:
             return self.view.source
         return self._order()[0]

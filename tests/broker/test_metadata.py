@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import subprocess
+import sys
 import time
 
 from conveyor.broker.client.async_producer import AsyncProducer
@@ -116,3 +118,14 @@ def test_an_async_producer_given_a_dead_broker_first_uses_the_live_one(conveyor_
             return [await producer.send_and_wait("async-listed", f"m{i}".encode()) for i in range(3)]
 
     assert asyncio.run(asyncio.wait_for(run(), 60)) == [0, 1, 2]
+
+
+def test_conveyor_tail_takes_a_bootstrap_list(conveyor_broker):
+    with Producer(conveyor_broker.address) as producer:
+        for i in range(2):
+            producer.send("tailed", f"m{i}".encode()).result(timeout=30)
+    bootstrap = f"{free_address()},{conveyor_broker.address}"
+    tail = [sys.executable, "-m", "conveyor", "tail", "--broker", bootstrap, "tailed", "--from", "earliest"]
+    done = subprocess.run([*tail, "--count", "2"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["0", "m0", "1", "m1"]  # offset and value

@@ -17,6 +17,7 @@ from conveyor.pipeline.options import OptionError, ReadOptions, WriteOptions, pa
 from conveyor.pipeline.source import split_range
 
 from conveyor import Producer
+from tests.helpers import free_address
 
 pytestmark = pytest.mark.spark
 
@@ -136,3 +137,16 @@ def test_a_retry_that_brings_other_records_fails_loudly(conveyor_broker):
             pub.publish(body, count)
         pub.flush()
     assert len(read_values(conveyor_broker.address, "changed")) == 300
+
+
+def test_the_publisher_and_reader_given_a_dead_broker_first_use_the_live_one(conveyor_broker):
+    # Given a bootstrap list whose first address nobody listens on
+    bootstrap = f"{free_address()},{conveyor_broker.address}"
+    # When a publisher writes and a connection reads through it
+    with BatchPublisher(bootstrap, "listed", producer_id_for("listed", 1)) as pub:
+        for body, count in batches(3):
+            pub.publish(body, count)
+        stats = pub.flush()
+    # Then everything went to the live broker, and reads back through the list
+    assert stats.written == 300
+    assert read_values(bootstrap, "listed") == [b"v%06d" % i for i in range(300)]

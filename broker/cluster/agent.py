@@ -177,12 +177,16 @@ class ClusterAgent:
         )
 
     def propose_isr(
-        self, tp: TopicPartition, isr: tuple[str, ...], leader_epoch: int, expected_mod_revision: int
+        self, tp: TopicPartition, isr: tuple[str, ...], leader_epoch: int, expected_mod_revision: int | None = None
     ) -> int:
         """CAS a new ISR on ``tp`` as its leader at ``leader_epoch``; answered by ``IsrAnswer``.
 
-        The record must still be the one at ``expected_mod_revision`` (from the
-        last ``PartitionChanged``) and name this node leader at that epoch.
+        The record must name this node leader at that epoch and still be the one
+        at ``expected_mod_revision`` (from the last ``PartitionChanged``). With
+        ``None`` it is the agent's current record: simpler for the caller, but a
+        change the loop has not seen yet (the controller dropping a gone follower)
+        is then overwritten by this ISR, which can only hold HW back until the
+        leader shrinks again, never lose a confirmed batch.
         """
         return self._request(
             "isr", tp=tp, nodes=tuple(isr), leader_epoch=leader_epoch, mod_revision=expected_mod_revision
@@ -477,7 +481,7 @@ class ClusterAgent:
                 )
             )
             return
-        if mod != request.mod_revision:
+        if request.mod_revision is not None and mod != request.mod_revision:
             self._emit(IsrAnswer(request.request_id, tp, False, state, mod))
             return
         wanted = replace(state, isr=tuple(n for n in state.assignment if n in set(request.nodes)))

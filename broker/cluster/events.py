@@ -152,5 +152,5 @@ class Request:
     settings: Mapping[str, object] = field(default_factory=dict)
     nodes: tuple[str, ...] = ()
     leader_epoch: int = 0
-    mod_revision: int = 0
+    mod_revision: int | None = None
     successors: Mapping[TopicPartition, str] = field(default_factory=dict)

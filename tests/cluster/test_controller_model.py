@@ -146,6 +146,9 @@ def test_isr_proposals_are_a_cas_by_the_leader_at_its_epoch(backend: Backend) ->
         follower_id = follower.agent.propose_isr(TP, state.isr, 1, won.mod_revision)
         not_leader = wait_for(lambda: next((e for e in follower.of(IsrAnswer) if e.request_id == follower_id), None))
         assert not not_leader.ok and not_leader.error is not None
+        wait_for(lambda: leader.agent.snapshot().partition_revisions[TP] == won.mod_revision, what="the view")
+        back = answer(leader.agent.propose_isr(TP, state.isr, 1))  # on the agent's current record
+        assert back.ok and back.state is not None and back.state.isr == state.isr
 
 
 def test_controlled_shutdown_moves_leadership_before_the_key_goes(backend: Backend) -> None:

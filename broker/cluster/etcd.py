@@ -446,7 +446,8 @@ class Etcd:
 
     def lease(self, ttl_seconds: int, *, on_lost: Callable[[], None]) -> Lease:
         """Grant a lease and keep it alive on its own thread until ``close()``, ``revoke()`` or loss."""
-        lease = Lease(self, self.grant(ttl_seconds), ttl_seconds, on_lost)
+        asked = time.monotonic()  # etcd counts the TTL from the grant, so the first deadline does too
+        lease = Lease(self, self.grant(ttl_seconds), ttl_seconds, on_lost, granted=asked)
         self._children.append(lease)
         lease.start()
         return lease
@@ -511,11 +512,14 @@ class Lease:
     is set: the owner revokes it and grants a new one.
     """
 
-    def __init__(self, etcd: Etcd, lease_id: int, ttl: int, on_lost: Callable[[], None]) -> None:
+    def __init__(
+        self, etcd: Etcd, lease_id: int, ttl: int, on_lost: Callable[[], None], *, granted: float | None = None
+    ) -> None:
         self.id = lease_id
         self.ttl = ttl
         self.lost = threading.Event()
-        self.last_refresh = time.monotonic()  # when the last successful refresh was sent
+        # When the last successful refresh (or the grant) was sent: etcd's deadline is at most a TTL after it.
+        self.last_refresh = time.monotonic() if granted is None else granted
         self.refreshes = 0
         self._etcd = etcd
         self._on_lost = on_lost

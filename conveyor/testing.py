@@ -3,7 +3,8 @@
 ``BrokerProcess`` (from ``conveyor.broker_process``) starts ``python -m conveyor``
 on a free loopback port and can stop, kill and restart it; it needs no pytest, so
 benchmarks use it too. ``EtcdProcess`` (from ``conveyor.etcd_process``) does the same for
-a one-member etcd, for the tests of replicated topics. The fixtures ``conveyor_broker`` and ``conveyor_broker_factory``
+a one-member etcd, and ``ClusterProcess`` (``conveyor.cluster_process``) for etcd plus N brokers
+in cluster mode, for the tests of replicated topics. The fixtures ``conveyor_broker`` and ``conveyor_broker_factory``
 are defined in ``conveyor.pytest_plugin``, which pytest loads by itself; importing them
 from here (in a conftest.py, or with plugin autoloading off) loads pytest on first use.
 """
@@ -13,10 +14,11 @@ from __future__ import annotations
 from typing import Any
 
 from conveyor.broker_process import BrokerProcess, scrape_metric
+from conveyor.cluster_process import ClusterProcess
 from conveyor.etcd_process import EtcdProcess
 
 FIXTURES = ("conveyor_broker", "conveyor_broker_factory", "conveyor_etcd")
-__all__ = ["BrokerProcess", "EtcdProcess", "scrape_metric", *FIXTURES]
+__all__ = ["BrokerProcess", "ClusterProcess", "EtcdProcess", "scrape_metric", *FIXTURES]
 
 
 def __getattr__(name: str) -> Any:

@@ -330,6 +330,12 @@ def _topics_setup(parser: argparse.ArgumentParser) -> None:
         + ", ".join(f"{name} ({setting.help})" for name, setting in TOPIC_SETTINGS.items())
         + "; sizes take KB/MB/GB or KiB/MiB/GiB, durations ms/s/m/h/d/w",
     )
+    parser.add_argument(
+        "--replication-factor", type=int, metavar="N", help="create, in a cluster: replicas (default min(3, nodes))"
+    )
+    parser.add_argument(
+        "--min-insync-replicas", type=int, metavar="N", help="create, in a cluster: in-sync replicas a publish needs"
+    )
     parser.add_argument("--format", choices=["table", "json"], default="table")
 
 
@@ -347,6 +353,9 @@ def cmd_topics(args: argparse.Namespace) -> int:
             config = dict(_pair(s) for s in args.set)  # sent as typed: the broker's settings table parses them
             check_topic_settings({k: v for k, v in config.items() if k != "storage"})  # the same table, no broker
             if args.action == "create":
+                for name in ("replication_factor", "min_insync_replicas"):
+                    if getattr(args, name) is not None:
+                        config[name] = getattr(args, name)  # a cluster's controller reads them; one node refuses
                 result = admin.create_topic(args.name, **config)
             elif args.action == "alter":
                 if not config:

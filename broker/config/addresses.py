@@ -120,3 +120,31 @@ def broker_address(address: str | None = None) -> str:
         return check_address(from_env)
     except ConfigError as exc:
         raise ConfigError(f"{BROKER_ENV}: {exc.message}", address=from_env, variable=BROKER_ENV) from None
+
+
+_ETCD_MEMBER = re.compile(r"^(?P<host>[A-Za-z0-9._-]+|\[[0-9A-Fa-f:]+\]):(?P<port>[0-9]{1,5})$")
+
+
+def cluster_url(value: Any) -> str:
+    """``etcd://HOST:PORT[,HOST:PORT…]`` (the etcd members a cluster node talks to), or empty: single node."""
+    url = text(value)
+    if url:
+        etcd_members(url)
+    return url
+
+
+def etcd_members(url: str) -> list[str]:
+    """The ``HOST:PORT`` of each etcd member named by ``etcd://a:2379,b:2379``, in order."""
+    scheme, sep, rest = url.partition("://")
+    if not sep or scheme != "etcd" or not rest:
+        raise ValueError(
+            f"{url!r} is not an etcd address: use etcd://HOST:PORT[,HOST:PORT...] (like etcd://127.0.0.1:2379)"
+        )
+    members = [member.strip() for member in rest.split(",") if member.strip()]
+    for member in members:
+        match = _ETCD_MEMBER.match(member)
+        if not match or not 1 <= int(match.group("port")) <= 65535:
+            raise ValueError(f"{member!r} in {url!r} is not HOST:PORT with a port 1-65535")
+    if not members:
+        raise ValueError(f"{url!r} names no etcd member")
+    return members

@@ -8,12 +8,13 @@ when it is built in Python: one set of rules for both.
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, fields
 from typing import Any
 
 from conveyor.broker.config import units
-from conveyor.broker.config.addresses import bind_endpoint, optional_endpoint, optional_url
+from conveyor.broker.config.addresses import bind_endpoint, cluster_url, optional_endpoint, optional_url
 from conveyor.broker.config.fsync import FsyncPolicy
 from conveyor.broker.config.options import INT32_MAX, Option, nonempty, text
 from conveyor.broker.config.topic_settings import TOPIC_SETTINGS
@@ -66,6 +67,19 @@ class BrokerSettings:
     registry: str = ""
     node: str = ""
     registry_poll_ms: int = 5000
+    cluster: str = ""
+    cluster_name: str = "default"
+    node_id: str = ""
+    advertise: str = ""
+    cluster_lease_ms: int = 2000
+    replica_lag_max_ms: int = 10_000
+    default_replication_factor: int = 3
+    min_insync_replicas: int = 2
+    etcd_ca: str = ""
+    etcd_cert: str = ""
+    etcd_key: str = ""
+    etcd_user: str = ""
+    etcd_password_file: str = ""
 
     def __post_init__(self) -> None:
         """The same rules as the command line: a broker built in Python cannot hold a value the CLI refuses."""
@@ -86,8 +100,42 @@ class BrokerSettings:
                 f"--mirror {self.mirror!r} needs a parent to mirror from: give --upstream tcp://HOST:PORT "
                 "(or --registry); without one nothing would be mirrored"
             )
+        if not problems:
+            problems.extend(cluster_problems(self))
         if problems:
             raise ConfigError("\n".join(problems), problems=problems)
+
+
+def cluster_problems(settings: BrokerSettings) -> list[str]:
+    """What a cluster node needs besides ``--cluster``: checked at start, before anything is opened."""
+    if not settings.cluster:
+        named = [f"--{name.replace('_', '-')}" for name in CLUSTER_ONLY if getattr(settings, name)]
+        return (
+            [f"{', '.join(named)} {'applies' if len(named) == 1 else 'apply'} only with --cluster etcd://HOST:PORT"]
+            if named
+            else []
+        )
+    problems = []
+    if not settings.node_id:
+        problems.append("--cluster needs --node-id NAME: the name this node registers under in etcd")
+    advertised = settings.advertise or settings.bind
+    host = advertised.removeprefix("tcp://").rpartition(":")[0]
+    if not advertised.startswith("tcp://") or advertised.endswith(":*") or host in ("*", "0.0.0.0", "[::]"):
+        problems.append(
+            f"--advertise is needed: other nodes and clients cannot connect to {advertised!r}; "
+            "give the tcp://HOST:PORT they reach this node at"
+        )
+    if settings.min_insync_replicas > settings.default_replication_factor:
+        problems.append(
+            f"--min-insync-replicas {settings.min_insync_replicas} is above "
+            f"--default-replication-factor {settings.default_replication_factor}: no publish could be confirmed"
+        )
+    if bool(settings.etcd_cert) != bool(settings.etcd_key):
+        problems.append("--etcd-cert and --etcd-key go together (the client certificate and its key)")
+    return problems
+
+
+CLUSTER_ONLY = ("node_id", "advertise", "etcd_ca", "etcd_cert", "etcd_key", "etcd_user", "etcd_password_file")
 
 
 HELP = {
@@ -132,6 +180,19 @@ HELP = {
     "registry": "URL of a topology registry that names this node's parent (instead of --upstream)",
     "node": "this node's name in the registry",
     "registry_poll_ms": "how often the registry is read",
+    "cluster": "etcd members of the cluster to join (etcd://HOST:PORT[,HOST:PORT...]); empty: a single node",
+    "cluster_name": "the cluster's name: its keys in etcd live under /conveyor/NAME/",
+    "node_id": "this node's id in the cluster (needed with --cluster)",
+    "advertise": "the tcp://HOST:PORT other nodes and clients reach this node at (default: --bind)",
+    "cluster_lease_ms": "this node's lease in etcd (whole seconds): a node silent this long is failed over",
+    "replica_lag_max_ms": "a follower not caught up for this long leaves the in-sync set",
+    "default_replication_factor": "replicas of a new topic (capped at the number of live nodes)",
+    "min_insync_replicas": "default in-sync replicas a publish needs to be confirmed (capped at the replicas)",
+    "etcd_ca": "CA bundle that signed etcd's certificate (https to etcd)",
+    "etcd_cert": "client certificate for etcd (with --etcd-key)",
+    "etcd_key": "client certificate key for etcd",
+    "etcd_user": "etcd user (with --etcd-password-file)",
+    "etcd_password_file": "file holding the etcd user's password",
 }
 
 
@@ -148,6 +209,18 @@ def topic_default(name: str) -> Callable[[Any], Any]:
         return setting.check(value)
 
     return check
+
+
+def name_part(value: Any) -> str:
+    """A node id or cluster name: it becomes one segment of an etcd key, so no ``/`` and no spaces."""
+    name = text(value)
+    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}", name):
+        raise ValueError(f"{name!r}: use 1-100 letters, digits, '.', '_' or '-' (it names a key in etcd)")
+    return name
+
+
+def optional_name_part(value: Any) -> str:
+    return "" if text(value) == "" else name_part(value)
 
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
@@ -188,6 +261,14 @@ RULES: dict[str, dict[str, Any]] = {
     "mirror_unreachable_after_ms": {"minimum": 1},
     "registry": {"type": optional_url},
     "registry_poll_ms": {"minimum": 1},
+    "cluster": {"type": cluster_url},
+    "cluster_name": {"type": name_part},
+    "node_id": {"type": optional_name_part},
+    "advertise": {"type": optional_endpoint},
+    "cluster_lease_ms": {"minimum": 1000, "maximum": 3_600_000},
+    "replica_lag_max_ms": {"minimum": 1},
+    "default_replication_factor": {"minimum": 1, "maximum": 255},
+    "min_insync_replicas": {"minimum": 1, "maximum": 255},
 }
 
 

@@ -22,7 +22,7 @@ import signal
 import socket
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import zmq
 from conveyor.broker.config.broker_settings import BrokerSettings
@@ -59,6 +59,10 @@ from conveyor.monitoring.metrics import BrokerMetrics, HealthCollector, NullMetr
 from prometheus_client import CollectorRegistry
 
 from conveyor.errors import ConveyorError, InvalidRequest, TooManyOpenFiles
+from conveyor.version import __version__
+
+if TYPE_CHECKING:
+    from conveyor.broker.server.cluster_node import ClusterNode
 
 log = logging.getLogger("conveyor.broker")
 
@@ -135,6 +139,7 @@ class Broker:
         self.poller = zmq.Poller()
         self.mirror: Mirror | None = None
         self.partitions: Partitions | None = None  # this node's replicated partitions (cluster mode only)
+        self.cluster: ClusterNode | None = None  # the etcd side of cluster mode (--cluster)
         self._next_partitions_tick: float | None = None
         self._soon: collections.deque[Callable[[], None]] = collections.deque()
         self.registry_watch: RegistryWatch | None = None
@@ -170,6 +175,8 @@ class Broker:
         self.socket, self.security = bind_router(self.ctx, self.settings, self.metrics)
         self.endpoint = self.socket.getsockopt_string(zmq.LAST_ENDPOINT)
         self.mirror, self.registry_watch = open_mirror(self.settings, self, self.stop_wake)
+        if self.settings.cluster:
+            self.cluster = self._join_cluster()
         if self.settings.metrics_port >= 0:
             self.metrics_server = MetricsServer(
                 self.registry,
@@ -180,6 +187,15 @@ class Broker:
                 ready=lambda: broker_ready(self),
             ).start()
         return self.endpoint
+
+    def _join_cluster(self) -> ClusterNode:
+        """Cluster mode: roles come from etcd through the agent, and METADATA answers from its view."""
+        from conveyor.broker.server.cluster_node import ClusterNode
+
+        partitions = self.replicate(self.settings.node_id, lag_max_ms=self.settings.replica_lag_max_ms)
+        node = ClusterNode(self, partitions, self.settings, version=__version__)
+        self.metadata = node
+        return node
 
     def replicate(self, node_id: str, **options: Any) -> Partitions:
         """Take part in replication as ``node_id``: roles are then set through the returned ``Partitions``.
@@ -228,6 +244,8 @@ class Broker:
             ready(self)
         if self.mirror is not None and self.mirror.settings.upstream:
             self._next_mirror_tick = self.clock()
+        if self.cluster is not None:
+            self.cluster.start()
         try:
             while self.running:
                 events = dict(poller.poll(self._poll_timeout_ms()))
@@ -243,6 +261,9 @@ class Broker:
                 if self.mirror is not None:
                     with self.containment.guard("mirror"):
                         self._mirror_pass(events)
+                if self.cluster is not None:
+                    with self.containment.guard("cluster"):
+                        self.cluster.pump()
                 if self.partitions is not None:
                     with self.containment.guard("replication"):
                         self._replication_pass(events)
@@ -551,8 +572,18 @@ class Broker:
         self.fetches.fetch(peer, frame)
 
     def _on_admin(self, peer: bytes, frame: Frame) -> None:
-        result = admin.run(self, hfield(frame, "op", str), frame.header)
-        self._send(peer, commands.result(frame.get("rid"), result))
+        op, rid = hfield(frame, "op", str), frame.get("rid")
+        if self.cluster is not None and self.cluster.handles(op):
+            self.cluster.admin(op, frame.header, lambda answer: self._admin_answer(peer, rid, answer))
+            return
+        self._send(peer, commands.result(rid, admin.run(self, op, frame.header)))
+
+    def _admin_answer(self, peer: bytes, rid: Any, answer: Any) -> None:
+        """An ADMIN answered later (the controller created the topic): a result, or the error."""
+        if isinstance(answer, ConveyorError):
+            self._reply_error(peer, answer, rid)
+        else:
+            self._send(peer, commands.result(rid, answer))
 
     def _on_metadata(self, peer: bytes, frame: Frame) -> None:
         view = self.metadata.metadata(hfield(frame, "topics", list, None))
@@ -655,6 +686,8 @@ class Broker:
                 self.mirror.close()
             if self.partitions is not None:
                 self.partitions.close()
+            if self.cluster is not None:
+                self.cluster.close()
             if self.registry_watch is not None:
                 self.registry_watch.stop()
             self.socket.close(linger=500)

@@ -98,6 +98,7 @@ class Partitions:
         self.clock = clock
         self.leading: dict[TopicPartition, PartitionLeader] = {}
         self.following: dict[TopicPartition, Following] = {}
+        self.on_unknown: Callable[[str], None] = lambda topic: None
         self.replicas = Replicas(host, node_id, wait_ms=fetch_wait_ms, clock=clock)
 
     # --- transitions ------------------------------------------------------------------------
@@ -250,6 +251,8 @@ class Partitions:
         """This node's leadership of the partition, or ``NOT_LEADER`` naming the leader it knows."""
         leader = self.leading.get((topic, partition))
         if leader is None:
+            if (topic, partition) not in self.following:
+                self.on_unknown(topic)  # a topic the cluster may not know yet: cluster mode asks for it
             raise self.not_leader(topic, partition)
         return leader
 
@@ -280,38 +283,6 @@ class Partitions:
             return leader.hw
         followed = self.replicas.followed(topic, partition)
         return followed.hw if followed is not None else 0
-
-    def successors(self) -> dict[TopicPartition, str]:
-        """For each led partition, a follower that holds its whole log durably (controlled shutdown)."""
-        found: dict[TopicPartition, str] = {}
-        for tp, leader in self.leading.items():
-            node = leader.successor(self.host.store.topic(tp[0]).end_offset)
-            if node is not None:
-                found[tp] = node
-        return found
-
-    def describe(self, topic: str, partition: int = 0) -> dict[str, object]:
-        """This node's view of a partition's replication (role, epoch, ISR, HW, followers or leader)."""
-        tp = (topic, partition)
-        log_ = self.host.store.logs.get(topic)
-        end = log_.end_offset if log_ is not None else 0
-        leader = self.leading.get(tp)
-        if leader is not None:
-            return leader.describe(end)
-        following = self.following.get(tp)
-        followed = self.replicas.followed(topic, partition)
-        if following is None or followed is None:
-            return {"role": "none"}
-        return {
-            "role": "follower",
-            "leader": following.leader,
-            "leader_addr": following.address,
-            "leader_epoch": following.epoch,
-            "high_watermark": followed.hw,
-            "end_offset": end,
-            "durable_offset": log_.durable_offset if log_ is not None else 0,
-            "truncations": followed.truncations,
-        }
 
     # --- the loop's hooks -------------------------------------------------------------------------
 

@@ -74,8 +74,14 @@ LAYERS: dict[str, set[str]] = {
     },
     "conveyor.broker_process": set(),
     "conveyor.etcd_process": set(),
+    "conveyor.cluster_process": {"conveyor.broker_process", "conveyor.etcd_process"},
     "conveyor.pytest_plugin": {"conveyor.broker_process", "conveyor.etcd_process"},
-    "conveyor.testing": {"conveyor.broker_process", "conveyor.etcd_process", "conveyor.pytest_plugin"},  # hands out all
+    "conveyor.testing": {
+        "conveyor.broker_process",
+        "conveyor.cluster_process",
+        "conveyor.etcd_process",
+        "conveyor.pytest_plugin",
+    },  # hands out all
     "conveyor.broker.cli": {"*", "conveyor.benchmarks"},  # the top: `conveyor bench` runs the benchmarks
     "conveyor.benchmarks": {"*"},
     "conveyor.broker": set(),  # the package's own __init__

@@ -1,0 +1,252 @@
+"""Cluster mode: what etcd says drives this node's roles, and the roles' requests go back to etcd.
+
+The ``ClusterAgent`` (``broker/cluster/agent.py``) runs on its own thread and
+queues what changed; once per loop pass ``ClusterNode.pump`` applies it on the
+loop's thread: a partition record naming this node leader makes it lead at
+that epoch, one naming another leader makes it follow (``Partitions``), and
+the in-sync set a leader wants written goes to the agent as a CAS whose
+answer comes back as an event. The loop never waits for etcd.
+
+Auto-created topics (a PUBLISH or SUBSCRIBE to a topic the cluster does not
+know) go to the controller like ``conveyor topics create``: the request is
+answered NOT_LEADER (retriable, no leader yet) and the client asks METADATA
+again until the partition has a leader.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Protocol
+
+from conveyor.broker.cluster.agent import ClusterAgent
+from conveyor.broker.cluster.events import (
+    ClusterEvent,
+    ClusterSettings,
+    ControllerChanged,
+    LeaseLost,
+    PartitionChanged,
+    Registered,
+    TopicChanged,
+    TopicCreated,
+)
+from conveyor.broker.cluster.keys import TopicConfigRecord
+from conveyor.broker.config.addresses import etcd_members
+from conveyor.broker.config.broker_settings import BrokerSettings
+from conveyor.broker.log.data_dir import Store, check_name
+from conveyor.broker.server.cluster_roles import ClusterRoles
+from conveyor.broker.server.metadata import ClusterMetadata, PartitionMetadata
+from conveyor.broker.server.partitions import Partitions
+
+from conveyor.errors import ConfigError, InvalidRequest, TopicExists
+
+CLUSTER_ADMIN = {
+    "create_topic": "",
+    "delete_topic": "delete it on every node with the cluster stopped, or wait for cluster topic deletion",
+    "alter_topic": "topic settings are fixed at creation in a cluster for now",
+}
+
+log = logging.getLogger("conveyor.cluster")
+
+
+class ClusterHost(Protocol):
+    """What the cluster side needs of its broker."""
+
+    @property
+    def store(self) -> Store: ...
+
+    def stop_wake(self) -> None: ...
+
+
+def cluster_settings(settings: BrokerSettings, version: str = "") -> ClusterSettings:
+    """The agent's settings from the broker's ``--cluster`` flags."""
+    password = None
+    if settings.etcd_password_file:
+        try:
+            with open(settings.etcd_password_file, encoding="utf-8") as f:
+                password = f.read().strip()
+        except OSError as exc:
+            raise ConfigError(f"--etcd-password-file {settings.etcd_password_file}: {exc.strerror}") from None
+    scheme = "https" if settings.etcd_ca or settings.etcd_cert else "http"
+    metrics = f"http://{settings.metrics_bind}:{settings.metrics_port}" if settings.metrics_port > 0 else ""
+    return ClusterSettings(
+        endpoints=tuple(f"{scheme}://{member}" for member in etcd_members(settings.cluster)),
+        node_id=settings.node_id,
+        advertise=settings.advertise or settings.bind,
+        cluster_name=settings.cluster_name,
+        metrics=metrics,
+        version=version,
+        lease_ms=settings.cluster_lease_ms,
+        etcd_ca=settings.etcd_ca or None,
+        etcd_cert=settings.etcd_cert or None,
+        etcd_key=settings.etcd_key or None,
+        etcd_user=settings.etcd_user or None,
+        etcd_password=password,
+    )
+
+
+class ClusterNode:
+    """One node's part in the cluster: the agent's events in, role changes and ISR proposals out."""
+
+    def __init__(
+        self,
+        host: ClusterHost,
+        partitions: Partitions,
+        settings: BrokerSettings,
+        *,
+        agent: ClusterAgent | None = None,
+        version: str = "",
+    ) -> None:
+        self.host = host
+        self.partitions = partitions
+        self.settings = settings
+        self.node_id = settings.node_id
+        self.agent = agent or ClusterAgent(cluster_settings(settings, version), wake=host.stop_wake)
+        self.roles = ClusterRoles(self.agent, partitions)
+        self.configs: dict[str, TopicConfigRecord] = {}
+        self.controller: str | None = None
+        self.registered = False
+        self._creating: set[str] = set()
+        self._answers: dict[int, Callable[[Any], None]] = {}  # ADMIN requests waiting for the controller
+        partitions.propose = self.roles.propose
+        partitions.on_unknown = self.auto_create
+        self._handlers: dict[type[ClusterEvent], Callable[[Any], None]] = {
+            Registered: self._on_registered,
+            LeaseLost: self._on_lease_lost,
+            ControllerChanged: self._on_controller,
+            TopicChanged: self._on_topic,
+            PartitionChanged: self._on_partition,
+            TopicCreated: self._on_created,
+        }
+
+    def start(self) -> None:
+        self.agent.start()
+
+    def close(self, *, revoke: bool = False) -> None:
+        self.agent.close(revoke=revoke)
+
+    # --- events from the agent (on the loop's thread) -----------------------------------------
+
+    def pump(self) -> None:
+        """Apply everything the agent queued since the last pass."""
+        for event in self.agent.poll():
+            handler = self._handlers.get(type(event))
+            if handler is not None:
+                handler(event)
+            self.roles.handle(event)  # partition records, nodes and ISR answers set this node's roles
+
+    def _on_registered(self, event: Registered) -> None:
+        self.registered = True
+        log.info("node %s registered (lease %x, revision %d)", event.node_id, event.lease_id, event.revision)
+
+    def _on_lease_lost(self, event: LeaseLost) -> None:
+        # Leadership follows the partition records only: a record naming another leader takes a
+        # partition away. Until then this node keeps serving, and its HW cannot pass its ISR's.
+        self.registered = False
+        log.warning("lease %x lost: registering again", event.lease_id)
+
+    def _on_controller(self, event: ControllerChanged) -> None:
+        self.controller = event.controller
+
+    def _on_topic(self, event: TopicChanged) -> None:
+        if event.config is None:
+            self.configs.pop(event.topic, None)
+        else:
+            self.configs[event.topic] = event.config
+
+    def _on_partition(self, event: PartitionChanged) -> None:
+        """Before the roles act on a record: this node's replica log exists, with the topic's settings."""
+        if event.state is not None:
+            self._creating.discard(event.tp.topic)
+            if self.node_id in event.state.assignment:
+                self._ensure_log(event.tp.topic)
+
+    def _on_created(self, event: TopicCreated) -> None:
+        answer = self._answers.pop(event.request_id, None)
+        if event.error is not None:
+            self._creating.discard(event.topic)
+            log.warning("topic %s was not created: %s", event.topic, event.error)
+        if answer is not None:
+            answer(event.error if event.error is not None else _described(event.topic, event.config))
+
+    def _ensure_log(self, topic: str) -> None:
+        store = self.host.store
+        if topic not in store.logs:
+            config = self.configs.get(topic)
+            store.create_topic(topic, dict(config.settings) if config else None)
+
+    # --- requests to the agent --------------------------------------------------------------------
+
+    def auto_create(self, topic: str) -> None:
+        """A client named a topic the cluster does not know: ask the controller for it (once at a time)."""
+        if not self.settings.auto_create_topics or topic in self.configs or topic in self._creating:
+            return
+        self._creating.add(topic)
+        self.agent.create_topic(topic)
+
+    # --- ADMIN in a cluster ------------------------------------------------------------------------
+
+    def handles(self, op: str) -> bool:
+        """The ADMIN ops that change what the cluster holds: they go through the controller, not this node."""
+        return op in CLUSTER_ADMIN
+
+    def admin(self, op: str, header: Mapping[str, Any], answer: Callable[[Any], None]) -> None:
+        """Run a cluster ADMIN op; ``answer`` gets the result or a ``ConveyorError``, now or once etcd answered."""
+        if op != "create_topic":
+            answer(InvalidRequest(f"{op} is not supported on a cluster yet: {CLUSTER_ADMIN[op]}", field="op"))
+            return
+        name = header.get("topic")
+        topic = check_name(name if isinstance(name, str) else "")
+        config = dict(header.get("config") or {})
+        rf = _count(config.pop("replication_factor", None), "replication_factor")
+        min_insync = _count(config.pop("min_insync_replicas", None), "min_insync_replicas")
+        if rf is not None and min_insync is not None and min_insync > rf:
+            raise ConfigError(f"min_insync_replicas {min_insync} is above replication_factor {rf}", topic=topic)
+        self.host.store.defaults.with_settings(config)  # a bad setting is refused here, before etcd
+        if topic in self.configs:
+            raise TopicExists(f"topic {topic} exists", topic=topic)
+        request = self.agent.create_topic(topic, rf, min_insync, config)
+        self._creating.add(topic)
+        self._answers[request] = answer
+
+    # --- METADATA ---------------------------------------------------------------------------------
+
+    def metadata(self, topics: Sequence[str] | None) -> ClusterMetadata:
+        """What this node knows of the cluster, from the agent's latest snapshot."""
+        snapshot = self.agent.snapshot()
+        nodes = {node: record.advertise for node, record in snapshot.nodes.items()}
+        wanted = set(topics) if topics is not None else None
+        answer: dict[str, dict[int, PartitionMetadata]] = {}
+        for tp, state in snapshot.partitions.items():
+            if wanted is not None and tp.topic not in wanted:
+                continue
+            answer.setdefault(tp.topic, {})[tp.partition] = PartitionMetadata(
+                state.leader,
+                nodes.get(state.leader) if state.leader else None,
+                state.leader_epoch,
+                tuple(state.assignment),
+                tuple(state.isr),
+                state.offline,
+            )
+        return ClusterMetadata(self.node_id, snapshot.controller, nodes, answer)
+
+
+def _count(value: Any, name: str) -> int | None:
+    """A replica count from an ADMIN request: absent (the cluster default) or 1-255."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 255:
+        raise ConfigError(f"{name} must be an integer from 1 to 255, not {value!r}", field=name)
+    return value
+
+
+def _described(topic: str, config: TopicConfigRecord | None) -> dict[str, Any]:
+    """What ``create_topic`` answers in a cluster: the record the controller wrote."""
+    if config is None:
+        return {"name": topic}
+    return {
+        "name": topic,
+        "replication_factor": config.replication_factor,
+        "min_insync_replicas": config.min_insync_replicas,
+        "config": dict(config.settings),
+    }

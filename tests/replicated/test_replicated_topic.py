@@ -1,0 +1,69 @@
+"""A replicated topic end to end: three broker processes, one etcd, the public clients."""
+
+from __future__ import annotations
+
+import hashlib
+
+from conveyor.broker.client.admin import Admin
+from conveyor.broker.client.metadata import Metadata
+from conveyor.broker.client.producer import Producer
+from conveyor.broker.client.subscription import Subscription
+
+from conveyor.cluster_process import ClusterProcess
+from conveyor.errors import TopicExists
+from tests.helpers import wait_for
+
+
+def segment_digests(cluster: ClusterProcess, node: str, topic: str) -> dict[str, str]:
+    folder = cluster.node(node).data_dir / "topics" / topic
+    return {path.name: hashlib.sha256(path.read_bytes()).hexdigest() for path in sorted(folder.glob("*.log"))}
+
+
+def test_a_topic_is_replicated_byte_for_byte_and_consumed_through_the_bootstrap_list(cluster: ClusterProcess) -> None:
+    with Producer(cluster.bootstrap) as producer:
+        futures = [producer.send("orders", f"order-{i}".encode(), key=str(i % 7)) for i in range(5000)]
+        producer.flush(60)
+        offsets = [future.result(60) for future in futures]
+    assert sorted(offsets) == list(range(5000))  # every one confirmed, no offset twice
+
+    with Admin(cluster.bootstrap) as admin:
+        described = admin.describe_topic("orders")
+    assert described["end_offset"] == 5000
+
+    view = Metadata(cluster.bootstrap).refresh(["orders"])
+    partition = view.topics["orders"][0]
+    assert sorted(partition.replicas) == ["n1", "n2", "n3"]
+    assert partition.leader_epoch >= 1
+
+    # Followers hold the same batches at the same offsets: the segments are the same bytes.
+    wait_for(
+        lambda: len({tuple(segment_digests(cluster, node, "orders").items()) for node in cluster.node_ids}) == 1,
+        message="the three replicas to hold the same segments",
+    )
+
+    seen: set[int] = set()
+    with Subscription("orders", "billing", address=cluster.bootstrap) as subscription:
+
+        def drained() -> bool:
+            messages = subscription.receive(timeout=1.0)
+            seen.update(message.offset for message in messages)
+            subscription.ack(messages)
+            return len(seen) == 5000
+
+        wait_for(drained, message="the group to receive every message")
+
+
+def test_topics_create_goes_through_the_controller(cluster: ClusterProcess) -> None:
+    with Admin(cluster.bootstrap) as admin:
+        created = admin.create_topic("payments", replication_factor=2, min_insync_replicas=2, retention_ms=86_400_000)
+        assert created["replication_factor"] == 2 and created["min_insync_replicas"] == 2
+        try:
+            admin.create_topic("payments")
+        except TopicExists:
+            pass
+        else:
+            raise AssertionError("a second create of the same topic must say TOPIC_EXISTS")
+    view = wait_for(lambda: Metadata(cluster.bootstrap).refresh(["payments"]).topics.get("payments"))
+    assert len(view[0].replicas) == 2 and view[0].leader in view[0].replicas
+    with Producer(cluster.bootstrap) as producer:
+        assert producer.send("payments", b"first").result(60) == 0

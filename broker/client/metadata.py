@@ -216,6 +216,11 @@ class Metadata:
         return len(self.bootstrap) == 1
 
     @property
+    def following(self) -> bool:
+        """Whether this client follows leaders: several brokers, or one that named another leader."""
+        return not self.single or self.routed
+
+    @property
     def routed(self) -> bool:
         """Whether anything routes past the bootstrap list: a METADATA answer or a leader a broker named."""
         return self.view is not None or bool(self._hints)

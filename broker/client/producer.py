@@ -81,6 +81,7 @@ _packb = msgpack.Packer(use_bin_type=True).pack
 # Answers that mean "ask who leads now": the topic's unconfirmed batches follow the leader, in order.
 _LEADERSHIP_ERRORS = (NotLeader, NotEnoughReplicas, FencedLeaderEpoch, UnknownLeaderEpoch)
 _POLL_SLACK = 0.0002  # a poll that wakes this early for a linger deadline counts as on time
+LEADER_POLL = 0.2  # seconds between METADATA asks while a leader that hung up is still the one named
 
 
 def _bin_header(n: int) -> bytes:
@@ -473,6 +474,8 @@ class _ProducerIO:
         self.links: dict[str, _Link] = {}
         self.by_socket: dict[Any, _Link] = {}  # a link's data socket and its watch's socket -> the link
         self.silent = 0  # handshakes that ended without a reason, counted across sockets
+        self.suspect: dict[str, float] = {}  # leaders that hung up, and when
+        self.asked_at = 0.0  # when the leaders were last asked for because of a suspect one
         if producer.metadata.single:
             self._link(producer.metadata.bootstrap[0])  # connect now, as before clusters
 
@@ -535,8 +538,11 @@ class _ProducerIO:
         Then a new socket for what comes next (this one does not reconnect by
         itself): if the broker still refuses, those batches fail the same way.
         """
-        silent = link.watch.silent
+        silent, disconnects = link.watch.silent, link.watch.disconnects
         refused = link.watch.read()
+        if link.watch.disconnects > disconnects and self.p.metadata.following:
+            self._leader_gone(link.address)
+            return
         if refused is None:
             if link.watch.silent > silent:  # a handshake ended without a reason: this socket will not retry it
                 self._reconnect(link.address)
@@ -545,6 +551,13 @@ class _ProducerIO:
             self._finish(flight)
             flight.futures.fail(refused)
         self._reconnect(link.address)
+
+    def _leader_gone(self, address: str) -> None:
+        """A broker this producer follows hung up (a kill -9 resets the connection): its batches do not wait
+        for ``request_timeout``. Until another leader is named (asked every ``LEADER_POLL``), or for at most
+        ``request_timeout``, they are not sent to it again."""
+        self.suspect[address] = time.monotonic()
+        self._reconnect(address)
 
     def _fail_everything(self, error: RequestTimeout) -> None:
         """``close()`` gave up: every unconfirmed message fails now instead of at its delivery timeout."""
@@ -637,7 +650,7 @@ class _ProducerIO:
     def _route(self, flight: _InFlight) -> str | None:
         """The leader's address; None when no broker could say (asked again after a backoff)."""
         try:
-            return self.p.metadata.leader_for(flight.topic)
+            address = self.p.metadata.leader_for(flight.topic)
         except ConveyorError as exc:
             if not exc.retriable:
                 raise
@@ -645,6 +658,16 @@ class _ProducerIO:
             self.retry_at[flight.rid] = time.monotonic() + backoff_seconds(self.p.retry_wait, flight.attempts)
             flight.sent_at = float("inf")
             return None
+        since = self.suspect.get(address)
+        if since is None:
+            return address
+        now = time.monotonic()
+        if now - since >= self.p.request_timeout:
+            del self.suspect[address]  # still named leader after all that time: try it (it may be back)
+            return address
+        self.retry_at[flight.rid] = now + LEADER_POLL  # ask again then who leads
+        flight.sent_at = float("inf")
+        return None
 
     def _read_replies(self, link: _Link) -> None:
         while True:
@@ -652,6 +675,7 @@ class _ProducerIO:
             if frames is None:
                 return
             self.last_heard = time.monotonic()
+            self.suspect.pop(link.address, None)
             try:
                 reply = decode(frames)
             except ConveyorError:
@@ -714,6 +738,9 @@ class _ProducerIO:
     def _check_timeouts(self) -> None:
         now = time.monotonic()
         due = sorted((self.in_flight[rid] for rid, when in self.retry_at.items() if when <= now), key=_in_order)
+        if due and self.suspect and now - self.asked_at >= LEADER_POLL:
+            self.asked_at = now
+            self.p.metadata.stale()  # once per poll, not once per batch
         for flight in due:
             del self.retry_at[flight.rid]
             self._transmit(flight)

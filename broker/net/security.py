@@ -308,7 +308,8 @@ class HandshakeWatch:
     """
 
     EVENTS = (
-        zmq.EVENT_HANDSHAKE_SUCCEEDED
+        zmq.EVENT_DISCONNECTED  # counted (``disconnects``): a client following a cluster's leader reacts at once
+        | zmq.EVENT_HANDSHAKE_SUCCEEDED
         | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
         | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
         | zmq.EVENT_HANDSHAKE_FAILED_AUTH
@@ -323,6 +324,7 @@ class HandshakeWatch:
         self.socket.connect(endpoint)
         self._sock = sock
         self.silent = 0
+        self.disconnects = 0  # connections that ended (the peer died or hung up)
         self.failure: AuthFailed | None = None
 
     def read(self) -> AuthFailed | None:
@@ -337,7 +339,9 @@ class HandshakeWatch:
     def on_event(self, frames: list[bytes]) -> None:
         event = parse_monitor_message(frames)
         kind, value = event["event"], event["value"]
-        if kind == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+        if kind == zmq.EVENT_DISCONNECTED:
+            self.disconnects += 1
+        elif kind == zmq.EVENT_HANDSHAKE_SUCCEEDED:
             self.silent, self.failure = 0, None
         elif kind == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
             self.failure = self._refused(

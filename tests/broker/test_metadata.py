@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import signal
 import subprocess
 import sys
 import time
@@ -16,7 +17,7 @@ from conveyor.broker.wire.protocol import Command
 from conveyor.broker.wire.schema import check_metadata_result
 
 from conveyor import Admin, Producer
-from tests.helpers import free_address
+from tests.helpers import free_address, wait_for
 
 
 def test_a_single_node_broker_answers_metadata_as_the_only_node(conveyor_broker):
@@ -129,3 +130,24 @@ def test_conveyor_tail_takes_a_bootstrap_list(conveyor_broker):
     done = subprocess.run([*tail, "--count", "2"], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == ["0", "m0", "1", "m1"]  # offset and value
+
+
+def test_a_producer_following_leaders_moves_on_when_its_leader_is_killed(conveyor_broker_factory):
+    # Given two brokers in a producer's list, and the one it publishes to
+    brokers = [conveyor_broker_factory(name="one"), conveyor_broker_factory(name="two")]
+    with Producer([b.address for b in brokers], linger_ms=1, request_timeout_ms=120_000) as producer:
+        assert producer.send("moving", b"first").result(timeout=30) == 0
+        assert producer.metadata.view is not None
+        used = next(b for b in brokers if b.address == producer.metadata.view.source)
+        other = next(b for b in brokers if b is not used)
+        # When that broker stops answering with a batch in flight, and is then killed
+        used.signal(signal.SIGSTOP)
+        in_flight = producer.send("moving", b"second")
+        wait_for(lambda: producer._io.in_flight, timeout=30, message="the batch in flight")
+        used.kill()
+        # Then the batch goes to the broker METADATA now names, long before the request timeout
+        assert in_flight.result(timeout=60) == 0
+        assert producer.send("moving", b"third").result(timeout=30) == 1
+        assert producer.metadata.view is not None and producer.metadata.view.source == other.address
+    with Admin(other.address) as admin:
+        assert [m.value for m in admin.fetch("moving", 0, 10)] == [b"second", b"third"]

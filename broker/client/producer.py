@@ -465,6 +465,10 @@ class _ProducerIO:
         self.queued: deque[tuple[str, _Buffer]] = deque()  # waiting for an in-flight slot
         self.in_flight: dict[int, _InFlight] = {}
         self.per_topic: dict[str, int] = {}
+        # Topics whose route is not proven: one batch at a time until a leader confirms one. A batch a
+        # broker refused (NOT_LEADER before the topic had a leader) must not be overtaken by its successors
+        # on a leader elected meanwhile: it would be stored after them, or refused as older than the window.
+        self.probing: set[str] = set()
         self.seqs: dict[str, int] = {}
         self.rids = itertools.count(1)
         self.retry_at: dict[int, float] = {}
@@ -593,7 +597,11 @@ class _ProducerIO:
         return max(0, math.ceil((min(deadlines) - now) * 1000))  # not a whole extra ms past the linger
 
     def _blocked(self, topic: str) -> bool:
-        return self.per_topic.get(topic, 0) >= self.p.max_in_flight
+        return self.per_topic.get(topic, 0) >= self._window(topic)
+
+    def _window(self, topic: str) -> int:
+        """Batches of ``topic`` that may await a confirm: one while its route is not proven."""
+        return 1 if topic in self.probing else self.p.max_in_flight
 
     def _linger(self, topic: str) -> float:
         """How long a topic's open batch waits: nothing when eager and none of its batches is in flight."""
@@ -617,13 +625,15 @@ class _ProducerIO:
         blocked: deque[tuple[str, _Buffer]] = deque()
         while self.queued:
             topic, buf = self.queued.popleft()
-            if self.per_topic.get(topic, 0) >= self.p.max_in_flight or any(t == topic for t, _ in blocked):
+            if self._blocked(topic) or any(t == topic for t, _ in blocked):
                 blocked.append((topic, buf))  # keep per-topic order
                 continue
             self._publish(topic, buf)
         self.queued = blocked
 
     def _publish(self, topic: str, buf: _Buffer) -> None:
+        if topic not in self.seqs and not self.p.metadata.single:
+            self.probing.add(topic)  # its first batch: the leader may not be elected yet
         seq = self.seqs.get(topic, 0)
         self.seqs[topic] = seq + 1
         now = time.monotonic()
@@ -684,6 +694,7 @@ class _ProducerIO:
             if flight is None:
                 continue  # an answer to a batch already settled (a resend's twin)
             if reply.command is Command.PUBLISHED:
+                self.probing.discard(flight.topic)  # a leader confirmed: the topic's batches may overlap again
                 self._finish(flight)
                 flight.futures.resolve(int(reply.get("base_offset")))
             elif reply.command is Command.ERROR and flight.address == link.address:  # else: a former leader's
@@ -712,6 +723,7 @@ class _ProducerIO:
         offsets; the rest were never confirmed and are stored anew.
         """
         metadata = self.p.metadata
+        self.probing.add(flight.topic)
         if isinstance(exc, NotLeader):
             metadata.not_leader(flight.topic, 0, exc)
         else:

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import threading
 import time
 
-from conveyor.broker.cluster.etcd import Etcd, Op
+from conveyor.broker.cluster.etcd import Etcd, Op, WatchEvent, _shutdown
 
-from conveyor.etcd_process import EtcdProcess
+from conveyor.etcd_process import EtcdProcess, free_port
 from tests.cluster.etcd_helpers import Collected
 from tests.helpers import wait_for
 
@@ -108,3 +109,40 @@ def test_close_stops_the_watch_at_once(etcd_client: Etcd) -> None:
     etcd_client.put("/c/x", b"1")
     time.sleep(0.2)  # nothing to wait for: no event may come after close
     assert collected.events == []
+
+
+def test_a_watch_that_reconnects_into_compacted_history_resyncs(etcd_client: Etcd) -> None:
+    """The stream drops while the owner is busy; meanwhile etcd compacts past where the watch stood."""
+    collected = Collected()
+    busy = threading.Event()
+    release = threading.Event()
+
+    def on_event(event: WatchEvent) -> None:
+        collected.on_event(event)
+        if event.kv.key == "/c/t/block":
+            busy.set()
+            release.wait(30)
+
+    start = etcd_client.put("/c/other", b"x") + 1
+    handle = etcd_client.watch("/c/t/", start_revision=start, on_event=on_event, on_resync=collected.on_resync)
+    etcd_client.put("/c/t/block", b"1")
+    assert busy.wait(30)
+    _shutdown(handle._response)  # the connection drops
+    etcd_client.put("/c/t/a", b"missed")  # written while the watch is away...
+    current = etcd_client.put("/c/t/b", b"missed too")
+    etcd_client.compact(current)  # ...and compacted before it comes back
+    release.set()
+
+    wait_for(lambda: collected.resyncs, message="on_resync")
+    assert collected.resyncs[0] >= current
+    etcd_client.put("/c/t/c", b"after")
+    events = collected.wait(2)
+    assert events[0] == ("PUT", "/c/t/block", b"1") and events[-1] == ("PUT", "/c/t/c", b"after")
+    assert ("PUT", "/c/t/a", b"missed") not in events  # the owner re-reads it instead
+
+
+def test_the_watch_uses_the_next_endpoint_when_one_is_down(etcd: EtcdProcess) -> None:
+    with Etcd([f"http://127.0.0.1:{free_port()}", etcd.endpoint], timeout=1.0) as client:
+        collected = watch(client, "/c/", 1)
+        client.put("/c/x", b"1")
+        assert collected.wait(1) == [("PUT", "/c/x", b"1")]

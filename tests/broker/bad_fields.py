@@ -84,6 +84,11 @@ COMMANDS: dict[Command, tuple[dict[str, Any], dict[str, Spec]]] = {
             "max_messages": ("int", I64_MIN, I64_MAX),
             "max_bytes": ("int", I64_MIN, I64_MAX),
             "wait_ms": ("int", I64_MIN, I64_MAX),
+            # a follower's FETCH from its partition leader
+            "replica": ("str",),
+            "leader_epoch": ("int", 0, 2**31 - 1),
+            "last_epoch": ("int", 0, 2**31 - 1),
+            "durable": ("int", 0, I64_MAX),
         },
     ),
     Command.METADATA: ({"topics": ["fz"]}, {"topics": ("names",)}),

@@ -239,6 +239,7 @@ class _Transport:
         user: str | None,
         password: str | None,
     ) -> None:
+        ca, cert, key, user, password = (option or None for option in (ca, cert, key, user, password))  # "": unset
         if not endpoints:
             raise ConfigError("etcd: no endpoint given")
         for endpoint in endpoints:

@@ -164,6 +164,12 @@ def test_user_and_password_get_a_token(etcd: EtcdProcess) -> None:
         assert not lease.lost.is_set()
 
 
+def test_empty_options_mean_unset(etcd: EtcdProcess) -> None:
+    with Etcd([etcd.endpoint], ca="", cert="", key="", user="", password="") as client:
+        client.put("/c/x", b"1")
+        assert client.transport.user is None and client.transport.tls == {}
+
+
 def test_bad_options_are_config_errors() -> None:
     with pytest.raises(ConfigError, match="http://"):
         Etcd(["127.0.0.1:2379"])

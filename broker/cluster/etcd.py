@@ -594,13 +594,17 @@ class Watch:
 
     A streaming ``POST /v3/watch`` read line by line. After any stream error, end
     of stream (etcd restarted) or ``idle_timeout`` seconds without a line (etcd
-    stopped, or the connection silently dead: progress notifications are asked
-    for but etcd sends them only every 10 minutes unless configured), it opens
+    stopped, or the connection silently dead), it opens
     the stream again from the last revision seen + 1, on the next endpoint if
     need be, so no event is missed or repeated. When etcd answers that this
     revision was compacted away, it calls ``on_resync(rev)`` with the current
     revision: the owner re-reads the prefix (``get_prefix(prefix, revision=rev)``)
     and the watch goes on from ``rev + 1``.
+
+    Progress notifications are asked for, but etcd sends them every 10 minutes
+    unless started with ``--experimental-watch-progress-notify-interval 5s`` (3.4;
+    advised): with them an idle watch is never reopened, and its resume revision
+    follows etcd's, so a compaction of other keys' history does not force a resync.
     """
 
     def __init__(

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import threading
 import time
+from pathlib import Path
 
 from conveyor.broker.cluster.etcd import Etcd, Op, WatchEvent, _shutdown
 
 from conveyor.etcd_process import EtcdProcess, free_port
 from tests.cluster.etcd_helpers import Collected
-from tests.helpers import wait_for
+from tests.helpers import stays_false, wait_for
 
 
 def watch(client: Etcd, prefix: str, start_revision: int, **options: float) -> Collected:
@@ -146,3 +147,25 @@ def test_the_watch_uses_the_next_endpoint_when_one_is_down(etcd: EtcdProcess) ->
         collected = watch(client, "/c/", 1)
         client.put("/c/x", b"1")
         assert collected.wait(1) == [("PUT", "/c/x", b"1")]
+
+
+def test_progress_notifications_keep_an_idle_watch_open_and_move_its_revision(tmp_path: Path) -> None:
+    """With etcd's progress notifications (``--experimental-watch-progress-notify-interval``, 10 min by
+    default) more often than the idle timeout, an idle watch is never reopened, and its resume revision
+    follows etcd's even when only other keys change, so a compaction does not force a resync."""
+    extra = ["--experimental-watch-progress-notify-interval", "500ms"]
+    with EtcdProcess(tmp_path / "etcd", extra=extra) as etcd, Etcd([etcd.endpoint]) as client:
+        collected = Collected()
+        handle = client.watch(
+            "/c/nodes/",
+            start_revision=1,
+            on_event=collected.on_event,
+            on_resync=collected.on_resync,
+            idle_timeout=2,
+        )
+        wait_for(handle.connected.is_set, message="the watch to be created")
+        last = client.put("/c/other", b"elsewhere")
+        wait_for(lambda: handle.next_revision > last, message="a progress notification")
+        # Longer than the idle timeout: the notifications keep the stream open.
+        stays_false(lambda: handle.streams != 1, 3, message="a reconnection")
+        assert collected.events == [] and collected.resyncs == []

@@ -41,7 +41,7 @@ def test_cluster_config_has_replicated_throughput_and_latency_with_the_placehold
     variants = config.settings["variants"]
     assert variants["conveyor:r3"]["replication_factor"] == 3
     assert variants["conveyor:r3"]["min_insync_replicas"] == 2
-    assert variants["conveyor:r3"]["pending"]
+    assert "pending" not in variants["conveyor:r3"]  # built: the Conveyor cluster system runs it
     targets = config.settings["targets"]
     ratios = {(t["vs"], t["min_ratio"]) for t in targets if t["system"] == "conveyor:r3" and "vs" in t}
     assert ratios == {("conveyor:batch", 0.5), ("nats:r3", 5)}
@@ -62,13 +62,20 @@ def test_an_explicit_variant_runs_only_where_it_is_named() -> None:
     assert "memory storage" in r3.durability
 
 
-def test_a_variant_no_system_provides_yet_is_skipped_with_the_configs_reason() -> None:
-    config = load_config(CLUSTER_JSON)
+def test_a_variant_no_system_provides_yet_is_skipped_with_the_configs_reason(tmp_path: Path) -> None:
+    # The cluster config as it would be with a Conveyor variant not built yet (r9), with its reason.
+    text = CLUSTER_JSON.read_text().replace("conveyor:r3", "conveyor:r9")
+    text = text.replace(
+        '"min_insync_replicas": 2', '"min_insync_replicas": 2, "pending": "the r9 system is not built yet"', 1
+    )
+    path = tmp_path / "cluster.json"
+    path.write_text(text)
+    config = load_config(path)
     conveyor, nats = system("conveyor"), system("nats")
     runs = [(s, one, v) for s in config.scenarios for one in (conveyor, nats) for v in select_variants(s, one, None)]
-    assert "conveyor:r3" not in {v.id for _s, _sys, v in runs}
+    assert "conveyor:r9" not in {v.id for _s, _sys, v in runs}
     missing = missing_variants(config, runs, {})
-    assert {m["variant"] for m in missing} == {"conveyor:r3"}
+    assert {m["variant"] for m in missing} == {"conveyor:r9"}
     assert len(missing) == len(config.scenarios)
     assert "not built yet" in missing[0]["reason"]
     # A system that is not installed gives its own reason; --systems narrows what is reported.
@@ -81,8 +88,8 @@ def test_a_variant_no_system_provides_yet_is_skipped_with_the_configs_reason() -
     assert {m["reason"] for m in own} == {"etcd is not installed"}  # the system's own reason comes first
     report = {"results": [], "settings": config.settings, "skipped_variants": missing}
     notes = {t["system"]: t["note"] for t in check_targets(report)}
-    assert "not built yet" in notes["conveyor:r3"]
-    assert "conveyor:r3 in" in markdown_table(report)
+    assert "not built yet" in notes["conveyor:r9"]
+    assert "conveyor:r9 in" in markdown_table(report)
 
 
 def test_the_cluster_targets_compare_r3_with_one_node_and_with_nats_r3() -> None:
@@ -225,7 +232,7 @@ def test_a_cluster_whose_port_was_taken_is_started_again(tmp_path: Path, monkeyp
 
 @pytest.mark.skipif(bool(_nats_missing()), reason=_nats_missing() or "")
 @pytest.mark.timeout(120)
-def test_nats_r3_runs_on_a_three_server_cluster(tmp_path: Path) -> None:
+def test_nats_r3_and_conveyor_r3_run_on_three_server_clusters(tmp_path: Path) -> None:
     config = {
         "settings": {"targets": [{"scenario": "tiny-r3", "system": "nats:r3", "metric": "leader_changes", "max": 0}]},
         "scenarios": [
@@ -246,12 +253,18 @@ def test_nats_r3_runs_on_a_three_server_cluster(tmp_path: Path) -> None:
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=110)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     report = json.loads(out.read_text())
-    (r,) = report["results"]
-    assert r["variant"] == "nats:r3" and r["ok"] and r["exactly_once"], r["errors"]
+    by_variant = {r["variant"]: r for r in report["results"]}
+    assert set(by_variant) == {"nats:r3", "conveyor:r3"}, report.get("skipped_variants")
+    ours = by_variant["conveyor:r3"]
+    assert ours["ok"] and ours["exactly_once"] and ours["unique"] == 2000, ours["errors"]
+    assert {"broker n1", "broker n2", "broker n3", "etcd"} <= set(ours["cpu_us_per_message"])
+    assert ours["leader_changes"] == 0
+    r = by_variant["nats:r3"]
+    assert r["ok"] and r["exactly_once"], r["errors"]
     assert r["unique"] == 2000
     assert set(r["server_cpu"]) == {"nats-1", "nats-2", "nats-3"}
     assert {"nats-1", "nats-2", "nats-3", "producer 1", "consumer 1", "total"} <= set(r["cpu_us_per_message"])
     assert isinstance(r["leader_changes"], int)
     assert {"meta", "stream", "consumer g0"} <= set(r["leaders"]["start"])
-    assert [m["variant"] for m in report["skipped_variants"]] == ["conveyor:r3"]
+    assert not report.get("skipped_variants")
     assert "nats-1" in proc.stdout and "conveyor:r3" in proc.stdout

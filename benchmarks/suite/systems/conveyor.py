@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from conveyor.benchmarks.suite.procstat import tree
 from conveyor.benchmarks.suite.scenario import Scenario
 from conveyor.benchmarks.suite.systems import base
 
@@ -112,6 +113,59 @@ class ConveyorServer(base.Server):
             self.broker.stop()
 
 
+class ConveyorClusterServer(ConveyorServer):
+    """Three brokers in cluster mode and their etcd (``conveyor.cluster_process.ClusterProcess``), per run.
+
+    The run's topic is created through the controller with the variant's
+    replication factor and min_insync_replicas, and ``prepare`` waits until its
+    in-sync set is full, so the run starts replicated. Leader changes are
+    sampled from METADATA (node and epoch).
+    """
+
+    def __init__(self, workdir: Path, fsync: str, settings: dict[str, Any]) -> None:
+        from conveyor.cluster_process import ClusterProcess
+
+        self.settings = settings
+        self.cluster = ClusterProcess(workdir / "conveyor-cluster", nodes=int(settings.get("nodes", 3)), fsync=fsync)
+        self.cluster.start()
+        self.broker = None
+        self.external = False
+        self.address = self.cluster.bootstrap
+        self.pids = [b.pid for b in self.cluster.brokers.values()] + [self.cluster.etcd.pid]
+        self._admin = None
+        self._leaders = MetadataLeaders(self.address.split(","))
+
+    def prepare(self, run: str, scenario: Scenario) -> dict[str, Any]:
+        from conveyor.broker.client.metadata import Metadata
+
+        topic = f"bench.{run}"
+        rf = int(self.settings.get("replication_factor", 3))
+        self.admin().create_topic(
+            topic, replication_factor=rf, min_insync_replicas=int(self.settings.get("min_insync_replicas", 2))
+        )
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            info = Metadata(self.address).refresh([topic]).topics.get(topic, {}).get(0)
+            if info is not None and info.leader is not None and len(info.isr) == rf:
+                break
+            time.sleep(0.05)
+        else:
+            raise RuntimeError(f"Conveyor cluster: {topic} did not get {rf} in-sync replicas in 60 s")
+        return {"address": self.address, "topic": topic, "groups": [f"g{i}" for i in range(scenario.groups)]}
+
+    def processes(self) -> dict[str, list[int]]:
+        named = {f"broker {node}": tree(b.pid) for node, b in self.cluster.brokers.items()}
+        named["etcd"] = tree(self.cluster.etcd.pid)
+        return named
+
+    def leaders(self, endpoint: dict[str, Any]) -> dict[str, str] | None:
+        return self._leaders([endpoint["topic"]])
+
+    def stop(self) -> None:
+        self._close_admin()
+        self.cluster.stop()
+
+
 class System(base.System):
     name = "conveyor"
     title = TITLE
@@ -128,13 +182,37 @@ class System(base.System):
         if self.external_address:
             return [base.Variant("conveyor", "external", TITLE, f"external broker {self.external_address}")]
         durability = "fsync=batch: group commit before confirm" if scenario.fsync == "batch" else "fsync=none"
-        return [base.Variant("conveyor", scenario.fsync, TITLE, durability)]
+        r3 = self.settings_for("r3")
+        replicated = base.Variant(
+            "conveyor",
+            "r3",
+            TITLE,
+            f"{r3.get('nodes', 3)} nodes, replication factor {r3.get('replication_factor', 3)}, "
+            f"min_insync_replicas {r3.get('min_insync_replicas', 2)}, fsync={scenario.fsync} on each",
+            explicit=True,
+            fsync=scenario.fsync,
+        )
+        return [base.Variant("conveyor", scenario.fsync, TITLE, durability), replicated]
+
+    def why_not(self, variant: str) -> str | None:
+        if variant != "conveyor:r3":
+            return None
+        import importlib.util
+        import shutil
+
+        if shutil.which("etcd") is None:
+            return "etcd is not installed (Debian: etcd-server; make bench-cluster installs it)"
+        if importlib.util.find_spec("requests") is None:
+            return "the cluster extra is not installed: pip install 'conveyor[cluster]'"
+        return None
 
     def start(self, variant: base.Variant, workdir: Path) -> base.Server:
         if self.external_address:
             if self._external is None:
                 self._external = ConveyorServer(None, "", self.external_address)
             return self._external
+        if variant.mode == "r3":
+            return ConveyorClusterServer(workdir, variant.fsync or "batch", self.settings_for("r3"))
         return ConveyorServer(workdir, variant.mode)
 
     def version(self) -> str:

@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-dev
 BASE   := $(VENV)/.installed
 
-.PHONY: run test deps lint typecheck unit venv bench-log bench-e2e soak clean
+.PHONY: run test deps lint typecheck unit venv bench-log bench-e2e bench-failover soak clean
 
 $(PY):
 	@$(PYTHON) -c 'import sys; assert sys.version_info >= (3, 11), "Conveyor needs Python 3.11+"'
@@ -57,11 +57,15 @@ unit: $(STAMP) deps
 SOAK_SECONDS ?= 540
 soak: $(STAMP)
 	CONVEYOR_SOAK_SECONDS=$(SOAK_SECONDS) timeout $$(( $(SOAK_SECONDS) * 2 + 300 )) \
-		$(PY) -m pytest -m soak tests/faults -q -s --timeout $$(( $(SOAK_SECONDS) + 300 ))
+		$(PY) -m pytest -m soak tests/faults tests/replicated -q -s --timeout $$(( $(SOAK_SECONDS) + 300 ))
 
 ## Append/read throughput of the topic log under each fsync policy.
 bench-log: $(STAMP)
 	$(PY) -m conveyor.benchmarks.log_bench
+
+## Failover of a replicated topic: kill -9 of its leader 20 times under load; p50 and max to the next confirm.
+bench-failover: $(STAMP)
+	$(PY) -m conveyor.benchmarks.failover_bench --kills 20
 
 ## End to end: broker, 1 producer and 2 consumers as processes; throughput, latency, CPU per process.
 bench-e2e: $(STAMP)

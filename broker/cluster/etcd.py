@@ -449,7 +449,7 @@ class Etcd:
         """Grant a lease and keep it alive on its own thread until ``close()``, ``revoke()`` or loss."""
         asked = time.monotonic()  # etcd counts the TTL from the grant, so the first deadline does too
         lease = Lease(self, self.grant(ttl_seconds), ttl_seconds, on_lost, granted=asked)
-        self._children.append(lease)
+        self._adopt(lease)
         lease.start()
         return lease
 
@@ -479,13 +479,18 @@ class Etcd:
     ) -> Watch:
         """Watch every key under ``prefix`` from ``start_revision`` on, on a thread of its own."""
         watch = Watch(self, prefix, start_revision, on_event, on_resync, idle_timeout)
-        self._children.append(watch)
+        self._adopt(watch)
         watch.start()
         return watch
 
     def compact(self, revision: int) -> None:
         """Drop the history before ``revision`` (tests use it to make a watch resync)."""
         self.call("kv/compaction", {"revision": str(revision), "physical": True})
+
+    def _adopt(self, child: Lease | Watch) -> None:
+        """Keep what ``close`` must stop; a node that re-grants after each loss must not pile up dead ones."""
+        self._children = [known for known in self._children if known.alive()]
+        self._children.append(child)
 
     def close(self) -> None:
         """Stop the watches and keepalives this client started (leases are not revoked)."""
@@ -575,6 +580,10 @@ class Lease:
             self._on_lost()
         except Exception:
             log.exception("lease %x: on_lost failed", self.id)
+
+    def alive(self) -> bool:
+        """The keepalive thread still runs (not closed, revoked or lost)."""
+        return self._thread.is_alive() and not self._stop.is_set()
 
     def revoke(self) -> None:
         """End the lease now: the keys under it vanish at once (controlled shutdown)."""
@@ -731,6 +740,9 @@ class Watch:
         except Exception:
             log.exception("watch %s: on_resync failed", self.prefix)
         self.next_revision = revision + 1
+
+    def alive(self) -> bool:
+        return self._thread.is_alive() and not self._stop.is_set()
 
     def close(self) -> None:
         """Stop the thread; a read in progress is cut by shutting the socket down."""

@@ -63,6 +63,9 @@ def test_revoke_deletes_the_keys_at_once(etcd_client: Etcd) -> None:
     assert etcd_client.get("/c/nodes/c") is None and etcd_client.get("/c/controller") is None
     assert not lease.lost.is_set()  # a revoke is not a loss
     lease.revoke()  # twice is harmless
+    again = etcd_client.lease(30, on_lost=Losses())
+    assert etcd_client._children == [again]  # the client forgets the ended one
+    again.revoke()
 
 
 def test_lost_when_etcd_says_the_lease_is_gone(etcd_client: Etcd) -> None:

@@ -58,6 +58,9 @@ class DataLoss(ConveyorError):
     name = "DATA_LOSS"
 
 
+_LEADERSHIP = (NotEnoughReplicas, FencedLeaderEpoch, UnknownLeaderEpoch)  # ask who leads before the next try
+
+
 # --- the connection ------------------------------------------------------------------------------
 
 
@@ -123,7 +126,7 @@ class Connection(Requester):
             self.metadata.lost(self.address)
         elif isinstance(error, NotLeader) and self.topic:
             self.metadata.not_leader(self.topic, 0, error)
-        elif isinstance(error, NotEnoughReplicas | FencedLeaderEpoch | UnknownLeaderEpoch | UnknownTopic):
+        elif isinstance(error, _LEADERSHIP) or (isinstance(error, UnknownTopic) and self.metadata.following):
             self.metadata.stale(self.topic)
 
     def wait_for(self, rid: int, timeout: float | None = None) -> Frame:

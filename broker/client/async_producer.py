@@ -36,6 +36,7 @@ from conveyor.errors import (
     NotLeader,
     RequestTimeout,
     UnknownLeaderEpoch,
+    UnknownTopic,
     buffer_full,
     delivery_timed_out,
 )
@@ -301,6 +302,8 @@ class AsyncProducer:
                 self._on_error(rid, batch, error_from_header(reply.header))
 
     def _on_error(self, rid: int, batch: _Batch, exc: ConveyorError) -> None:
+        if isinstance(exc, UnknownTopic) and self.metadata.following:
+            self.metadata.stale(batch.topic)  # the next batch asks who has it (a cluster may have made it since)
         if exc.retriable:
             batch.last_error = exc
             if time.monotonic() - batch.first_sent < self.delivery_timeout:

@@ -233,7 +233,7 @@ class Metadata:
         hinted = self._hints.get((topic, partition))
         if hinted is not None:
             return hinted
-        if self.single and self.view is None:
+        if self.single and self.view is None and not self._stale:
             return self.bootstrap[0]
         if self.view is None or self._stale:
             self.refresh()

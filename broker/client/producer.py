@@ -61,6 +61,7 @@ from conveyor.errors import (
     NotLeader,
     RequestTimeout,
     UnknownLeaderEpoch,
+    UnknownTopic,
     buffer_full,
     delivery_timed_out,
 )
@@ -701,6 +702,8 @@ class _ProducerIO:
                 self._on_error(flight, error_from_header(reply.header))
 
     def _on_error(self, flight: _InFlight, exc: ConveyorError) -> None:
+        if isinstance(exc, UnknownTopic) and self.p.metadata.following:
+            self.p.metadata.stale(flight.topic)  # the next batch asks who has it (a cluster may have made it since)
         if exc.retriable:
             flight.last_error = exc
             if time.monotonic() - flight.first_sent < self.p.delivery_timeout:

@@ -230,9 +230,13 @@ class Subscription:
     def _tick(self) -> None:
         """Heartbeat or reconnect if due; raise ``AUTH_FAILED`` when the broker refused this client's handshake."""
         if self._watch is not None:
+            disconnects = self._watch.disconnects
             refused = self._watch.read()
             if refused is not None:
                 raise refused
+            if self._watch.disconnects > disconnects and self.metadata.following:
+                self._reconnect("leader hung up", lost=True)  # a kill -9: do not wait for the liveness window
+                return
         now = time.monotonic()
         if self._resubscribe_at and now >= self._resubscribe_at:
             self._resubscribe_at = 0.0

@@ -151,3 +151,24 @@ def test_a_producer_following_leaders_moves_on_when_its_leader_is_killed(conveyo
         assert producer.metadata.view is not None and producer.metadata.view.source == other.address
     with Admin(other.address) as admin:
         assert [m.value for m in admin.fetch("moving", 0, 10)] == [b"second", b"third"]
+
+
+def test_a_subscription_following_leaders_subscribes_again_where_metadata_points_when_its_broker_dies(
+    conveyor_broker_factory,
+):
+    # Given two brokers in a subscription's list, and the one it subscribed on
+    brokers = [conveyor_broker_factory(name="one"), conveyor_broker_factory(name="two")]
+    with Subscription("moving", "g", address=[b.address for b in brokers]) as sub:
+        wait_for(lambda: sub.receive(timeout=0.2) == [] and sub.subscribed, timeout=30, message="subscribed")
+        used = next(b for b in brokers if b.address == sub.address)
+        other = next(b for b in brokers if b is not used)
+        # When that broker is killed and the message is published on the other
+        used.kill()
+        with Producer(other.address) as producer:
+            producer.send("moving", b"after").result(timeout=30)
+        # Then the subscription subscribes there and gets it
+        got: list = []
+        wait_for(lambda: got.extend(sub.receive(timeout=0.5)) or got, timeout=60, message="the message")
+        sub.ack(got)
+        assert sub.address == other.address
+    assert [m.value for m in got] == [b"after"]

@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-dev
 BASE   := $(VENV)/.installed
 
-.PHONY: run test deps lint typecheck unit venv bench-log bench-e2e bench-failover soak clean
+.PHONY: run test deps etcd cluster lint typecheck unit venv bench-log bench-e2e bench-failover soak clean
 
 $(PY):
 	@$(PYTHON) -c 'import sys; assert sys.version_info >= (3, 11), "Conveyor needs Python 3.11+"'
@@ -32,9 +32,21 @@ test: $(STAMP) deps lint typecheck unit
 
 ## promtool and prometheus (Debian's prometheus package): the monitoring tests run them;
 ## etcd (Debian's etcd-server package): the cluster tests start it.
-deps:
+deps: etcd
 	@command -v promtool >/dev/null || (apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends prometheus)
+
+etcd:
 	@command -v etcd >/dev/null || (apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends etcd-server)
+
+## A local cluster: etcd and three brokers with their data in ./conveyor-cluster; prints the bootstrap list.
+## Ctrl-C stops them all; running it again restarts the same cluster. NODES=5 runs five (docs/cluster.md).
+CLUSTER_STAMP := $(VENV)/.installed-cluster
+$(CLUSTER_STAMP): $(PY) pyproject.toml
+	$(PY) -m pip install --quiet -e '.[cluster]'
+	touch $(BASE) $@
+
+cluster: $(CLUSTER_STAMP) etcd
+	$(VENV)/bin/conveyor cluster local --dir ./conveyor-cluster $(if $(NODES),--nodes $(NODES))
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check conveyor broker consumers decorators monitoring benchmarks pipeline tests examples
@@ -72,7 +84,7 @@ bench-e2e: $(STAMP)
 	$(PY) -m conveyor.benchmarks.e2e_bench
 
 clean:
-	rm -rf $(VENV) conveyor-data .pytest_cache .mypy_cache .ruff_cache $(TYPECHECK)
+	rm -rf $(VENV) conveyor-data conveyor-cluster .pytest_cache .mypy_cache .ruff_cache $(TYPECHECK)
 
 ## `conveyor bench` peers: Redis (redis-server + the redis client) always; `bench-peers` adds NATS and RabbitMQ.
 .PHONY: bench-deps bench-peers bench bench-cluster

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 READY = re.compile(r"ready on (tcp://\S+) .*metrics (\S+)\)")
+KEPT_LINES = 1000  # lines of output kept in memory when they also go to a log file
 
 
 class BrokerProcess:
@@ -29,8 +30,14 @@ class BrokerProcess:
         fsync: str = "batch",
         extra: list[str] | None = None,
         env: dict[str, str] | None = None,
+        log_path: str | os.PathLike[str] | None = None,
+        new_session: bool = False,
     ) -> None:
+        """``log_path``: append the broker's output there (``output`` then keeps only its last lines);
+        ``new_session``: its own session, so a terminal's Ctrl-C reaches only the process that started it."""
         self.data_dir = Path(data_dir)
+        self.log_path = Path(log_path) if log_path is not None else None
+        self.new_session = new_session
         self.fsync = fsync
         self.extra = list(extra or [])
         self.env = env
@@ -57,7 +64,14 @@ class BrokerProcess:
             *self.extra,
         ]
         env = {**os.environ, "PYTHONUNBUFFERED": "1", **(self.env or {})}
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+        self.proc = subprocess.Popen(
+            cmd,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=env,
+            start_new_session=self.new_session,
+        )
         self._wait_ready(timeout)
         return self
 
@@ -68,13 +82,18 @@ class BrokerProcess:
 
         def pump() -> None:
             assert self.proc is not None and self.proc.stdout is not None
-            for line in self.proc.stdout:
-                self.output.append(line)
-                match = READY.search(line)
-                if match and not ready.is_set():
-                    self.address = match.group(1)
-                    self.metrics_url = match.group(2)
-                    ready.set()
+            log = open(self.log_path, "a", encoding="utf-8") if self.log_path is not None else None  # noqa: SIM115
+            try:
+                for line in self.proc.stdout:
+                    self._keep(line, log)
+                    match = READY.search(line)
+                    if match and not ready.is_set():
+                        self.address = match.group(1)
+                        self.metrics_url = match.group(2)
+                        ready.set()
+            finally:
+                if log is not None:
+                    log.close()
 
         threading.Thread(target=pump, daemon=True).start()
         while not ready.wait(0.05):
@@ -84,6 +103,15 @@ class BrokerProcess:
         # Restarts reuse the same endpoints so clients reconnect to the same place.
         self._bind = self.address
         self._metrics_port = self.metrics_url.rsplit(":", 1)[1].split("/")[0]
+
+    def _keep(self, line: str, log: Any) -> None:
+        """A line of output: in ``output``, and in the log file if there is one (``output`` then stays short)."""
+        self.output.append(line)
+        if log is not None:
+            log.write(line)
+            log.flush()
+            if len(self.output) > KEPT_LINES:
+                del self.output[: len(self.output) - KEPT_LINES // 2]
 
     @property
     def pid(self) -> int:

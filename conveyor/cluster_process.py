@@ -6,6 +6,12 @@ node, each with its own data directory under ``directory``, a fixed port (so a
 restarted node comes back where clients and followers look for it) and
 ``--cluster``/``--node-id``/``--advertise``. ``bootstrap`` is the list a
 client is given. It needs no pytest.
+
+``conveyor cluster local`` runs one that lasts: it passes the ports it used
+the first time (``addresses``, ``metrics_ports``, the etcd's own), sends each
+broker's output to ``log_dir`` and starts every process in a session of its
+own (``new_session``), so that Ctrl-C in the terminal reaches only the
+command, which then stops the brokers and etcd in order.
 """
 
 from __future__ import annotations
@@ -13,6 +19,7 @@ from __future__ import annotations
 import base64
 import os
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -31,11 +38,25 @@ class ClusterProcess:
         extra: list[str] | None = None,
         node_extra: dict[str, list[str]] | None = None,
         lease_ms: int = 2000,
+        addresses: Mapping[str, str] | None = None,
+        metrics_ports: Mapping[str, int] | None = None,
+        etcd_ports: tuple[int, int] = (0, 0),
+        log_dir: str | os.PathLike[str] | None = None,
+        new_session: bool = False,
     ) -> None:
+        """``addresses``/``metrics_ports``: a node's fixed ``tcp://HOST:PORT`` and metrics port (default: free
+        ones); ``etcd_ports``: the client and peer ports of the etcd it starts; ``log_dir``: each broker's
+        output goes to ``<node>.log`` there."""
         self.directory = Path(directory)
         self.node_ids = [f"n{i + 1}" for i in range(nodes)]
         self._own_etcd = etcd is None
-        self.etcd = etcd or EtcdProcess(self.directory / "etcd")
+        self.etcd = etcd or EtcdProcess(
+            self.directory / "etcd", client_port=etcd_ports[0], peer_port=etcd_ports[1], new_session=new_session
+        )
+        self.addresses = dict(addresses or {})
+        self.metrics_ports = dict(metrics_ports or {})
+        self.log_dir = Path(log_dir) if log_dir is not None else None
+        self.new_session = new_session
         self.fsync = fsync
         self.extra = list(extra or [])
         self.node_extra = dict(node_extra or {})
@@ -84,10 +105,14 @@ class ClusterProcess:
             time.sleep(0.05)
 
     def _broker(self, node: str) -> BrokerProcess:
-        address = f"tcp://127.0.0.1:{free_port()}"
+        address = self.addresses.get(node) or f"tcp://127.0.0.1:{free_port()}"
+        if self.log_dir is not None:
+            self.log_dir.mkdir(parents=True, exist_ok=True)
         broker = BrokerProcess(
             self.directory / node,
             fsync=self.fsync,
+            log_path=self.log_dir / f"{node}.log" if self.log_dir is not None else None,
+            new_session=self.new_session,
             extra=[
                 "--cluster",
                 self.etcd_url,
@@ -102,6 +127,8 @@ class ClusterProcess:
             ],
         )
         broker._bind = address  # a node keeps its address across restarts: it is in etcd and in clients' lists
+        if node in self.metrics_ports:
+            broker._metrics_port = str(self.metrics_ports[node])
         return broker
 
     def node(self, node: str) -> BrokerProcess:
@@ -116,6 +143,7 @@ class ClusterProcess:
             except Exception as exc:  # stop the others anyway
                 errors.append(exc)
         if self._own_etcd:
+            self.etcd.stop()  # SIGTERM: etcd closes its WAL cleanly
             self.etcd.close()
         if errors:
             raise errors[0]

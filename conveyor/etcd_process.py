@@ -104,15 +104,21 @@ class EtcdProcess:
         extra: list[str] | None = None,
         binary: str = "etcd",
         tls: EtcdTls | None = None,
+        client_port: int = 0,
+        peer_port: int = 0,
+        new_session: bool = False,
     ) -> None:
+        """``client_port``/``peer_port``: 0 picks free ones at the first start (both or neither);
+        ``new_session``: its own session, so a terminal's Ctrl-C reaches only the process that started it."""
         self._own_directory = directory is None
         self.directory = Path(directory) if directory is not None else Path(tempfile.mkdtemp(prefix="conveyor-etcd-"))
         self.name = name
         self.extra = list(extra or [])
         self.binary = binary
         self.tls = tls
-        self.client_port = 0
-        self.peer_port = 0
+        self.client_port = client_port if peer_port else 0
+        self.peer_port = peer_port if client_port else 0
+        self.new_session = new_session
         self.proc: subprocess.Popen[bytes] | None = None
         self.paused = False
         self.auth: tuple[str, str] | None = None  # (user, password) once enable_auth() ran
@@ -158,7 +164,9 @@ class EtcdProcess:
                 self.client_port, self.peer_port = free_port(), free_port()
             self.directory.mkdir(parents=True, exist_ok=True)
             with open(self.log_path, "ab") as log:
-                self.proc = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT)
+                self.proc = subprocess.Popen(
+                    self.command(), stdout=log, stderr=subprocess.STDOUT, start_new_session=self.new_session
+                )
             self.paused = False
             try:
                 self.wait_healthy(timeout)

@@ -503,10 +503,12 @@ def _version() -> str:
 
 
 def _load_plugins() -> None:
-    """``run`` registers itself on import; ``bench`` comes from the benchmarks package, which the CLI alone may use."""
+    """``run`` and ``cluster`` register themselves on import; ``bench`` comes from the benchmarks package,
+    which the CLI alone may use."""
     import importlib
 
     importlib.import_module("conveyor.broker.cli.run")
+    importlib.import_module("conveyor.broker.cli.cluster")
     bench = importlib.import_module("conveyor.benchmarks.cli")
     COMMANDS.setdefault("bench", (bench.HELP, bench.setup, bench.run))
 

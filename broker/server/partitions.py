@@ -284,6 +284,38 @@ class Partitions:
         followed = self.replicas.followed(topic, partition)
         return followed.hw if followed is not None else 0
 
+    def successors(self) -> dict[TopicPartition, str]:
+        """For each led partition, a follower that holds its whole log durably (controlled shutdown)."""
+        found: dict[TopicPartition, str] = {}
+        for tp, leader in self.leading.items():
+            node = leader.successor(self.host.store.topic(tp[0]).end_offset)
+            if node is not None:
+                found[tp] = node
+        return found
+
+    def describe(self, topic: str, partition: int = 0) -> dict[str, object]:
+        """This node's view of a partition's replication (role, epoch, ISR, HW, followers or leader)."""
+        tp = (topic, partition)
+        log_ = self.host.store.logs.get(topic)
+        end = log_.end_offset if log_ is not None else 0
+        leader = self.leading.get(tp)
+        if leader is not None:
+            return leader.describe(end)
+        following = self.following.get(tp)
+        followed = self.replicas.followed(topic, partition)
+        if following is None or followed is None:
+            return {"role": "none"}
+        return {
+            "role": "follower",
+            "leader": following.leader,
+            "leader_addr": following.address,
+            "leader_epoch": following.epoch,
+            "high_watermark": followed.hw,
+            "end_offset": end,
+            "durable_offset": log_.durable_offset if log_ is not None else 0,
+            "truncations": followed.truncations,
+        }
+
     # --- the loop's hooks -------------------------------------------------------------------------
 
     def after_sync(self, topics: set[str]) -> None:

@@ -62,6 +62,10 @@ def test_three_replicas_hold_byte_identical_segments_of_10000_messages(nodes: di
     for name in "bc":
         wait_for(lambda name=name: caught_up(nodes[name], 10_000), message=f"{name} holds all 10,000 durably")
     assert nodes["a"].on_loop(lambda: nodes["a"].partitions.hw(TOPIC)) == 10_000
+    described = nodes["a"].on_loop(lambda: nodes["a"].partitions.describe(TOPIC))
+    assert described["high_watermark"] == 10_000 and described["isr"] == ["a", "b", "c"]
+    assert nodes["a"].on_loop(lambda: nodes["a"].partitions.successors()) == {(TOPIC, 0): "b"}
+    assert nodes["b"].on_loop(lambda: nodes["b"].partitions.describe(TOPIC))["role"] == "follower"
     first = nodes["b"].on_loop(lambda: nodes["b"].broker.store.topic(TOPIC).read(0)[0])
     assert first.leader_epoch == 1 and first.producer_id >= 0 and first.sequence == 0  # the leader's header, kept
     for node in nodes.values():

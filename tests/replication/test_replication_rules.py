@@ -226,3 +226,17 @@ def test_the_record_names_the_leader_its_followers_and_nobody_else() -> None:
 def test_an_offline_or_deleted_partition_gives_no_role() -> None:
     assert role_for(PartitionState(("a", "b"), None, 4, (), offline=True), "a") is Role.NONE
     assert role_for(None, "a") is Role.NONE
+
+
+def test_the_successor_is_an_in_sync_follower_holding_the_whole_log() -> None:
+    state, _ = leader()
+    state.on_fetch("b", 100, 90, leader_end=100, now=1.0)
+    state.on_fetch("c", 100, 100, leader_end=100, now=1.0)
+    assert state.successor(100) == "c"
+    assert state.successor(101) is None
+    described = state.describe(120)
+    assert described["isr"] == ["a", "b", "c"]
+    assert described["followers"] == {
+        "b": {"fetch_offset": 100, "durable_offset": 90, "lag_messages": 20},
+        "c": {"fetch_offset": 100, "durable_offset": 100, "lag_messages": 20},
+    }

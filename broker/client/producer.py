@@ -734,11 +734,14 @@ class _ProducerIO:
         hinted = isinstance(exc, NotLeader) and bool(exc.fields.get("leader_addr"))
         when = time.monotonic() + (0.0 if hinted else backoff_seconds(self.p.retry_wait, flight.attempts))
         for other in self.in_flight.values():
-            if other.topic == flight.topic and other.rid not in self.retry_at:
+            if other.topic != flight.topic:
+                continue
+            if other.rid not in self.retry_at:
                 other.attempts += 1
                 other.last_error = exc
                 other.sent_at = float("inf")  # not waiting for the old leader's answer
-                self.retry_at[other.rid] = when
+            # All at the same time (one waiting longer for another reason too): they go out in sequence order.
+            self.retry_at[other.rid] = min(self.retry_at.get(other.rid, when), when)
 
     def _timed_out(self, flight: _InFlight) -> ConveyorError:
         sent = flight.attempts - (flight.rid in self.retry_at)  # a resend scheduled but never made

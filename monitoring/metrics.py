@@ -484,6 +484,77 @@ STATE_GAUGES: dict[str, tuple[str, tuple[str, ...]]] = {
 }
 
 
+class ClusterCollector(Collector):
+    """Cluster mode's series, read at scrape time like ``StateCollector``'s (a single node registers none).
+
+    ``snapshot`` returns ``{metric name: [(label values, value), ...]}`` for the
+    names in ``CLUSTER_GAUGES`` and ``CLUSTER_COUNTERS``. Partition series are
+    exposed by the partition's leader only (``conveyor_partition_leader`` also
+    by its followers), so a sum over the nodes counts each partition once.
+    """
+
+    def __init__(self, snapshot: Callable[[], dict[str, list[tuple[tuple[str, ...], float]]]]) -> None:
+        self.snapshot = snapshot
+
+    def describe(self) -> Iterable[Metric]:
+        return list(self._families({}))
+
+    def collect(self) -> Iterable[Metric]:
+        return list(self._families(self.snapshot()))
+
+    @staticmethod
+    def _families(state: dict[str, list[tuple[tuple[str, ...], float]]]) -> Iterable[Metric]:
+        kinds = [(CLUSTER_GAUGES, GaugeMetricFamily), (CLUSTER_COUNTERS, CounterMetricFamily)]
+        for table, kind in kinds:
+            for name, (help_text, labels) in table.items():
+                family = kind(name, help_text, labels=list(labels))
+                for label_values, value in state.get(name, []):
+                    family.add_metric(list(label_values), value)
+                yield family
+
+
+PARTITION, FOLLOWER = ("topic", "partition"), ("topic", "partition", "follower")
+CLUSTER_GAUGES: dict[str, tuple[str, tuple[str, ...]]] = {
+    "conveyor_cluster_node_registered": ("1 while this node's key is in etcd (its lease alive), else 0", ()),
+    "conveyor_cluster_controller": ("1 while this node is the cluster's controller, else 0", ()),
+    "conveyor_cluster_nodes": ("Nodes registered in etcd, as this node sees them", ()),
+    "conveyor_partition_leader": ("1 for a partition this node leads, 0 for one it follows", PARTITION),
+    "conveyor_partition_replicas": ("Replicas assigned to a partition this node leads", PARTITION),
+    "conveyor_partition_isr_size": ("In-sync replicas of a partition this node leads (itself included)", PARTITION),
+    "conveyor_partition_min_insync_replicas": (
+        "In-sync replicas a publish needs on a partition this node leads",
+        PARTITION,
+    ),
+    "conveyor_partition_under_replicated": (
+        "1 when a partition this node leads has fewer in-sync replicas than replicas, else 0",
+        PARTITION,
+    ),
+    "conveyor_partition_below_min_insync": (
+        "1 when a partition this node leads has fewer in-sync replicas than min_insync_replicas "
+        "(publishes get NOT_ENOUGH_REPLICAS), else 0",
+        PARTITION,
+    ),
+    "conveyor_partition_high_watermark": (
+        "High watermark of a partition this node leads: offsets below it are durable on every in-sync replica",
+        PARTITION,
+    ),
+    "conveyor_replica_lag_messages": (
+        "Messages a follower is behind this leader's log end, by follower",
+        FOLLOWER,
+    ),
+    "conveyor_replica_lag_seconds": (
+        "Seconds since a follower was last caught up with this leader (0 while it is), by follower",
+        FOLLOWER,
+    ),
+}
+CLUSTER_COUNTERS: dict[str, tuple[str, tuple[str, ...]]] = {
+    "conveyor_partition_leader_changes": (
+        "Times this node saw a partition get a new leader (a higher leader epoch) since it started",
+        PARTITION,
+    ),
+}
+
+
 class HealthCollector(Collector):
     """``conveyor_health_status{check}``: each health check's status at scrape time, and ``overall``.
 

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from conveyor.broker.cli.main import Handler, command
 
 ACTIONS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Handler]] = {}
-ACTION_MODULES = ("conveyor.broker.cli.cluster_local",)
+ACTION_MODULES = ("conveyor.broker.cli.cluster_local", "conveyor.broker.cli.cluster_status")
 
 
 def cluster_action(
@@ -39,7 +39,9 @@ def _setup(parser: argparse.ArgumentParser) -> None:
         sub.set_defaults(action_handler=handler)
 
 
-@command("cluster", "cluster commands (local: etcd and brokers on this machine)", _setup)
+@command(
+    "cluster", "cluster commands (local: etcd and brokers on this machine; status: nodes, leaders, ISR, lag)", _setup
+)
 def cmd_cluster(args: argparse.Namespace) -> int:
     handler: Handler = args.action_handler
     return handler(args)

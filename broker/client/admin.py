@@ -142,6 +142,16 @@ class Admin:
         """The upstream link of a child broker (None on a broker that mirrors nothing)."""
         return self._admin("mirror_status")
 
+    def describe_partitions(self, topic: str | None = None) -> dict[str, Any]:
+        """The partitions the broker answering holds: ``node``, ``cluster``, ``partitions``.
+
+        A leader's rows carry the high watermark, the in-sync set and each follower's
+        lag; a follower's carry its leader and its own high watermark. Given a topic,
+        the request goes to that topic's leader; without one, to the first broker that
+        answers (``conveyor cluster status`` asks each node in turn).
+        """
+        return self._admin("describe_partitions", **({"topic": topic} if topic else {}))
+
     def hello(self) -> dict[str, Any]:
         return self._call(partial(commands.hello, f"conveyor-admin/{os.getpid()}")).header
 

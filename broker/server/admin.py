@@ -11,12 +11,16 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from conveyor.broker.log.data_dir import Store, check_name
 from conveyor.broker.server.group_table import GroupTable, resolve_position
+from conveyor.broker.server.metadata import SINGLE_NODE_ID
+from conveyor.broker.server.partition_status import describe_partitions
 
 from conveyor.errors import ConfigError, InvalidRequest, UnknownGroup
 
 if TYPE_CHECKING:
+    from conveyor.broker.config.broker_settings import BrokerSettings
     from conveyor.broker.server.groups import Group
     from conveyor.broker.server.mirror import Mirror
+    from conveyor.broker.server.partitions import Partitions
     from conveyor.broker.server.peers import Peers
 
 
@@ -33,6 +37,10 @@ class AdminHost(Protocol):
     def mirror(self) -> Mirror | None: ...
     @property
     def to_dispatch(self) -> set[Group]: ...  # groups the loop dispatches this pass
+    @property
+    def settings(self) -> BrokerSettings: ...
+    @property
+    def partitions(self) -> Partitions | None: ...  # cluster mode only
 
     def check_topic_room(self, topic: str) -> None: ...  # TOPIC_LIMIT
     def topic_deleted(self, topic: str) -> None: ...  # answer what waited on it, forget its metrics
@@ -141,6 +149,13 @@ def refresh_topic(host: AdminHost, topic: str) -> dict[str, Any]:
     return host.mirror.refresh(topic)
 
 
+def partitions_of(host: AdminHost, topic: str | None) -> dict[str, Any]:
+    """This node's partitions: what it leads (with each follower's lag) and what it follows."""
+    partitions = host.partitions
+    node = partitions.node_id if partitions is not None else host.settings.node or SINGLE_NODE_ID
+    return describe_partitions(partitions, host.store, node, topic)
+
+
 def _arg(header: dict[str, Any], key: str, kind: type) -> Any:
     value = header.get(key)
     if not isinstance(value, kind):
@@ -160,6 +175,7 @@ OPS: dict[str, Callable[[AdminHost, dict[str, Any]], Any]] = {
     "delete_group": lambda b, h: delete_group(b, _arg(h, "topic", str), _arg(h, "group", str)),
     "refresh_topic": lambda b, h: refresh_topic(b, _arg(h, "topic", str)),
     "mirror_status": lambda b, h: b.mirror.health() if b.mirror else None,
+    "describe_partitions": lambda b, h: partitions_of(b, h.get("topic")),
 }
 
 

@@ -42,7 +42,7 @@ from conveyor.broker.server.groups import Group, GroupSettings, Member
 from conveyor.broker.server.health import LoopTimes, broker_health, broker_live, broker_ready
 from conveyor.broker.server.limits import TopicLimits
 from conveyor.broker.server.metadata import MetadataProvider, SingleNodeMetadata, metadata_reply
-from conveyor.broker.server.metrics_state import state_snapshot
+from conveyor.broker.server.metrics_state import cluster_snapshot, state_snapshot
 from conveyor.broker.server.mirror import Mirror
 from conveyor.broker.server.partitions import Partitions
 from conveyor.broker.server.peers import Peers
@@ -55,7 +55,13 @@ from conveyor.broker.wire.protocol import field as hfield
 from conveyor.broker.wire.protocol import ranges as hranges
 from conveyor.broker.wire.record import NO_PRODUCER
 from conveyor.monitoring.http import MetricsServer
-from conveyor.monitoring.metrics import BrokerMetrics, HealthCollector, NullMetrics, StateCollector
+from conveyor.monitoring.metrics import (
+    BrokerMetrics,
+    ClusterCollector,
+    HealthCollector,
+    NullMetrics,
+    StateCollector,
+)
 from prometheus_client import CollectorRegistry
 
 from conveyor.errors import ConveyorError, InvalidRequest, TooManyOpenFiles
@@ -82,6 +88,8 @@ class Broker:
         self.containment = Containment(self.metrics.internal_errors, clock=self.clock)
         if settings.metrics:
             self.registry.register(StateCollector(lambda: state_snapshot(self)))
+            if settings.cluster:
+                self.registry.register(ClusterCollector(lambda: cluster_snapshot(self)))
         self.registry.register(HealthCollector(self.health))
         self.store: Store = open_store(settings, self.metrics)
         # The loop's sets, shared with the small classes: work follows what changed, never the number

@@ -56,6 +56,7 @@ class ClusterRoles:
     min_insync: dict[str, int] = field(default_factory=dict)
     addresses: dict[str, str] = field(default_factory=dict)
     pending: dict[int, TopicPartition] = field(default_factory=dict)  # proposal request id -> partition
+    leader_changes: dict[TopicPartition, int] = field(default_factory=dict)  # new leader epochs seen (a metric)
 
     def handle(self, event: ClusterEvent) -> None:
         """One agent event, on the loop thread; other kinds are not about roles and are left alone."""
@@ -77,6 +78,9 @@ class ClusterRoles:
     # --- events -------------------------------------------------------------------------------
 
     def _record(self, tp: TopicPartition, state: PartitionState | None, revision: int) -> None:
+        previous = self.states.get(tp)
+        if previous is not None and state is not None and state.leader_epoch > previous.leader_epoch:
+            self.leader_changes[tp] = self.leader_changes.get(tp, 0) + 1
         if state is None:
             self.states.pop(tp, None)
             self.revisions.pop(tp, None)

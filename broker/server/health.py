@@ -14,6 +14,16 @@
 - ``lost_data``: offsets recovery found missing although a group had
   committed past them or an index named them (confirmed data lost at the
   last start): DEGRADED until the next restart, with each topic's range.
+- ``replication`` (cluster mode): a partition this node leads with fewer
+  in-sync replicas than replicas is DEGRADED (a follower is down or behind:
+  one more loss and confirmed data may rest on fewer copies); one below its
+  ``min_insync_replicas`` is UNHEALTHY (its publishes get
+  NOT_ENOUGH_REPLICAS). Followed partitions count on their own leader.
+- ``cluster`` (cluster mode): DEGRADED while this node is not registered in
+  etcd (starting, or its lease lost); ``/readyz`` fails until it is.
+
+``/livez`` reads the event loop only: another node's death never makes a
+container restart this one.
 
 Read on the HTTP thread: every value here is written by the loop (or the
 offsets writer, under ``IoHealth``'s lock) and read whole.
@@ -32,7 +42,9 @@ from conveyor.broker.server.containment import Containment
 from conveyor.monitoring.health import DEGRADED, HEALTHY, UNHEALTHY, Report, live, loop_check, ready, report
 
 if TYPE_CHECKING:
+    from conveyor.broker.server.cluster_node import ClusterNode
     from conveyor.broker.server.mirror import Mirror
+    from conveyor.broker.server.partitions import Partitions
 
 
 @dataclass(slots=True)
@@ -60,6 +72,10 @@ class HealthHost(Protocol):
     def running(self) -> bool: ...
     @property
     def clock(self) -> Callable[[], float]: ...
+    @property
+    def partitions(self) -> Partitions | None: ...  # cluster mode only
+    @property
+    def cluster(self) -> ClusterNode | None: ...
 
 
 def broker_health(host: HealthHost) -> Report:
@@ -73,7 +89,37 @@ def broker_health(host: HealthHost) -> Report:
         checks["upstream"] = host.mirror.health()
     checks["internal_errors"] = host.containment.check()
     checks["lost_data"] = _lost_data(host.store)
+    if host.partitions is not None:
+        checks["replication"] = replication_check(host.partitions)
+    if host.cluster is not None:
+        checks["cluster"] = _cluster(host.cluster)
     return report(checks)
+
+
+def replication_check(partitions: Partitions) -> dict[str, Any]:
+    """The partitions this node leads that lack in-sync replicas: under-replicated, or below min_insync."""
+    under: dict[str, dict[str, Any]] = {}
+    below: list[str] = []
+    for (topic, number), leader in list(partitions.leading.items()):
+        isr, replicas = sorted(set(leader.isr)), leader.replicas
+        if len(isr) < len(replicas):
+            name = f"{topic}/{number}"
+            under[name] = {"isr": isr, "replicas": list(replicas), "min_insync_replicas": leader.min_insync}
+            if len(isr) < leader.min_insync:
+                below.append(name)
+    status = UNHEALTHY if below else DEGRADED if under else HEALTHY
+    found: dict[str, Any] = {"status": status, "led": len(partitions.leading)}
+    if under:
+        found["under_replicated"] = under
+    if below:
+        found["below_min_insync"] = sorted(below)
+    return found
+
+
+def _cluster(cluster: ClusterNode) -> dict[str, Any]:
+    if cluster.registered:
+        return {"status": HEALTHY, "node": cluster.node_id, "controller": cluster.controller}
+    return {"status": DEGRADED, "node": cluster.node_id, "error": "not registered in etcd"}
 
 
 def _lost_data(store: Store) -> dict[str, Any]:
@@ -87,8 +133,15 @@ def broker_live(host: HealthHost) -> Report:
 
 
 def broker_ready(host: HealthHost) -> Report:
-    """Ready while the loop serves and nothing is UNHEALTHY (a failing disk takes it out of rotation)."""
-    return ready(broker_health(host), serving=host.running)
+    """Ready while the loop serves, nothing is UNHEALTHY, and (in a cluster) this node is registered in etcd.
+
+    A failing disk takes the node out of rotation; so does a partition it leads
+    below ``min_insync_replicas``, which could take no publish anyway.
+    """
+    found = broker_health(host)
+    if host.running and host.cluster is not None and not host.cluster.registered:
+        return ready(found, serving=False, why_not="not registered in etcd")
+    return ready(found, serving=host.running)
 
 
 def _disk_space(settings: BrokerSettings) -> dict[str, Any]:

@@ -17,10 +17,13 @@ from conveyor.broker.log.data_dir import Store
 from conveyor.broker.log.topic_log import TopicLog
 from conveyor.broker.server.group_table import GroupIndex
 from conveyor.broker.server.limits import TopicLimits
+from conveyor.broker.server.partition_status import follower_lag
 from conveyor.monitoring.health import STATUS_CODES
 
 if TYPE_CHECKING:
+    from conveyor.broker.server.cluster_node import ClusterNode
     from conveyor.broker.server.mirror import Mirror
+    from conveyor.broker.server.partitions import Partitions
     from conveyor.broker.server.peers import Peers
 
 Rows = list[tuple[tuple[str, ...], float]]
@@ -100,3 +103,56 @@ def _lag_seconds(log: TopicLog, committed: int, now_ms: float) -> float:
     except Exception:
         return 0.0
     return max(0.0, (now_ms - batches[0].timestamp_ms) / 1000) if batches else 0.0
+
+
+class ClusterHost(Protocol):
+    """What the cluster series read (a broker in cluster mode is one)."""
+
+    @property
+    def store(self) -> Store: ...
+    @property
+    def partitions(self) -> Partitions | None: ...
+    @property
+    def cluster(self) -> ClusterNode | None: ...
+
+
+def cluster_snapshot(host: ClusterHost) -> dict[str, Rows]:
+    """The rows of ``monitoring.metrics.CLUSTER_GAUGES`` and ``CLUSTER_COUNTERS``: roles, ISR, HW, follower lag."""
+    rows: dict[str, Rows] = {}
+
+    def add(name: str, labels: tuple[str, ...], value: float) -> None:
+        rows.setdefault(name, []).append((labels, float(value)))
+
+    cluster = host.cluster
+    if cluster is not None:
+        add("conveyor_cluster_node_registered", (), cluster.registered)
+        add("conveyor_cluster_controller", (), cluster.controller is not None and cluster.controller == cluster.node_id)
+        add("conveyor_cluster_nodes", (), len(cluster.agent.snapshot().nodes))
+        changes = cluster.roles.leader_changes
+        for tp in list(cluster.roles.states):  # every partition known, from 0: a rate has two points from the start
+            add("conveyor_partition_leader_changes", (tp.topic, str(tp.partition)), changes.get(tp, 0))
+    partitions = host.partitions
+    if partitions is None:
+        return rows
+    now = partitions.clock()
+    for (topic, number), leader in list(partitions.leading.items()):
+        log = host.store.logs.get(topic)
+        if log is None:
+            continue
+        labels = (topic, str(number))
+        isr = len(leader.isr)
+        add("conveyor_partition_leader", labels, 1)
+        add("conveyor_partition_replicas", labels, len(leader.replicas))
+        add("conveyor_partition_isr_size", labels, isr)
+        add("conveyor_partition_min_insync_replicas", labels, leader.min_insync)
+        add("conveyor_partition_under_replicated", labels, isr < len(leader.replicas))
+        add("conveyor_partition_below_min_insync", labels, isr < leader.min_insync)
+        add("conveyor_partition_high_watermark", labels, leader.hw)
+        end = log.end_offset
+        for node, state in list(leader.followers.items()):
+            messages, seconds = follower_lag(state, end, now)
+            add("conveyor_replica_lag_messages", (*labels, node), messages)
+            add("conveyor_replica_lag_seconds", (*labels, node), seconds)
+    for topic, number in list(partitions.following):
+        add("conveyor_partition_leader", (topic, str(number)), 0)
+    return rows

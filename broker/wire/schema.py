@@ -185,6 +185,7 @@ ADMIN_OPS: dict[str, dict[str, Field]] = {
     "delete_group": {"topic": NAME, "group": NAME},
     "refresh_topic": {"topic": NAME},
     "mirror_status": {},
+    "describe_partitions": {"topic": FREE_TEXT},  # absent or nil: every partition this node holds
 }
 
 

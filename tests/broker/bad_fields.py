@@ -112,6 +112,7 @@ ADMIN_OPS: dict[str, tuple[dict[str, Any], dict[str, Spec]]] = {
     "delete_group": ({"topic": "fz", "group": "g-gone"}, {"topic": ("name",), "group": ("name",)}),
     "refresh_topic": ({"topic": "fz"}, {"topic": ("name",)}),
     "mirror_status": ({}, {}),
+    "describe_partitions": ({"topic": "fz"}, {"topic": ("text",)}),
 }
 
 # Values of every other type, each packable by msgpack.

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conveyor.monitoring.metrics import BrokerMetrics, HealthCollector, RunnerMetrics, StateCollector
+from conveyor.monitoring.metrics import BrokerMetrics, ClusterCollector, HealthCollector, RunnerMetrics, StateCollector
 from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -88,6 +88,7 @@ def registered_families() -> dict[str, str]:
     broker, runner = CollectorRegistry(), CollectorRegistry()
     BrokerMetrics(broker)
     broker.register(StateCollector(lambda: {}))
+    broker.register(ClusterCollector(lambda: {}))  # a broker in cluster mode
     RunnerMetrics(runner)
     for registry in (broker, runner):
         registry.register(HealthCollector(lambda: {"status": "HEALTHY", "checks": {}}))

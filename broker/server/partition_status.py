@@ -1,0 +1,118 @@
+"""What this node knows of each partition it holds: role, epoch, in-sync set, high watermark, follower lag.
+
+One description serves three readers: the ADMIN op ``describe_partitions``
+(``conveyor cluster status`` asks each node for it), the cluster metrics
+and the ``replication`` health check. Only a leader knows its followers'
+offsets and the high watermark (etcd holds neither), so each node describes
+what it leads and follows, and the command puts the nodes' answers together.
+
+The metrics and health read this on the HTTP thread: every value read is
+written whole by the loop, and the collections are copied before they are
+walked. A single-node broker has no ``Partitions``: it leads every topic,
+alone, at epoch 0.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from conveyor.broker.log.data_dir import Store
+from conveyor.broker.server.replication import FollowerState, PartitionLeader
+
+if TYPE_CHECKING:
+    from conveyor.broker.server.partitions import Partitions
+
+
+def follower_lag(state: FollowerState, leader_end: int, now: float) -> tuple[int, float]:
+    """How far a follower is behind: messages below the leader's end, and seconds since it was last caught up.
+
+    Seconds are 0 while it is at the end (Kafka's ``lastCaughtUpTime``): a dead
+    follower's lag grows in both, a busy but keeping-up one reads near zero.
+    """
+    messages = max(0, leader_end - state.fetch_offset)
+    seconds = 0.0 if messages == 0 else max(0.0, now - state.last_caught_up)
+    return messages, seconds
+
+
+def describe_led(leader: PartitionLeader, end_offset: int, now: float) -> dict[str, Any]:
+    """A partition this node leads, with each follower's offsets and lag."""
+    isr = sorted(set(leader.isr))
+    replicas = list(leader.replicas)
+    followers = []
+    for node, state in sorted(list(leader.followers.items())):
+        messages, seconds = follower_lag(state, end_offset, now)
+        followers.append(
+            {
+                "node": node,
+                "in_isr": node in isr,
+                "fetch_offset": state.fetch_offset,
+                "durable_offset": state.durable,
+                "lag_messages": messages,
+                "lag_seconds": round(seconds, 3),
+            }
+        )
+    return {
+        "topic": leader.topic,
+        "partition": leader.partition,
+        "role": "leader",
+        "leader": leader.node,
+        "epoch": leader.epoch,
+        "replicas": replicas,
+        "isr": isr,
+        "min_insync_replicas": leader.min_insync,
+        "high_watermark": leader.hw,
+        "end_offset": end_offset,
+        "under_replicated": len(isr) < len(replicas),
+        "below_min_insync": len(isr) < leader.min_insync,
+        "followers": followers,
+    }
+
+
+def describe_partitions(
+    partitions: Partitions | None, store: Store, node_id: str, topic: str | None = None
+) -> dict[str, Any]:
+    """This node's partitions (``topic`` None: all), as the ADMIN op ``describe_partitions`` answers."""
+    rows: list[dict[str, Any]] = []
+    if partitions is None:
+        for name, single in sorted(list(store.logs.items())):
+            if topic in (None, name):
+                rows.append(_single(name, node_id, single.visible_offset, single.end_offset))
+        return {"node": node_id, "cluster": False, "partitions": rows}
+    now = partitions.clock()
+    for (name, _number), leader in sorted(list(partitions.leading.items())):
+        log = store.logs.get(name)
+        if topic in (None, name) and log is not None:
+            rows.append(describe_led(leader, log.end_offset, now))
+    for (name, number), following in sorted(list(partitions.following.items())):
+        log = store.logs.get(name)
+        if topic in (None, name) and log is not None:
+            rows.append(
+                {
+                    "topic": name,
+                    "partition": number,
+                    "role": "follower",
+                    "leader": following.leader,
+                    "epoch": following.epoch,
+                    "high_watermark": partitions.hw(name, number),
+                    "end_offset": log.end_offset,
+                }
+            )
+    return {"node": node_id, "cluster": True, "partitions": rows}
+
+
+def _single(topic: str, node_id: str, visible: int, end: int) -> dict[str, Any]:
+    return {
+        "topic": topic,
+        "partition": 0,
+        "role": "leader",
+        "leader": node_id,
+        "epoch": 0,
+        "replicas": [node_id],
+        "isr": [node_id],
+        "min_insync_replicas": 1,
+        "high_watermark": visible,
+        "end_offset": end,
+        "under_replicated": False,
+        "below_min_insync": False,
+        "followers": [],
+    }

@@ -64,7 +64,7 @@ TOP_DIRS = (*FOLDERS, "tests", "grafana", "docs")
 
 # Flags of other tools that the docs show next to ours: spark-submit's, py-spy's (the benchmarks profile with it).
 FOREIGN_FLAGS = {"--master", "--conf", "--py-files", "--archives", "--gil", "--native", "--threads", "--pid"}
-FOREIGN_COMMANDS = ("docker", "sudo", "pip", "apt", "curl", "git", "make")
+FOREIGN_COMMANDS = ("docker", "sudo", "pip", "apt", "curl", "git", "make", "etcd")  # lines of these give their flags
 
 
 def rel(path: Path) -> str:
@@ -690,3 +690,18 @@ def test_the_spark_options_tables_list_exactly_the_options_the_source_and_sink_r
     read = set(re.findall(r"""_(?:get|int|bool)\(options, "(\w+)\"""", code))
     assert len(read) > 10, "the option readers of pipeline/options.py were not found"
     assert documented == read, "docs/spark.md's option tables and pipeline/options.py differ"
+
+
+def test_the_cluster_flags_table_lists_every_cluster_setting():
+    """docs/cluster.md's flags table names every cluster option of broker/config/broker_settings.py, and no other."""
+    from dataclasses import fields
+
+    from conveyor.broker.config.broker_settings import CLUSTER_ONLY, BrokerSettings
+
+    table = section(REPO / "docs" / "cluster.md", "Flags")
+    documented = set()
+    for cell in re.findall(r"^\| ([^|]+) \|", table, re.M):
+        documented |= {flag.removeprefix("--").replace("-", "_") for flag in re.findall(r"`(--[a-z-]+)`", cell)}
+    extra = {"replica_lag_max_ms", "default_replication_factor", "min_insync_replicas", *CLUSTER_ONLY}
+    cluster = {f.name for f in fields(BrokerSettings) if f.name.startswith(("cluster", "etcd_")) or f.name in extra}
+    assert documented == cluster

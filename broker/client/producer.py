@@ -598,7 +598,11 @@ class _ProducerIO:
         return max(0, math.ceil((min(deadlines) - now) * 1000))  # not a whole extra ms past the linger
 
     def _blocked(self, topic: str) -> bool:
-        return self.per_topic.get(topic, 0) >= self._window(topic)
+        """No new batch of ``topic`` now: its in-flight window is full, or one of its batches awaits a resend
+        (a newer batch must not reach a leader before an older one it refused or never got)."""
+        if self.per_topic.get(topic, 0) >= self._window(topic):
+            return True
+        return any(self.in_flight[rid].topic == topic for rid in self.retry_at)
 
     def _window(self, topic: str) -> int:
         """Batches of ``topic`` that may await a confirm: one while its route is not proven."""
@@ -755,13 +759,24 @@ class _ProducerIO:
 
     def _check_timeouts(self) -> None:
         now = time.monotonic()
-        due = sorted((self.in_flight[rid] for rid, when in self.retry_at.items() if when <= now), key=_in_order)
+        # A topic with a resend due sends every batch of it awaiting one, in sequence order, and stops at
+        # the first that cannot be routed yet: the leader sees a producer's batches in order.
+        topics = {self.in_flight[rid].topic for rid, when in self.retry_at.items() if when <= now}
+        due = sorted(
+            (self.in_flight[rid] for rid in self.retry_at if self.in_flight[rid].topic in topics), key=_in_order
+        )
         if due and self.suspect and now - self.asked_at >= LEADER_POLL:
             self.asked_at = now
             self.p.metadata.stale()  # once per poll, not once per batch
+        stalled: dict[str, float] = {}
         for flight in due:
+            if flight.topic in stalled:
+                self.retry_at[flight.rid] = stalled[flight.topic]
+                continue
             del self.retry_at[flight.rid]
             self._transmit(flight)
+            if flight.rid in self.retry_at:  # not routed: the rest of its topic waits with it
+                stalled[flight.topic] = self.retry_at[flight.rid]
         expired = [f for f in self.in_flight.values() if now - f.first_sent >= self.p.delivery_timeout]
         for flight in expired:
             error = self._timed_out(flight)

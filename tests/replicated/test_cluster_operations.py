@@ -19,7 +19,7 @@ from conveyor.broker.client.producer import Producer
 
 from conveyor.cluster_process import ClusterProcess
 from conveyor.testing import BrokerProcess
-from tests.helpers import http_get, sample_value, scrape, wait_for
+from tests.helpers import free_port, http_get, sample_value, scrape, wait_for
 
 
 def cli(*args: str) -> subprocess.CompletedProcess[str]:
@@ -195,3 +195,32 @@ def publish_single(address: str) -> None:
         for i in range(3):
             producer.send("orders", i)
         producer.flush(30)
+
+
+def test_a_node_is_not_ready_until_registered_in_etcd_and_stays_live(tmp_path: Path) -> None:
+    # Given a cluster node whose etcd is not there (a port where nothing listens)
+    etcd, address = f"etcd://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
+    node = BrokerProcess(tmp_path / "n1", extra=["--cluster", etcd, "--node-id", "n1", "--advertise", address])
+    node._bind = address  # as ClusterProcess does: the address it advertises
+    with node as broker:
+        # Then it serves its probes, but is not ready: it is not registered
+        code, body = probe(broker, "/readyz")
+        assert code == 503 and body["ready"] is False and body["reason"] == "not registered in etcd"
+        code, body = probe(broker, "/healthz")
+        assert body["checks"]["cluster"] == {"status": "DEGRADED", "node": "n1", "error": "not registered in etcd"}
+        assert metric(broker, "conveyor_cluster_node_registered") == 0
+        # And /livez is 200: waiting for etcd is no reason to restart
+        code, body = probe(broker, "/livez")
+        assert code == 200 and body["live"] is True
+
+
+def test_a_registered_node_is_ready(cluster: ClusterProcess) -> None:
+    for node in cluster.node_ids:
+        _code, body = wait_for(lambda node=node: _ready(cluster.node(node)), message=f"{node} ready")
+        assert body["ready"] is True and body["status"] == "HEALTHY"
+        assert probe(cluster.node(node), "/healthz")[1]["checks"]["cluster"]["status"] == "HEALTHY"
+
+
+def _ready(broker: BrokerProcess) -> tuple[int, dict[str, Any]] | None:
+    code, body = probe(broker, "/readyz")
+    return (code, body) if code == 200 else None

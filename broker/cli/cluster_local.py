@@ -37,6 +37,7 @@ from conveyor.etcd_process import free_port
 
 STATE_FILE = "cluster.json"
 BOOTSTRAP_FILE = "bootstrap"
+LAST_LINES = 8  # of a process's output, when it did not start
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
@@ -183,7 +184,11 @@ def _restore_handlers(read: int, previous: dict[int, Any]) -> None:
 
 def _start(cluster: ClusterProcess, directory: Path, state: LocalState) -> None:
     print(f"conveyor cluster: starting etcd and {len(cluster.node_ids)} brokers in {directory}", flush=True)
-    cluster.start()
+    try:
+        cluster.start()
+    except RuntimeError as exc:  # a port taken since the first run, etcd or a broker that exits at once
+        lines = str(exc).strip().splitlines()
+        raise ConfigError("the cluster did not start: " + "\n".join(lines[-LAST_LINES:])) from None
     state = LocalState(state.addresses, state.metrics_ports, (cluster.etcd.client_port, cluster.etcd.peer_port))
     state.save(directory / STATE_FILE)
     (directory / BOOTSTRAP_FILE).write_text(cluster.bootstrap + "\n")

@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -87,6 +88,19 @@ def children(pid: int) -> set[int]:
     return found
 
 
+def running_in(directory: Path) -> set[int]:
+    """Processes whose command line names ``directory`` (etcd's and the brokers' data directories are in it)."""
+    found = set()
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if str(directory).encode() in (entry / "cmdline").read_bytes():
+                    found.add(int(entry.name))
+            except OSError:
+                continue
+    return found
+
+
 def alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -144,6 +158,7 @@ def test_make_cluster_starts_three_nodes_serves_the_printed_list_and_stops_every
         assert sorted(future.result(60) for future in futures) == list(range(100))
 
     interrupt(first, pids)
+    assert not running_in(directory)
     assert (directory / "n1").is_dir() and (directory / "etcd" / "data").is_dir()
 
     second = start(directory)  # the same cluster again: the same ports, the same topic
@@ -158,6 +173,7 @@ def test_make_cluster_starts_three_nodes_serves_the_printed_list_and_stops_every
 
     wait_for(lambda: end_offset() == 100, timeout=60, message="the topic to be there after the restart")
     interrupt(second, again)
+    assert not running_in(directory)
 
 
 def test_the_directory_remembers_its_ports_and_refuses_fewer_nodes(tmp_path: Path) -> None:
@@ -186,3 +202,23 @@ def test_the_command_needs_etcd(tmp_path: Path) -> None:
     )
     assert done.returncode == 2 and "etcd not found" in done.stderr
     assert not (tmp_path / "c").exists()
+
+
+def test_a_port_taken_since_the_first_run_is_a_clear_error_and_leaves_nothing_running(tmp_path: Path) -> None:
+    directory = tmp_path / "conveyor-cluster"
+    directory.mkdir()
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        state = LocalState().with_nodes(3)
+        state.addresses["n1"] = f"tcp://127.0.0.1:{taken.getsockname()[1]}"
+        state.save(directory / "cluster.json")
+        done = subprocess.run(
+            [sys.executable, "-m", "conveyor", "cluster", "local", "--dir", str(directory)],
+            capture_output=True,
+            text=True,
+            timeout=START_TIMEOUT,
+        )
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert "the cluster did not start" in done.stderr and "Address already in use" in done.stderr
+    assert not running_in(directory), "etcd or a broker outlived the failed start"

@@ -76,16 +76,24 @@ class ClusterProcess:
     def address(self, node: str) -> str:
         return self.brokers[node].address
 
-    def start(self, timeout: float = 60.0) -> ClusterProcess:
+    def start(self, timeout: float = 60.0, *, nodes: list[str] | None = None) -> ClusterProcess:
+        """Start etcd and the brokers (``nodes``: only these; ``start_node`` starts the others later)."""
         self.directory.mkdir(parents=True, exist_ok=True)
         if self._own_etcd and not self.etcd.running():
             self.etcd.start()
+        wanted = list(nodes if nodes is not None else self.node_ids)
         for node in self.node_ids:
             self.brokers[node] = self._broker(node)
-        for broker in self.brokers.values():
-            broker.start(timeout)
-        self.wait_registered(self.node_ids, timeout)
+        for node in wanted:
+            self.brokers[node].start(timeout)
+        self.wait_registered(wanted, timeout)
         return self
+
+    def start_node(self, node: str, timeout: float = 60.0) -> BrokerProcess:
+        """Start one node that ``start(nodes=...)`` left down (or a stopped one) and wait until it registers."""
+        broker = self.brokers[node].start(timeout)
+        self.wait_registered([node], timeout)
+        return broker
 
     def registered(self) -> set[str]:
         """The nodes whose key is in etcd now (alive as far as the cluster knows)."""

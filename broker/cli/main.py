@@ -16,6 +16,7 @@ import logging
 import math
 import os
 import sys
+import time
 from collections.abc import Callable, Sequence
 from datetime import datetime
 from typing import Any
@@ -27,7 +28,7 @@ from conveyor.broker.config.sources import add_options, resolve
 from conveyor.broker.config.topic_settings import TOPIC_SETTINGS, check_topic_settings
 
 from conveyor import exitcodes
-from conveyor.errors import ConfigError, ConveyorError, OffsetOutOfRange, UnknownGroup
+from conveyor.errors import ClusterError, ConfigError, ConveyorError, OffsetOutOfRange, UnknownGroup
 
 CLIENT_OPTIONS = [
     Option("broker", DEFAULT_BROKER, "broker address, or several separated by commas", endpoint_list),
@@ -315,10 +316,11 @@ def _topics_setup(parser: argparse.ArgumentParser) -> None:
     add_options(parser, CLIENT_OPTIONS)
     parser.add_argument(
         "action",
-        choices=["list", "create", "alter", "describe", "delete", "refresh"],
+        choices=["list", "create", "alter", "describe", "delete", "refresh", "reassign"],
         nargs="?",
         default="list",
-        help="alter: change settings live; refresh: on a child broker, drop and re-mirror a topic from the parent",
+        help="alter: change settings live; refresh: on a child broker, drop and re-mirror a topic from the parent; "
+        "reassign: in a cluster, move a topic's replicas to --replicas",
     )
     parser.add_argument("name", nargs="?")
     parser.add_argument(
@@ -334,7 +336,21 @@ def _topics_setup(parser: argparse.ArgumentParser) -> None:
         "--replication-factor", type=int, metavar="N", help="create, in a cluster: replicas (default min(3, nodes))"
     )
     parser.add_argument(
-        "--min-insync-replicas", type=int, metavar="N", help="create, in a cluster: in-sync replicas a publish needs"
+        "--min-insync-replicas",
+        type=int,
+        metavar="N",
+        help="create or reassign, in a cluster: in-sync replicas a publish needs (reassign: once the move is done)",
+    )
+    parser.add_argument(
+        "--replicas", metavar="A,B,C", help="reassign: the node ids to hold the topic (the first is preferred leader)"
+    )
+    parser.add_argument(
+        "--wait",
+        type=float,
+        nargs="?",
+        const=600.0,
+        metavar="SECONDS",
+        help="reassign: wait until the new replicas are the in-sync set (default 600 s; exits 1 if they are not)",
     )
     parser.add_argument("--format", choices=["table", "json"], default="table")
 
@@ -365,10 +381,33 @@ def cmd_topics(args: argparse.Namespace) -> int:
                 result = admin.describe_topic(args.name)
             elif args.action == "refresh":
                 result = admin.refresh_topic(args.name)
+            elif args.action == "reassign":
+                result = _reassign(admin, args, opts["broker"])
             else:
                 result = admin.delete_topic(args.name)
     _show(result, args.format, ["name", "start_offset", "end_offset", "segments", "size_bytes"])
     return 0
+
+
+def _reassign(admin: Any, args: argparse.Namespace, broker: str) -> dict[str, Any]:
+    """``topics reassign T --replicas a,b,c [--wait]``: store the move; with ``--wait``, until it is done."""
+    replicas = [node.strip() for node in (args.replicas or "").split(",") if node.strip()]
+    if not replicas:
+        raise ConfigError("topics reassign needs --replicas A,B,C (node ids)")
+    result: dict[str, Any] = admin.reassign_topic(args.name, replicas, min_insync_replicas=args.min_insync_replicas)
+    if args.wait is None:
+        return result
+    from conveyor.broker.client.metadata import Metadata
+
+    deadline = time.monotonic() + args.wait
+    while True:
+        partition = Metadata(broker).refresh([args.name]).topics.get(args.name, {}).get(0)
+        done = partition is not None and list(partition.replicas) == replicas and set(partition.isr) == set(replicas)
+        if done and partition is not None and partition.leader in replicas:
+            return {**result, "state": "done", "leader": partition.leader, "isr": list(partition.isr)}
+        if time.monotonic() > deadline:
+            raise ClusterError(f"reassignment of {args.name} to {','.join(replicas)} not done in {args.wait:g} s")
+        time.sleep(0.2)  # a CLI waiting on another process's progress: bounded by --wait
 
 
 def _groups_setup(parser: argparse.ArgumentParser) -> None:

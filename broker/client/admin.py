@@ -109,6 +109,20 @@ class Admin:
         """
         return self._admin("alter_topic", topic=name, config=config)
 
+    def reassign_topic(
+        self, name: str, replicas: list[str] | tuple[str, ...], *, min_insync_replicas: int | None = None
+    ) -> dict[str, Any]:
+        """In a cluster: move the topic's replicas to ``replicas`` (node ids; the first is the preferred leader).
+
+        Answered once the controller has the request: the new replicas then join as followers, catch
+        up, and the old ones leave once the new are in sync (``METADATA`` shows the moves).
+        ``min_insync_replicas`` becomes the topic's when the move is done.
+        """
+        args: dict[str, Any] = {"topic": name, "replicas": list(replicas)}
+        if min_insync_replicas is not None:
+            args["min_insync_replicas"] = min_insync_replicas
+        return self._admin("reassign_topic", **args)
+
     def delete_topic(self, name: str) -> dict[str, Any]:
         return self._admin("delete_topic", topic=name)
 

@@ -197,9 +197,13 @@ class ClusterAgent:
         partition, preferred when still in sync); answered by ``ShutdownAnswer`` once it has."""
         return self._request("shutdown", successors=dict(successors or {}))
 
-    def reassign(self, tp: TopicPartition, assignment: tuple[str, ...]) -> int:
-        """Store a reassignment of ``tp`` for the controller; answered by ``ReassignAnswer`` once stored."""
-        return self._request("reassign", tp=tp, nodes=tuple(assignment))
+    def reassign(self, tp: TopicPartition, assignment: tuple[str, ...], min_insync_replicas: int | None = None) -> int:
+        """Store a reassignment of ``tp`` for the controller; answered by ``ReassignAnswer`` once stored.
+
+        ``min_insync_replicas`` becomes the topic's once the move is done (None: kept, at most the new RF).
+        Every replica named must be a registered node.
+        """
+        return self._request("reassign", tp=tp, nodes=tuple(assignment), min_insync_replicas=min_insync_replicas)
 
     def _request(self, kind: str, **fields: Any) -> int:
         request = Request(next(self._ids), kind, **fields)
@@ -518,10 +522,12 @@ class ClusterAgent:
         if tp not in self.view.partitions:
             self._emit(ReassignAnswer(request.request_id, tp, UnknownTopic(f"no partition {tp}")))
             return
-        if not request.nodes or len(set(request.nodes)) != len(request.nodes):
-            self._emit(ReassignAnswer(request.request_id, tp, InvalidRequest("replicas must be distinct")))
+        refused = _reassign_refusal(request.nodes, request.min_insync_replicas, self.view.nodes)
+        if refused is not None:
+            self._emit(ReassignAnswer(request.request_id, tp, refused))
             return
-        self.etcd.put(self.keys.reassign_request(tp), k.encode_reassign(ReassignRequest(request.nodes)))
+        ask = ReassignRequest(request.nodes, request.min_insync_replicas)
+        self.etcd.put(self.keys.reassign_request(tp), k.encode_reassign(ask))
         self._emit(ReassignAnswer(request.request_id, tp))
 
     def _stop(self) -> None:
@@ -538,6 +544,24 @@ class ClusterAgent:
         self.registered.clear()
         if self._owns_etcd:
             self.etcd.close()
+
+
+def _reassign_refusal(
+    nodes: tuple[str, ...], min_insync: int | None, registered: Mapping[str, object]
+) -> ConveyorError | None:
+    """Why a reassignment cannot be stored: repeated or unknown replicas, or more in sync asked than replicas."""
+    if not nodes or len(set(nodes)) != len(nodes):
+        return InvalidRequest(f"replicas must be distinct and not empty, got {list(nodes)}", field="replicas")
+    unknown = sorted(set(nodes) - set(registered))
+    if unknown:
+        return InvalidRequest(
+            f"nodes {unknown} are not registered (live: {sorted(registered)}); start them first", field="replicas"
+        )
+    if min_insync is not None and not 1 <= min_insync <= len(nodes):
+        return InvalidRequest(
+            f"min_insync_replicas must be within 1..{len(nodes)}, got {min_insync}", field="min_insync_replicas"
+        )
+    return None
 
 
 def _failed(request: Request, exc: ConveyorError) -> ClusterEvent:

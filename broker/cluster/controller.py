@@ -169,7 +169,13 @@ class Controller:
 
         if self.update_partition(view, tp, decide) and finished[-1]:
             log.info("reassignment of %s to %s done", tp, ",".join(target))
-            self.fenced([Compare.modified(key, found.mod_revision)], [Op.delete(key)])
+            done: list[Op] = [Op.delete(key)]
+            config = view.topics.get(tp.topic)
+            if config is not None:
+                moved = d.reassigned_config(config, len(target), found.value.min_insync_replicas)
+                if moved != config:
+                    done.insert(0, Op.put(self.keys.topic_config(tp.topic), k.encode_topic_config(moved)))
+            self.fenced([Compare.modified(key, found.mod_revision)], done)
 
     # --- writes ------------------------------------------------------------
 

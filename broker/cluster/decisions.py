@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Collection, Iterable, Mapping
 from dataclasses import replace
 
-from conveyor.broker.cluster.keys import PartitionState, TopicPartition
+from conveyor.broker.cluster.keys import PartitionState, TopicConfigRecord, TopicPartition
 
 from conveyor.errors import InvalidRequest, NotEnoughReplicas
 
@@ -227,3 +227,10 @@ def reassign_step(state: PartitionState, target: tuple[str, ...], live: Collecti
     if elected.offline:
         return state, False  # no live target member to lead yet: wait
     return elected, True
+
+
+def reassigned_config(config: TopicConfigRecord, replicas: int, min_insync: int | None) -> TopicConfigRecord:
+    """A topic's config once its partition holds ``replicas`` replicas: RF follows, and so does the asked
+    ``min_insync_replicas`` (none asked: the old one, at most the new RF)."""
+    wanted = min_insync if min_insync is not None else config.min_insync_replicas
+    return replace(config, replication_factor=replicas, min_insync_replicas=max(1, min(wanted, replicas)))

@@ -108,9 +108,14 @@ class ShutdownRequest:
 
 @dataclass(frozen=True)
 class ReassignRequest:
-    """Move a partition to ``assignment``: the new replicas join as followers, the old leave once they are in sync."""
+    """Move a partition to ``assignment``: the new replicas join as followers, the old leave once they are in sync.
+
+    ``min_insync_replicas``, when given, becomes the topic's once the move is done (a topic
+    that grows from one replica to three raises it then, not before its new replicas are in sync).
+    """
 
     assignment: tuple[str, ...]
+    min_insync_replicas: int | None = None
 
 
 # --- keys ------------------------------------------------------------------
@@ -274,7 +279,10 @@ def encode_shutdown(request: ShutdownRequest) -> bytes:
 
 
 def encode_reassign(request: ReassignRequest) -> bytes:
-    return _dump({"assignment": list(request.assignment)})
+    body: dict[str, Any] = {"assignment": list(request.assignment)}
+    if request.min_insync_replicas is not None:
+        body["min_insync_replicas"] = request.min_insync_replicas
+    return _dump(body)
 
 
 # --- decode ----------------------------------------------------------------
@@ -392,4 +400,9 @@ def decode_shutdown(key: str, value: bytes) -> ShutdownRequest:
 
 
 def decode_reassign(key: str, value: bytes) -> ReassignRequest:
-    return ReassignRequest(_Fields(key, value).nodes("assignment"))
+    f = _Fields(key, value)
+    assignment = f.nodes("assignment")
+    min_insync = f.count("min_insync_replicas", 1, None)
+    if min_insync is not None and min_insync > len(assignment):
+        raise f.fail(f"min_insync_replicas {min_insync} > {len(assignment)} replicas")
+    return ReassignRequest(assignment, min_insync)

@@ -176,7 +176,13 @@ OPS: dict[str, Callable[[AdminHost, dict[str, Any]], Any]] = {
     "refresh_topic": lambda b, h: refresh_topic(b, _arg(h, "topic", str)),
     "mirror_status": lambda b, h: b.mirror.health() if b.mirror else None,
     "describe_partitions": lambda b, h: partitions_of(b, h.get("topic")),
+    "reassign_topic": lambda b, h: _cluster_only("reassign_topic"),
 }
+
+
+def _cluster_only(op: str) -> Any:
+    """An op a cluster's controller carries out (``ClusterNode`` takes it first): a single node refuses it."""
+    raise InvalidRequest(f"{op} needs cluster mode (conveyor broker --cluster ...)", field="op")
 
 
 def run(host: AdminHost, op: str, header: dict[str, Any]) -> Any:

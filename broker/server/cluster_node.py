@@ -26,11 +26,12 @@ from conveyor.broker.cluster.events import (
     ControllerChanged,
     LeaseLost,
     PartitionChanged,
+    ReassignAnswer,
     Registered,
     TopicChanged,
     TopicCreated,
 )
-from conveyor.broker.cluster.keys import TopicConfigRecord
+from conveyor.broker.cluster.keys import TopicConfigRecord, TopicPartition
 from conveyor.broker.config.addresses import etcd_members
 from conveyor.broker.config.broker_settings import BrokerSettings
 from conveyor.broker.log.data_dir import Store, check_name
@@ -38,10 +39,11 @@ from conveyor.broker.server.cluster_roles import ClusterRoles
 from conveyor.broker.server.metadata import ClusterMetadata, PartitionMetadata
 from conveyor.broker.server.partitions import Partitions
 
-from conveyor.errors import ConfigError, InvalidRequest, TopicExists
+from conveyor.errors import ConfigError, InvalidRequest, TopicExists, UnknownTopic
 
 CLUSTER_ADMIN = {
     "create_topic": "",
+    "reassign_topic": "",
     "delete_topic": "delete it on every node with the cluster stopped, or wait for cluster topic deletion",
     "alter_topic": "topic settings are fixed at creation in a cluster for now",
 }
@@ -117,6 +119,7 @@ class ClusterNode:
             TopicChanged: self._on_topic,
             PartitionChanged: self._on_partition,
             TopicCreated: self._on_created,
+            ReassignAnswer: self._on_reassign_stored,
         }
 
     def start(self) -> None:
@@ -192,6 +195,9 @@ class ClusterNode:
 
     def admin(self, op: str, header: Mapping[str, Any], answer: Callable[[Any], None]) -> None:
         """Run a cluster ADMIN op; ``answer`` gets the result or a ``ConveyorError``, now or once etcd answered."""
+        if op == "reassign_topic":
+            self.reassign(header, answer)
+            return
         if op != "create_topic":
             answer(InvalidRequest(f"{op} is not supported on a cluster yet: {CLUSTER_ADMIN[op]}", field="op"))
             return
@@ -208,6 +214,31 @@ class ClusterNode:
         request = self.agent.create_topic(topic, rf, min_insync, config)
         self._creating.add(topic)
         self._answers[request] = answer
+
+    def reassign(self, header: Mapping[str, Any], answer: Callable[[Any], None]) -> None:
+        """``topics reassign``: store the move for the controller; answered once etcd holds it.
+
+        The controller then adds the new replicas as followers, and once every one of them
+        is in sync drops the old ones (electing a new leader if the leader is among them).
+        """
+        name = header.get("topic")
+        topic = check_name(name if isinstance(name, str) else "")
+        if topic not in self.configs:
+            raise UnknownTopic(f"topic {topic} is not known to the cluster", topic=topic)
+        replicas = tuple(header.get("replicas") or ())
+        min_insync = _count(header.get("min_insync_replicas"), "min_insync_replicas")
+        tp = TopicPartition(topic, 0)
+        request = self.agent.reassign(tp, replicas, min_insync)
+        self._answers[request] = lambda error: answer(
+            error
+            if error is not None
+            else {"name": topic, "partition": tp.partition, "replicas": list(replicas), "state": "started"}
+        )
+
+    def _on_reassign_stored(self, event: ReassignAnswer) -> None:
+        answer = self._answers.pop(event.request_id, None)
+        if answer is not None:
+            answer(event.error)
 
     # --- METADATA ---------------------------------------------------------------------------------
 

@@ -186,6 +186,12 @@ ADMIN_OPS: dict[str, dict[str, Field]] = {
     "refresh_topic": {"topic": NAME},
     "mirror_status": {},
     "describe_partitions": {"topic": FREE_TEXT},  # absent or nil: every partition this node holds
+    # Cluster mode: move a topic's replicas (``conveyor topics reassign``); node ids are checked by the agent.
+    "reassign_topic": {
+        "topic": NAME,
+        "replicas": Field(name_list, required=True),
+        "min_insync_replicas": Field(integer(1, 255)),
+    },
 }
 
 

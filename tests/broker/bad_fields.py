@@ -113,6 +113,10 @@ ADMIN_OPS: dict[str, tuple[dict[str, Any], dict[str, Spec]]] = {
     "refresh_topic": ({"topic": "fz"}, {"topic": ("name",)}),
     "mirror_status": ({}, {}),
     "describe_partitions": ({"topic": "fz"}, {"topic": ("text",)}),
+    "reassign_topic": (
+        {"topic": "fz", "replicas": ["n1"]},
+        {"topic": ("name",), "replicas": ("names", "required"), "min_insync_replicas": ("int", 1, 255)},
+    ),
 }
 
 # Values of every other type, each packable by msgpack.
@@ -202,7 +206,7 @@ def bad_values(spec: Spec) -> st.SearchStrategy[Any]:
     if kind == "settings":
         return st.one_of(st.sampled_from(BAD_SETTINGS), *missing)
     if kind == "names":
-        return st.one_of(_not(list), st.sampled_from([[1], ["a", None], [["a"]], [b"a"]]))
+        return st.one_of(_not(list), st.sampled_from([[1], ["a", None], [["a"]], [b"a"]]), *missing)
     raise AssertionError(kind)
 
 

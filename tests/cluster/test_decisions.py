@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 from conveyor.broker.cluster import decisions as d
-from conveyor.broker.cluster.keys import PartitionState, TopicPartition
+from conveyor.broker.cluster.keys import PartitionState, TopicConfigRecord, TopicPartition
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -242,6 +242,13 @@ def test_reassignment_to_rf_1_from_a_single_node_dir() -> None:
     assert step1 == state("abc", "a", 1, "a")
     s2 = d.expand_isr(d.expand_isr(step1, "b"), "c")
     assert d.reassign_step(s2, ("a", "b", "c"), {"a", "b", "c"}) == (state("abc", "a", 1, "abc"), True)
+
+
+def test_a_finished_reassignment_sets_the_topics_rf_and_the_asked_min_insync() -> None:
+    one = TopicConfigRecord(1, 1, {"retention_ms": 1000})
+    assert d.reassigned_config(one, 3, 2) == TopicConfigRecord(3, 2, {"retention_ms": 1000})
+    assert d.reassigned_config(one, 3, None) == TopicConfigRecord(3, 1, {"retention_ms": 1000})
+    assert d.reassigned_config(TopicConfigRecord(3, 2), 1, None) == TopicConfigRecord(1, 1)  # at most the new RF
 
 
 def test_a_reassignment_needs_distinct_replicas() -> None:

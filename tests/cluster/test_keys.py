@@ -102,8 +102,10 @@ def test_other_records_round_trip() -> None:
     shutdown = ShutdownRequest({TopicPartition("a.b", 0): "n2"}, done=True)
     assert k.decode_shutdown("key", k.encode_shutdown(shutdown)) == shutdown
     assert k.decode_shutdown("key", b"{}") == ShutdownRequest()
-    reassign = ReassignRequest(("a", "b"))
-    assert k.decode_reassign("key", k.encode_reassign(reassign)) == reassign
+    for reassign in (ReassignRequest(("a", "b")), ReassignRequest(("a", "b", "c"), 2)):
+        assert k.decode_reassign("key", k.encode_reassign(reassign)) == reassign
+    with pytest.raises(RecordError, match="min_insync_replicas"):
+        k.decode_reassign("key", b'{"assignment": ["a"], "min_insync_replicas": 2}')
     assert k.decode_controller("key", k.encode_controller("n1")) == "n1"
     assert json.loads(k.encode_meta()) == {"format": 1}
 

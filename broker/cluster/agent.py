@@ -166,14 +166,23 @@ class ClusterAgent:
         replication_factor: int | None = None,
         min_insync_replicas: int | None = None,
         settings: Mapping[str, object] | None = None,
+        *,
+        existing: tuple[tuple[str, ...], int] | None = None,
     ) -> int:
-        """Ask the controller for ``topic`` (``None``: the cluster default); answered by ``TopicCreated``."""
+        """Ask the controller for ``topic`` (``None``: the cluster default); answered by ``TopicCreated``.
+
+        ``existing`` = (assignment, leader epoch): the topic's data is on those nodes already (a
+        single-node directory joining), so they hold it, the first leading from that epoch.
+        """
+        nodes, epoch = existing if existing is not None else ((), 0)
         return self._request(
             "create",
             topic=topic,
             replication_factor=replication_factor,
             min_insync_replicas=min_insync_replicas,
             settings=dict(settings or {}),
+            nodes=tuple(nodes),
+            leader_epoch=epoch,
         )
 
     def propose_isr(
@@ -446,7 +455,14 @@ class ClusterAgent:
         if config is not None:
             self._emit(TopicCreated(request.request_id, topic, config))
             return
-        ask = CreateRequest(self.node_id, request.replication_factor, request.min_insync_replicas, request.settings)
+        ask = CreateRequest(
+            self.node_id,
+            request.replication_factor,
+            request.min_insync_replicas,
+            request.settings,
+            assignment=request.nodes or None,
+            leader_epoch=max(1, request.leader_epoch),
+        )
         key = self.keys.create_request(topic)
         self._creates.setdefault(topic, []).append(request.request_id)
         for _ in range(2):

@@ -106,20 +106,26 @@ class Controller:
             return
         live = view.live()
         try:
-            rf, min_insync = d.replication_for(
-                found.value.replication_factor, found.value.min_insync_replicas, len(live)
-            )
+            if found.value.assignment is not None:
+                assignment = d.existing_assignment(found.value.assignment, live)
+                rf, min_insync = len(assignment), d.default_min_insync(len(assignment))
+                partition = d.new_partition(assignment, found.value.leader_epoch)
+            else:
+                rf, min_insync = d.replication_for(
+                    found.value.replication_factor, found.value.min_insync_replicas, len(live)
+                )
+                assignment = d.place(live, d.leader_load(view.partitions.values(), live), rf)
+                partition = d.new_partition(assignment)
         except (NotEnoughReplicas, InvalidRequest) as exc:
             self._refuse(request_key, found, exc.code, exc.message)
             return
-        assignment = d.place(live, d.leader_load(view.partitions.values(), live), rf)
         config = k.TopicConfigRecord(rf, min_insync, dict(found.value.settings))
         tp = TopicPartition(topic, 0)
         result = self.fenced(
             [Compare.absent(self.keys.topic_config(topic)), Compare.modified(request_key, found.mod_revision)],
             [
                 Op.put(self.keys.topic_config(topic), k.encode_topic_config(config)),
-                Op.put(self.keys.partition(tp), k.encode_partition(d.new_partition(assignment))),
+                Op.put(self.keys.partition(tp), k.encode_partition(partition)),
                 Op.delete(request_key),
             ],
         )

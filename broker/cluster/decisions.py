@@ -80,9 +80,25 @@ def place(nodes: Collection[str], load: Mapping[str, int], rf: int) -> tuple[str
     return tuple(ring[(start + i) % len(ring)] for i in range(rf))
 
 
-def new_partition(assignment: tuple[str, ...]) -> PartitionState:
-    """A new partition: the first replica leads, at epoch 1 (epoch 0 is for batches written before clustering)."""
-    return PartitionState(assignment, assignment[0], 1, assignment, False)
+def new_partition(assignment: tuple[str, ...], leader_epoch: int = 1) -> PartitionState:
+    """A new partition: the first replica leads, at epoch 1 (epoch 0 is for batches written before clustering).
+
+    A topic registered with its data (a single-node directory joining) may start later,
+    past the last epoch its log already holds.
+    """
+    return PartitionState(assignment, assignment[0], max(1, leader_epoch), assignment, False)
+
+
+def existing_assignment(assignment: tuple[str, ...], live: Collection[str]) -> tuple[str, ...]:
+    """The replicas of a topic registered with its data: they hold it, so they must all be live and distinct."""
+    if not assignment or len(set(assignment)) != len(assignment):
+        raise InvalidRequest(f"an existing topic needs distinct replicas, got {list(assignment)}")
+    gone = sorted(set(assignment) - set(live))
+    if gone:
+        raise NotEnoughReplicas(
+            f"nodes {gone} holding the topic are not live", requested=len(assignment), live=len(live)
+        )
+    return assignment
 
 
 # --- election and repair ---------------------------------------------------

@@ -92,6 +92,10 @@ class CreateRequest:
     min_insync_replicas: int | None = None
     settings: Mapping[str, Any] = field(default_factory=dict)
     refused: tuple[int, str] | None = None  # (error code, message), written by the controller
+    # A topic whose data the requester holds already (a single-node directory joining a cluster):
+    # these replicas, the first leading at ``leader_epoch``, instead of a placement.
+    assignment: tuple[str, ...] | None = None
+    leader_epoch: int = 1
 
 
 @dataclass(frozen=True)
@@ -268,6 +272,8 @@ def encode_create(request: CreateRequest) -> bytes:
     body: dict[str, Any] = {"from": request.requester, "config": config}
     if request.refused is not None:
         body["refused"] = {"code": request.refused[0], "message": request.refused[1]}
+    if request.assignment is not None:
+        body["existing"] = {"assignment": list(request.assignment), "leader_epoch": request.leader_epoch}
     return _dump(body)
 
 
@@ -385,7 +391,12 @@ def decode_create(key: str, value: bytes) -> CreateRequest:
         if not isinstance(code, int) or not isinstance(message, str):
             raise f.fail("field 'refused' must hold an int code and a str message")
         answer = (code, message)
-    return CreateRequest(requester, rf, min_insync, config.get("settings", dict, {}), answer)
+    existing = f.get("existing", dict, None)
+    assignment, epoch = None, 1
+    if existing is not None:
+        held = _Fields(key, existing)
+        assignment, epoch = held.nodes("assignment"), held.count("leader_epoch", 1, 1)
+    return CreateRequest(requester, rf, min_insync, config.get("settings", dict, {}), answer, assignment, epoch)
 
 
 def decode_shutdown(key: str, value: bytes) -> ShutdownRequest:

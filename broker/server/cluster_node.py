@@ -141,6 +141,37 @@ class ClusterNode:
     def _on_registered(self, event: Registered) -> None:
         self.registered = True
         log.info("node %s registered (lease %x, revision %d)", event.node_id, event.lease_id, event.revision)
+        self.register_local_topics()
+
+    def register_local_topics(self) -> list[str]:
+        """Topics this node's directory holds that the cluster does not know: ask the controller for them.
+
+        This is how a single-node data directory joins a cluster (design §7): each such topic
+        becomes replication factor 1 on this node, which leads it from the epoch after its
+        log's last one (1 for batches written outside a cluster, which read as epoch 0),
+        keeping its data and offsets. ``conveyor topics reassign`` then adds replicas. The
+        agent's view is loaded when it says ``Registered``, so ``configs`` holds every topic
+        the cluster knows; internal logs (``__`` names) follow their topic and are left out.
+        """
+        store = self.host.store
+        asked: list[str] = []
+        for topic in sorted(store.logs):
+            if topic in self.configs or topic in self._creating or topic.startswith("__"):
+                continue
+            log_ = store.logs[topic]
+            epoch = log_.last_epoch + 1
+            self._creating.add(topic)
+            self.agent.create_topic(topic, 1, 1, log_.config.settings(), existing=((self.node_id,), epoch))
+            log.info(
+                "local topic %s (offsets %d-%d) is not in the cluster: registering it on %s, epoch %d",
+                topic,
+                log_.start_offset,
+                log_.end_offset,
+                self.node_id,
+                epoch,
+            )
+            asked.append(topic)
+        return asked
 
     def _on_lease_lost(self, event: LeaseLost) -> None:
         # Leadership follows the partition records only: a record naming another leader takes a

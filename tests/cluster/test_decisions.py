@@ -244,6 +244,16 @@ def test_reassignment_to_rf_1_from_a_single_node_dir() -> None:
     assert d.reassign_step(s2, ("a", "b", "c"), {"a", "b", "c"}) == (state("abc", "a", 1, "abc"), True)
 
 
+def test_a_topic_registered_with_its_data_keeps_its_replicas_and_starts_after_its_last_epoch() -> None:
+    assert d.existing_assignment(("a",), {"a", "b"}) == ("a",)
+    assert d.new_partition(("a",), 3) == state("a", "a", 3, "a")
+    assert d.new_partition(("a",), 0) == state("a", "a", 1, "a")
+    with pytest.raises(NotEnoughReplicas):
+        d.existing_assignment(("c",), {"a", "b"})  # the node holding the data is not live
+    with pytest.raises(InvalidRequest):
+        d.existing_assignment(("a", "a"), {"a"})
+
+
 def test_a_finished_reassignment_sets_the_topics_rf_and_the_asked_min_insync() -> None:
     one = TopicConfigRecord(1, 1, {"retention_ms": 1000})
     assert d.reassigned_config(one, 3, 2) == TopicConfigRecord(3, 2, {"retention_ms": 1000})

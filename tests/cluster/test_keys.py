@@ -97,7 +97,8 @@ def test_other_records_round_trip() -> None:
     assert k.decode_node("key", "n1", k.encode_node(node)) == node
     config = TopicConfigRecord(3, 2, {"retention_ms": 1000})
     assert k.decode_topic_config("key", k.encode_topic_config(config)) == config
-    for create in (CreateRequest("n1"), CreateRequest("n1", 3, 2, {"a": 1}, (602, "too few"))):
+    existing = CreateRequest("n1", 1, 1, {}, assignment=("n1",), leader_epoch=3)
+    for create in (CreateRequest("n1"), CreateRequest("n1", 3, 2, {"a": 1}, (602, "too few")), existing):
         assert k.decode_create("key", k.encode_create(create)) == create
     shutdown = ShutdownRequest({TopicPartition("a.b", 0): "n2"}, done=True)
     assert k.decode_shutdown("key", k.encode_shutdown(shutdown)) == shutdown

@@ -109,6 +109,7 @@ class ClusterNode:
         self.controller: str | None = None
         self.registered = False
         self._creating: set[str] = set()
+        self._joined = False  # local topics were checked against the cluster's (first registration)
         self._answers: dict[int, Callable[[Any], None]] = {}  # ADMIN requests waiting for the controller
         partitions.propose = self.roles.propose
         partitions.on_unknown = self.auto_create
@@ -141,7 +142,9 @@ class ClusterNode:
     def _on_registered(self, event: Registered) -> None:
         self.registered = True
         log.info("node %s registered (lease %x, revision %d)", event.node_id, event.lease_id, event.revision)
-        self.register_local_topics()
+        if not self._joined:  # at start only: a registration again after a lost lease finds nothing new
+            self._joined = True
+            self.register_local_topics()
 
     def register_local_topics(self) -> list[str]:
         """Topics this node's directory holds that the cluster does not know: ask the controller for them.

@@ -167,6 +167,51 @@ def test_a_dead_follower_shows_in_metrics_health_and_status_and_livez_stays_up(c
     assert lag["in_isr"] is False and lag["lag_messages"] >= 10
 
 
+def test_a_new_leader_is_counted_on_every_node_and_shown_by_status(cluster: ClusterProcess) -> None:
+    # Given a replicated topic, its leader and epoch, and no leader change counted yet
+    with Admin(cluster.bootstrap) as admin:
+        admin.create_topic("orders", replication_factor=3, min_insync_replicas=2)
+    old = leader_of(cluster, "orders")
+    labels = {"topic": "orders", "partition": "0"}
+    survivors = [node for node in cluster.node_ids if node != old]
+    for node in survivors:
+        changes = wait_for(
+            lambda node=node: _sample(cluster.node(node), "conveyor_partition_leader_changes_total", **labels),
+            message=f"the leader-change counter on {node}",
+        )
+        assert changes == (0.0,)
+    epoch = status_json(cluster.bootstrap)["partitions"][0]["epoch"]
+
+    # When the leader is killed
+    cluster.node(old).kill()
+
+    # Then each survivor counts the leader change, and one of them leads
+    for node in survivors:
+        wait_for(
+            lambda node=node: (
+                (metric(cluster.node(node), "conveyor_partition_leader_changes_total", **labels) or 0) >= 1
+            ),
+            message=f"{node} to count the new leader",
+        )
+    wait_for(
+        lambda: sum(metric(cluster.node(node), "conveyor_partition_leader", **labels) or 0 for node in survivors) == 1,
+        message="one survivor leading orders",
+    )
+    # And `cluster status` names the new leader at a higher epoch, the old one dead
+    status = wait_for(
+        lambda: (s := status_json(cluster.bootstrap))["partitions"][0]["leader"] in survivors and s,
+        message="status naming a new leader",
+    )
+    (partition,) = status["partitions"]
+    assert partition["epoch"] > epoch and partition["high_watermark"] is not None
+    assert {n["id"]: n["alive"] for n in status["nodes"]}[old] is False
+
+
+def _sample(broker: BrokerProcess, name: str, **labels: str) -> tuple[float] | None:
+    value = metric(broker, name, **labels)
+    return None if value is None else (value,)
+
+
 def _with_status(broker: BrokerProcess, path: str, wanted: str) -> tuple[int, dict[str, Any]] | None:
     code, body = probe(broker, path)
     return (code, body) if body.get("status") == wanted else None
@@ -188,6 +233,15 @@ def test_cluster_status_on_a_single_node_says_so(tmp_path: Path) -> None:
     (partition,) = status["partitions"]
     assert partition["leader"] == "local" and partition["replicas"] == partition["isr"] == ["local"]
     assert partition["high_watermark"] == partition["end_offset"] == 3 and partition["followers"] == []
+
+
+def test_a_single_broker_exports_no_cluster_series(tmp_path: Path) -> None:
+    with BrokerProcess(tmp_path / "single") as broker:
+        publish_single(broker.address)
+        text = scrape(broker.metrics_url)
+        code, body = probe(broker, "/healthz")
+    assert "conveyor_partition_" not in text and "conveyor_cluster_" not in text and "conveyor_replica_" not in text
+    assert code == 200 and "replication" not in body["checks"] and "cluster" not in body["checks"]
 
 
 def publish_single(address: str) -> None:

@@ -13,6 +13,7 @@ import itertools
 import logging
 import random
 import time
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, cast
@@ -21,7 +22,7 @@ import tenacity
 import zmq
 import zmq.asyncio
 from conveyor.broker.client.metadata import Metadata
-from conveyor.broker.client.options import check_producer_options
+from conveyor.broker.client.options import RESEND_WINDOW, check_producer_options
 from conveyor.broker.net.connection import DEFAULT_HWM, backoff_seconds, new_dealer
 from conveyor.broker.net.security import HandshakeWatch
 from conveyor.broker.wire import commands
@@ -137,6 +138,9 @@ class AsyncProducer:
         self._tasks: list[asyncio.Task[None]] = []
         self._linger_handles: dict[str, asyncio.Handle] = {}
         self._flights: dict[str, int] = {}  # batches in flight per topic
+        # Following leaders: at most RESEND_WINDOW batches of a topic await a confirm (a resend to a new
+        # leader must stay within its deduplication window); the next ones wait here, in order.
+        self._waiting: dict[str, deque[_Batch]] = {}
 
     async def start(self) -> AsyncProducer:
         self._started = True
@@ -168,9 +172,21 @@ class AsyncProducer:
         """When a broker refuses this producer's handshake, what is in flight there fails with AUTH_FAILED at once."""
         while True:
             frames = await cast(zmq.asyncio.Socket, link.watch.socket).recv_multipart()
+            disconnects = link.watch.disconnects
             link.watch.on_event(frames)
             if link.watch.failure is not None:
                 self._refused(link.watch.failure, link.address)
+            elif link.watch.disconnects > disconnects and self.metadata.following:
+                # A leader this producer follows hung up (kill -9): resend now, not after request_timeout.
+                self._tasks.append(asyncio.create_task(self._leader_gone(link)))
+                return
+
+    async def _leader_gone(self, link: _Link) -> None:
+        await self._close_link(link)
+        self.metadata.lost(link.address)
+        for rid, batch in sorted(self._in_flight.items(), key=_in_order):
+            if batch.address == link.address:
+                self._transmit(rid, batch)
 
     def _refused(self, error: ConveyorError, address: str) -> None:
         for rid, batch in list(self._in_flight.items()):
@@ -232,6 +248,7 @@ class AsyncProducer:
         self._held -= batch.size
         self._freed.set()
         self._flights[batch.topic] -= 1
+        self._release(batch.topic)
         if self.eager and not self._flights[batch.topic] and batch.topic in self._buffers:
             self._ship(batch.topic)  # the pipe is idle: what waited for this confirm goes now
 
@@ -249,10 +266,25 @@ class AsyncProducer:
         self._seqs[topic] = batch.seq + 1
         batch.body = pack_records(batch.records)
         batch.first_sent = time.monotonic()
+        waiting = self._waiting.get(topic)
+        if waiting or (self.metadata.following and self._flights.get(topic, 0) >= RESEND_WINDOW):
+            self._waiting.setdefault(topic, deque()).append(batch)
+            return
+        self._launch(batch)
+
+    def _launch(self, batch: _Batch) -> None:
         rid = next(self._rids)
         self._in_flight[rid] = batch
-        self._flights[topic] = self._flights.get(topic, 0) + 1
+        self._flights[batch.topic] = self._flights.get(batch.topic, 0) + 1
         self._transmit(rid, batch)
+
+    def _release(self, topic: str) -> None:
+        """A batch of ``topic`` settled: the next waiting one goes (in sequence order)."""
+        waiting = self._waiting.get(topic)
+        while waiting and self._flights.get(topic, 0) < RESEND_WINDOW:
+            self._launch(waiting.popleft())
+        if waiting is not None and not waiting:
+            del self._waiting[topic]
 
     def _transmit(self, rid: int, batch: _Batch) -> None:
         """Send ``batch`` to its topic's leader of the moment (the one address, without a cluster).
@@ -375,7 +407,7 @@ class AsyncProducer:
         for topic in list(self._buffers):
             self._ship(topic)
         started = time.monotonic()
-        while pending := [f for b in self._in_flight.values() for f in b.futures if not f.done()]:
+        while pending := [f for b in self._unsettled() for f in b.futures if not f.done()]:
             now = time.monotonic()
             limits = [] if timeout is None else [started + timeout]
             if silence is not None:
@@ -413,8 +445,11 @@ class AsyncProducer:
             for link in list(self._links.values()):
                 await self._close_link(link)
 
+    def _unsettled(self) -> list[_Batch]:
+        return [*self._in_flight.values(), *(b for waiting in self._waiting.values() for b in waiting)]
+
     def _fail_in_flight(self, error: RequestTimeout) -> None:
-        for batch in self._in_flight.values():
+        for batch in self._unsettled():
             failure = (
                 error
                 if batch.last_error is None
@@ -424,6 +459,7 @@ class AsyncProducer:
                 if not future.done():
                     future.set_exception(failure)
         self._in_flight.clear()
+        self._waiting.clear()
 
     async def __aenter__(self) -> AsyncProducer:
         return await self.start()

@@ -115,10 +115,13 @@ def test_a_subscription_given_a_dead_broker_first_subscribes_on_the_live_one(con
 
 def test_an_async_producer_given_a_dead_broker_first_uses_the_live_one(conveyor_broker):
     async def run() -> list[int]:
-        async with AsyncProducer([free_address(), conveyor_broker.address], linger_ms=1) as producer:
-            return [await producer.send_and_wait("async-listed", f"m{i}".encode()) for i in range(3)]
+        bootstrap = [free_address(), conveyor_broker.address]
+        async with AsyncProducer(bootstrap, linger_ms=0, batch_size=1) as producer:
+            futures = [await producer.send("async-listed", f"m{i}".encode()) for i in range(30)]
+            return list(await asyncio.gather(*futures))
 
-    assert asyncio.run(asyncio.wait_for(run(), 60)) == [0, 1, 2]
+    # Thirty one-message batches, at most eight awaiting a confirm at a time: all stored, in order
+    assert asyncio.run(asyncio.wait_for(run(), 60)) == list(range(30))
 
 
 def test_conveyor_tail_takes_a_bootstrap_list(conveyor_broker):
@@ -172,3 +175,29 @@ def test_a_subscription_following_leaders_subscribes_again_where_metadata_points
         sub.ack(got)
         assert sub.address == other.address
     assert [m.value for m in got] == [b"after"]
+
+
+def test_an_async_producer_following_leaders_moves_on_when_its_leader_is_killed(conveyor_broker_factory):
+    brokers = [conveyor_broker_factory(name="one"), conveyor_broker_factory(name="two")]
+
+    async def run() -> tuple[int, int, str]:
+        async with AsyncProducer([b.address for b in brokers], linger_ms=1, request_timeout_ms=120_000) as producer:
+            assert await producer.send_and_wait("moving", b"first") == 0
+            assert producer.metadata.view is not None
+            used = next(b for b in brokers if b.address == producer.metadata.view.source)
+            used.signal(signal.SIGSTOP)
+            in_flight = await producer.send("moving", b"second")
+            for _ in range(3000):  # until the batch has left for the stopped broker (30 s at most)
+                if any(batch.address for batch in producer._in_flight.values()):
+                    break
+                await asyncio.sleep(0.01)
+            used.kill()
+            second = await asyncio.wait_for(in_flight, 60)
+            third = await producer.send_and_wait("moving", b"third")
+            return second, third, producer.metadata.view.source
+
+    second, third, source = asyncio.run(asyncio.wait_for(run(), 120))
+    assert (second, third) == (0, 1)
+    other = next(b for b in brokers if b.address == source)
+    with Admin(other.address) as admin:
+        assert [m.value for m in admin.fetch("moving", 0, 10)] == [b"second", b"third"]

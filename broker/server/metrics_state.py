@@ -149,7 +149,10 @@ def cluster_snapshot(host: ClusterHost) -> dict[str, Rows]:
         add("conveyor_partition_below_min_insync", labels, isr < leader.min_insync)
         add("conveyor_partition_high_watermark", labels, leader.hw)
         end = log.end_offset
+        replicas = leader.replicas
         for node, state in list(leader.followers.items()):
+            if node not in replicas:
+                continue  # a replica moved away (topics reassign): no longer a follower
             messages, seconds = follower_lag(state, end, now)
             add("conveyor_replica_lag_messages", (*labels, node), messages)
             add("conveyor_replica_lag_seconds", (*labels, node), seconds)

@@ -40,6 +40,8 @@ def describe_led(leader: PartitionLeader, end_offset: int, now: float) -> dict[s
     replicas = list(leader.replicas)
     followers = []
     for node, state in sorted(list(leader.followers.items())):
+        if node not in replicas:
+            continue  # a replica moved away (topics reassign): no longer a follower
         messages, seconds = follower_lag(state, end_offset, now)
         followers.append(
             {

@@ -74,6 +74,13 @@ def test_a_led_partition_describes_each_follower() -> None:
     ]
 
 
+def test_a_replica_moved_away_is_no_longer_described_as_a_follower() -> None:
+    led = leader("orders", {"n1", "n2"})
+    led.replicas = ("n1", "n2")  # reassigned away from n3, same leader and epoch: its state stays behind
+    found = describe_led(led, 100, 25.0)
+    assert [f["node"] for f in found["followers"]] == ["n2"] and found["under_replicated"] is False
+
+
 def test_the_cluster_collector_exposes_every_family_even_empty() -> None:
     registry = CollectorRegistry()
     registry.register(ClusterCollector(lambda: {"conveyor_partition_leader_changes": [(("orders", "0"), 2.0)]}))

@@ -114,6 +114,7 @@ class ClusterAgent:
         self.controller = Controller(self.etcd, self.keys, self.node_id)
         self.registered = threading.Event()  # set while the node's key is in etcd under a live lease
         self.lease: Lease | None = None
+        self._given_up: list[int] = []  # leases counted lost, to revoke once registered again
         self.watch: Watch | None = None
         self._inbox: queue.SimpleQueue[object] = queue.SimpleQueue()
         self._ids = itertools.count(1)
@@ -268,7 +269,8 @@ class ClusterAgent:
     def _register(self) -> None:
         if self.lease is None or self.lease.lost.is_set():
             if self.lease is not None:
-                self.lease.close()  # not revoked: if etcd still holds it, it runs out on its own
+                self.lease.close()
+                self._given_up.append(self.lease.id)  # revoked once the node key is under the new one
             box: dict[str, int] = {}
             self.lease = self.etcd.lease(
                 self.settings.lease_seconds, on_lost=lambda: self._inbox.put(_LeaseEnded(box.get("id", 0)))
@@ -286,9 +288,25 @@ class ClusterAgent:
                 self.lease = None
             raise
         self.etcd.put_if_absent(self.keys.meta, k.encode_meta())
+        self._revoke_given_up()
         self.registered.set()
         if "load" not in self._pending_steps:
             self._emit(Registered(self.node_id, self.lease.id, self.view.revision))
+
+    def _revoke_given_up(self) -> None:
+        """End the leases this node gave up as lost, now that its key is under a new one.
+
+        etcd renews every lease when it restarts: after an outage longer than the TTL a
+        given-up lease lives on for one more TTL, and with it the controller key of a node
+        that resigned when it counted the lease lost. Left alone, the cluster would have
+        no working controller for that long; revoked, the key goes now and a campaign follows.
+        """
+        while self._given_up:
+            try:
+                self.etcd.revoke(self._given_up[0])
+            except EtcdError as exc:
+                log.warning("lease %x: not revoked (%s); it runs out on its own", self._given_up[0], exc)
+            self._given_up.pop(0)
 
     def _load(self) -> None:
         """One range read of the whole cluster prefix, then the watch from the revision after it."""

@@ -89,6 +89,25 @@ def test_losing_the_lease_registers_again_under_a_new_one(backend: Backend) -> N
         wait_for(lambda: node.agent.is_controller, what="controller again")
 
 
+def test_after_etcd_was_away_longer_than_the_lease_the_old_lease_is_revoked_on_registering_again(
+    backend: Backend,
+) -> None:
+    """etcd renews every lease when it restarts, so the lease the node gave up would live on for a TTL more,
+    and with it the controller key of a node that resigned: no controller for that long after the outage."""
+    with started([make(backend, "a", lease_ms=3000)]) as (node,):
+        wait_for(lambda: node.agent.is_controller, what="controller")
+        old = node.agent.lease
+        assert old is not None
+        backend.process.restart(down_for=4.0)  # longer than the lease: the node counts it lost
+        wait_for(lambda: node.of(LeaseLost), what="LeaseLost")
+        wait_for(
+            lambda: node.agent.registered.is_set() and node.agent.lease is not None and node.agent.lease.id != old.id,
+            what="registered under a new lease",
+        )
+        assert backend.client().time_to_live(old.id) == -1  # revoked, not left to run out
+        wait_for(lambda: node.agent.is_controller, what="controller again, under the new lease")
+
+
 # --- real processes, kill -9 -------------------------------------------------
 
 NODE_SCRIPT = """

@@ -1,0 +1,59 @@
+"""A zombie leader: SIGSTOP the leader for longer than its lease while a producer publishes, then SIGCONT.
+
+Another node takes over with a higher epoch. The old leader, woken, must confirm
+nothing it did not have replicated: its waiting confirms fail NOT_LEADER (the
+producer resends them to the new leader), it cuts the tail only it held, and it
+rejoins as a follower. The oracle then compares the three replicas' logs.
+"""
+
+from __future__ import annotations
+
+import re
+import signal
+import time
+
+from conveyor.broker.client.admin import Admin
+
+from conveyor.cluster_process import ClusterProcess
+from tests.helpers import wait_for
+from tests.replicated.fault_checks import Load, check_replicas, leader_of, wait_in_sync
+
+_ROLE_LINES = re.compile(r"leader|follower|diverged|lease|NOT_LEADER", re.IGNORECASE)
+STOPPED_FOR = 6.0  # seconds: three times the 2 s lease, and longer than the producer's request timeout
+
+
+def test_a_zombie_leader_confirms_nothing_after_losing_leadership_and_rejoins(cluster: ClusterProcess) -> None:
+    with Admin(cluster.bootstrap) as admin:
+        admin.create_topic("orders", replication_factor=3, min_insync_replicas=2)
+    leader, epoch = leader_of(cluster, "orders")
+    others = [node for node in cluster.node_ids if node != leader]
+
+    load = Load(cluster, "orders", request_timeout_ms=3000).start()  # resends go to the new leader before SIGCONT
+    wait_for(lambda: len(load.confirm_times) > 200, timeout=60, message="confirms before the stop")
+    cluster.node(leader).signal(signal.SIGSTOP)
+    stopped_at = time.monotonic()
+    try:
+        new_leader, new_epoch = leader_of(cluster, "orders", other_than=leader, asking=others)
+        elected_after = time.monotonic() - stopped_at
+        assert new_epoch > epoch
+        time.sleep(max(0.0, STOPPED_FOR - (time.monotonic() - stopped_at)))  # the fault's length, not a wait
+    finally:
+        cluster.node(leader).signal(signal.SIGCONT)
+    resumed_at = time.monotonic()
+    wait_for(lambda: load.confirmed_since(resumed_at) > 200, timeout=90, message="confirms after SIGCONT")
+    rejoined = wait_in_sync(cluster, "orders", leader)
+    rejoined_after = time.monotonic() - resumed_at
+    first_new = min(t for t in load.confirm_times if t > stopped_at)
+    confirmed = load.finish()
+
+    print(
+        f"\nzombie: new leader {new_leader} epoch {new_epoch} seen {elected_after:.2f} s after SIGSTOP; "
+        f"first confirm after the stop at {first_new - stopped_at:.2f} s; {leader} back in the ISR "
+        f"{rejoined_after:.2f} s after SIGCONT (isr {sorted(rejoined.isr)}); {len(confirmed)} confirmed"
+    )
+    assert rejoined.leader != leader or rejoined.leader_epoch > new_epoch
+    woke = [line.strip() for line in cluster.node(leader).output if _ROLE_LINES.search(line)]
+    print("zombie: " + "\nzombie: ".join(woke[-8:]))
+    cluster.stop()
+    counts = check_replicas(cluster, "orders", confirmed)
+    print(f"zombie: records per replica {counts}")

@@ -12,11 +12,17 @@ import re
 import signal
 import time
 
+import zmq
 from conveyor.broker.client.admin import Admin
+from conveyor.broker.wire import commands
+from conveyor.broker.wire.protocol import Command, decode, error_from_header
 
 from conveyor.cluster_process import ClusterProcess
+from conveyor.errors import NotLeader
 from tests.helpers import wait_for
 from tests.replicated.fault_checks import Load, check_replicas, leader_of, wait_in_sync
+from tests.replicated.replica_logs import records
+from tests.replication.cluster_helpers import batch
 
 _ROLE_LINES = re.compile(r"leader|follower|diverged|lease|NOT_LEADER", re.IGNORECASE)
 STOPPED_FOR = 6.0  # seconds: three times the 2 s lease, and longer than the producer's request timeout
@@ -36,10 +42,23 @@ def test_a_zombie_leader_confirms_nothing_after_losing_leadership_and_rejoins(cl
         new_leader, new_epoch = leader_of(cluster, "orders", other_than=leader, asking=others)
         elected_after = time.monotonic() - stopped_at
         assert new_epoch > epoch
+        # A publish the zombie finds waiting when it wakes: it must never be confirmed (nothing replicates it).
+        direct = zmq.Context.instance().socket(zmq.DEALER)
+        direct.setsockopt(zmq.LINGER, 0)
+        direct.connect(cluster.address(leader))
+        direct.send_multipart(commands.publish("orders", batch(b"sent-to-the-zombie"), rid=1))
         time.sleep(max(0.0, STOPPED_FOR - (time.monotonic() - stopped_at)))  # the fault's length, not a wait
     finally:
         cluster.node(leader).signal(signal.SIGCONT)
     resumed_at = time.monotonic()
+    try:
+        assert direct.poll(60_000), "the zombie answers the publish it found waiting"
+        answer = decode(direct.recv_multipart())
+    finally:
+        direct.close()
+    assert answer.command is Command.ERROR, f"the zombie confirmed a publish after losing leadership: {answer}"
+    refused = error_from_header(answer.header)
+    assert isinstance(refused, NotLeader), refused
     wait_for(lambda: load.confirmed_since(resumed_at) > 200, timeout=90, message="confirms after SIGCONT")
     rejoined = wait_in_sync(cluster, "orders", leader)
     rejoined_after = time.monotonic() - resumed_at
@@ -56,4 +75,6 @@ def test_a_zombie_leader_confirms_nothing_after_losing_leadership_and_rejoins(cl
     print("zombie: " + "\nzombie: ".join(woke[-8:]))
     cluster.stop()
     counts = check_replicas(cluster, "orders", confirmed)
-    print(f"zombie: records per replica {counts}")
+    for node in cluster.node_ids:
+        assert b"sent-to-the-zombie" not in {value for _, value in records(cluster.node(node).data_dir, "orders")}
+    print(f"zombie: records per replica {counts}; the publish waiting at the zombie: {refused.name}")

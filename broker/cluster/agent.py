@@ -277,7 +277,12 @@ class ClusterAgent:
             )
             box["id"] = self.lease.id
         record = NodeRecord(
-            self.node_id, self.settings.advertise, self.settings.metrics, self.settings.version, self._started_ms
+            self.node_id,
+            self.settings.advertise,
+            self.settings.metrics,
+            self.settings.version,
+            self._started_ms,
+            self.settings.curve_public,
         )
         try:
             self.etcd.put(self.keys.node(self.node_id), k.encode_node(record), lease=self.lease.id)

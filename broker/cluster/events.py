@@ -26,6 +26,7 @@ class ClusterSettings:
     cluster_name: str = "default"
     metrics: str = ""
     version: str = ""
+    curve_public: str = ""  # the broker's CURVE public key (Z85), advertised in its node record
     lease_ms: int = 2000
     etcd_timeout: float = 2.0
     etcd_ca: str | None = None

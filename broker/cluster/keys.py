@@ -55,6 +55,7 @@ class NodeRecord:
     metrics: str = ""
     version: str = ""
     started_ms: int = 0
+    curve_public: str = ""  # its CURVE server key (Z85), when it serves CURVE: followers handshake with it
 
 
 @dataclass(frozen=True)
@@ -227,14 +228,15 @@ def encode_meta() -> bytes:
 
 def encode_node(record: NodeRecord) -> bytes:
     """The node id is the key's last part, so it is not repeated in the value."""
-    return _dump(
-        {
-            "advertise": record.advertise,
-            "metrics": record.metrics,
-            "version": record.version,
-            "started_ms": record.started_ms,
-        }
-    )
+    body: dict[str, Any] = {
+        "advertise": record.advertise,
+        "metrics": record.metrics,
+        "version": record.version,
+        "started_ms": record.started_ms,
+    }
+    if record.curve_public:
+        body["curve_public"] = record.curve_public
+    return _dump(body)
 
 
 def encode_controller(node_id: str) -> bytes:
@@ -345,6 +347,7 @@ def decode_node(key: str, node_id: str, value: bytes) -> NodeRecord:
         metrics=f.get("metrics", str, ""),
         version=f.get("version", str, ""),
         started_ms=f.count("started_ms", 0, 0),
+        curve_public=f.get("curve_public", str, ""),
     )
 
 

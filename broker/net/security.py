@@ -149,10 +149,11 @@ class _KeyRing:
 
     def __init__(self, keys: set[bytes]) -> None:
         self.keys = keys
+        self.peers: frozenset[bytes] = frozenset()  # other brokers of a cluster, beside the authorized directory
         self.last_refused = b""
 
     def callback(self, domain: str, key: bytes) -> bool:
-        if key in self.keys:
+        if key in self.keys or key in self.peers:
             return True
         self.last_refused = key
         return False
@@ -205,6 +206,17 @@ class ServerSecurity:
 
     def reload(self, authorized_keys: str) -> None:
         self.keyring.keys = authorized_keys_in(authorized_keys)
+
+    def authorize_peers(self, keys: set[bytes]) -> None:
+        """Let these public keys in as well (a cluster's brokers fetching as followers); kept across ``reload``."""
+        self.keyring.peers = frozenset(keys)
+
+    def peer_keys(self, server_public: bytes | None = None) -> ClientKeys:
+        """This broker as a client of another one (a follower of its leader), with its own certificate.
+
+        ``server_public``: the other broker's key; by default this broker's own, for brokers that share one.
+        """
+        return ClientKeys(server_public or self.public, self.public, self.secret)
 
     def stop(self) -> None:
         self.auth.stop()

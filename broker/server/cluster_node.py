@@ -35,6 +35,7 @@ from conveyor.broker.cluster.keys import TopicConfigRecord, TopicPartition
 from conveyor.broker.config.addresses import etcd_members
 from conveyor.broker.config.broker_settings import BrokerSettings
 from conveyor.broker.log.data_dir import Store, check_name
+from conveyor.broker.net.security import ClientKeys, ServerSecurity
 from conveyor.broker.server.cluster_roles import ClusterRoles
 from conveyor.broker.server.metadata import ClusterMetadata, PartitionMetadata
 from conveyor.broker.server.partitions import Partitions
@@ -56,11 +57,13 @@ class ClusterHost(Protocol):
 
     @property
     def store(self) -> Store: ...
+    @property
+    def security(self) -> ServerSecurity | None: ...  # CURVE on the broker's socket, if any
 
     def stop_wake(self) -> None: ...
 
 
-def cluster_settings(settings: BrokerSettings, version: str = "") -> ClusterSettings:
+def cluster_settings(settings: BrokerSettings, version: str = "", curve_public: str = "") -> ClusterSettings:
     """The agent's settings from the broker's ``--cluster`` flags."""
     password = None
     if settings.etcd_password_file:
@@ -78,6 +81,7 @@ def cluster_settings(settings: BrokerSettings, version: str = "") -> ClusterSett
         cluster_name=settings.cluster_name,
         metrics=metrics,
         version=version,
+        curve_public=curve_public,
         lease_ms=settings.cluster_lease_ms,
         etcd_ca=settings.etcd_ca or None,
         etcd_cert=settings.etcd_cert or None,
@@ -103,7 +107,9 @@ class ClusterNode:
         self.partitions = partitions
         self.settings = settings
         self.node_id = settings.node_id
-        self.agent = agent or ClusterAgent(cluster_settings(settings, version), wake=host.stop_wake)
+        self.security = host.security
+        curve_public = self.security.public.decode() if self.security is not None else ""
+        self.agent = agent or ClusterAgent(cluster_settings(settings, version, curve_public), wake=host.stop_wake)
         self.roles = ClusterRoles(self.agent, partitions)
         self.configs: dict[str, TopicConfigRecord] = {}
         self.controller: str | None = None
@@ -112,6 +118,12 @@ class ClusterNode:
         self._joined = False  # local topics were checked against the cluster's (first registration)
         self._answers: dict[int, Callable[[Any], None]] = {}  # ADMIN requests waiting for the controller
         partitions.propose = self.roles.propose
+        if self.security is not None:
+            # Replication uses CURVE as clients do: a follower fetches with the broker's own certificate,
+            # and a leader lets in its own public key (brokers sharing one certificate). Brokers with
+            # certificates of their own put each other's public key in --curve-authorized-keys.
+            self.security.authorize_peers({self.security.public})
+            partitions.replicas.keys_for = self._leader_keys
         partitions.on_unknown = self.auto_create
         self._handlers: dict[type[ClusterEvent], Callable[[Any], None]] = {
             Registered: self._on_registered,
@@ -128,6 +140,14 @@ class ClusterNode:
 
     def close(self, *, revoke: bool = False) -> None:
         self.agent.close(revoke=revoke)
+
+    def _leader_keys(self, leader: str) -> ClientKeys | None:
+        """CURVE keys to fetch from ``leader``: this broker's certificate, and the key its node record advertises."""
+        if self.security is None:
+            return None
+        record = self.agent.snapshot().nodes.get(leader)
+        server = record.curve_public.encode() if record is not None and record.curve_public else None
+        return self.security.peer_keys(server)
 
     # --- events from the agent (on the loop's thread) -----------------------------------------
 

@@ -21,7 +21,7 @@ from typing import Any
 import tenacity
 import zmq
 from conveyor.broker.net.connection import DEFAULT_HWM, backoff_seconds, new_dealer
-from conveyor.broker.net.security import HandshakeWatch
+from conveyor.broker.net.security import ClientKeys, HandshakeWatch
 from conveyor.broker.wire.protocol import Command, Frame, decode
 
 from conveyor.errors import ConveyorError
@@ -55,6 +55,7 @@ class Fetcher:
         on_reconnect: Callable[[], None] = lambda: None,
         clock: Callable[[], float] = time.monotonic,
         name: str = "upstream",
+        keys: ClientKeys | None = None,
     ) -> None:
         self.ctx = ctx
         self.poller = poller
@@ -66,6 +67,7 @@ class Fetcher:
         self.on_reconnect = on_reconnect
         self.clock = clock
         self.name = name
+        self.keys = keys  # CURVE keys for this link; None: the process's client keys, if any
         self.socket: zmq.Socket[Any] | None = None
         self.watch: HandshakeWatch | None = None
         self.refused = ""  # the other side refused this broker's handshake (AUTH_FAILED), until it answers
@@ -79,9 +81,10 @@ class Fetcher:
     # --- the connection ----------------------------------------------------------------
 
     def connect(self) -> None:
-        # The other broker may require CURVE: this broker is its client, with the process's client keys.
-        # rcvhwm 0 (no limit): the owner keeps a bounded number of requests in flight, which bounds the replies.
-        self.socket, self.watch = new_dealer(self.ctx, self.address, sndhwm=DEFAULT_HWM, rcvhwm=0)
+        # The other broker may require CURVE: this broker is its client, with ``keys`` (a follower's own
+        # certificate) or the process's client keys (a mirror). rcvhwm 0 (no limit): the owner keeps a
+        # bounded number of requests in flight, which bounds the replies.
+        self.socket, self.watch = new_dealer(self.ctx, self.address, keys=self.keys, sndhwm=DEFAULT_HWM, rcvhwm=0)
         self.poller.register(self.socket, zmq.POLLIN)
         self.last_reply = self.clock()
         self.on_connect()

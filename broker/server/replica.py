@@ -25,6 +25,7 @@ from typing import Any, Protocol
 import zmq
 from conveyor.broker.log.data_dir import Store
 from conveyor.broker.log.topic_log import TopicLog
+from conveyor.broker.net.security import ClientKeys
 from conveyor.broker.server.fetcher import Fetcher
 from conveyor.broker.server.replication import truncation_offset
 from conveyor.broker.wire import commands
@@ -94,6 +95,8 @@ class Replicas:
         self.max_bytes = max_bytes
         self.clock = clock
         self.links: dict[str, LeaderLink] = {}
+        # CURVE keys to fetch from a leader node (cluster mode with CURVE sets it); None: the process's.
+        self.keys_for: Callable[[str], ClientKeys | None] = lambda leader: None
 
     # --- roles ------------------------------------------------------------------------------
 
@@ -189,6 +192,7 @@ class Replicas:
             on_connect=partial(self._on_connect, leader),
             clock=self.clock,
             name=f"leader {leader}",
+            keys=self.keys_for(leader),
         )
         fetcher.connect()
         return fetcher

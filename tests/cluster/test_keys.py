@@ -95,6 +95,9 @@ def test_partition_state_round_trips(drawn: tuple[tuple[str, ...], list[str], in
 def test_other_records_round_trip() -> None:
     node = NodeRecord("n1", "tcp://h:1", "http://h:2", "1.0", 123)
     assert k.decode_node("key", "n1", k.encode_node(node)) == node
+    assert "curve_public" not in json.loads(k.encode_node(node))  # a record without CURVE is as before
+    curve = NodeRecord("n1", "tcp://h:1", curve_public="x" * 40)
+    assert k.decode_node("key", "n1", k.encode_node(curve)) == curve
     config = TopicConfigRecord(3, 2, {"retention_ms": 1000})
     assert k.decode_topic_config("key", k.encode_topic_config(config)) == config
     existing = CreateRequest("n1", 1, 1, {}, assignment=("n1",), leader_epoch=3)

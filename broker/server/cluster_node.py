@@ -176,25 +176,26 @@ class ClusterNode:
         agent's view is loaded when it says ``Registered``, so ``configs`` holds every topic
         the cluster knows; internal logs (``__`` names) follow their topic and are left out.
         """
-        store = self.host.store
-        asked: list[str] = []
-        for topic in sorted(store.logs):
-            if topic in self.configs or topic in self._creating or topic.startswith("__"):
-                continue
-            log_ = store.logs[topic]
-            epoch = log_.last_epoch + 1
-            self._creating.add(topic)
-            self.agent.create_topic(topic, 1, 1, log_.config.settings(), existing=((self.node_id,), epoch))
-            log.info(
-                "local topic %s (offsets %d-%d) is not in the cluster: registering it on %s, epoch %d",
-                topic,
-                log_.start_offset,
-                log_.end_offset,
-                self.node_id,
-                epoch,
-            )
-            asked.append(topic)
-        return asked
+        asked = [topic for topic in sorted(self.host.store.logs) if not topic.startswith("__")]
+        return [topic for topic in asked if self._register_local(topic)]
+
+    def _register_local(self, topic: str) -> bool:
+        """Ask for ``topic`` with this node's data (RF 1, this node leading); False if known or asked already."""
+        log_ = self.host.store.logs.get(topic)
+        if log_ is None or topic in self.configs or topic in self._creating:
+            return False
+        epoch = log_.last_epoch + 1
+        self._creating.add(topic)
+        self.agent.create_topic(topic, 1, 1, log_.config.settings(), existing=((self.node_id,), epoch))
+        log.info(
+            "local topic %s (offsets %d-%d) is not in the cluster: registering it on %s, epoch %d",
+            topic,
+            log_.start_offset,
+            log_.end_offset,
+            self.node_id,
+            epoch,
+        )
+        return True
 
     def _on_lease_lost(self, event: LeaseLost) -> None:
         # Leadership follows the partition records only: a record naming another leader takes a
@@ -235,8 +236,15 @@ class ClusterNode:
     # --- requests to the agent --------------------------------------------------------------------
 
     def auto_create(self, topic: str) -> None:
-        """A client named a topic the cluster does not know: ask the controller for it (once at a time)."""
+        """A client named a topic the cluster does not know: ask the controller for it (once at a time).
+
+        A topic this node's directory holds already (a client faster than the registration at
+        start) is registered with its data, never placed anew on nodes that lack it.
+        """
         if not self.settings.auto_create_topics or topic in self.configs or topic in self._creating:
+            return
+        if topic in self.host.store.logs:
+            self._register_local(topic)
             return
         self._creating.add(topic)
         self.agent.create_topic(topic)

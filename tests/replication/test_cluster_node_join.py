@@ -1,0 +1,64 @@
+"""ClusterNode registers the topics its data directory holds and the cluster does not know (a stand-in agent)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+from conveyor.broker.cluster.events import ClusterEvent, Registered, TopicChanged
+from conveyor.broker.cluster.keys import TopicConfigRecord
+from conveyor.broker.config.broker_settings import BrokerSettings
+from conveyor.broker.log.data_dir import Store
+from conveyor.broker.server.cluster_node import ClusterNode
+from conveyor.broker.wire.record import pack_records
+
+
+@dataclass
+class Agent:
+    queued: list[ClusterEvent] = field(default_factory=list)
+    creates: list[tuple[Any, ...]] = field(default_factory=list)
+
+    def poll(self) -> list[ClusterEvent]:
+        found, self.queued = self.queued, []
+        return found
+
+    def create_topic(self, topic: str, *args: Any, existing: Any = None) -> int:
+        self.creates.append((topic, *args, existing))
+        return len(self.creates)
+
+
+def node_on(store: Store, agent: Agent) -> ClusterNode:
+    host = SimpleNamespace(store=store, security=None, stop_wake=lambda: None)
+    partitions = SimpleNamespace(replicas=SimpleNamespace())
+    settings = BrokerSettings(node_id="n1", cluster="etcd://127.0.0.1:2379")
+    return ClusterNode(host, partitions, settings, agent=agent)  # type: ignore[arg-type]
+
+
+def test_local_topics_unknown_to_the_cluster_are_registered_with_their_data_once(tmp_path: Path) -> None:
+    store = Store(tmp_path / "data")
+    try:
+        for topic in ("legacy", "known", "__internal"):
+            store.create_topic(topic)
+        store.topic("legacy").append(pack_records([(None, {}, b"a"), (None, {}, b"b")]), 2)
+        agent = Agent([TopicChanged("known", TopicConfigRecord(3, 2)), Registered("n1", 7, 10)])
+        node = node_on(store, agent)
+        node.pump()
+        settings = store.topic("legacy").config.settings()
+        assert agent.creates == [("legacy", 1, 1, settings, (("n1",), 1))]  # RF 1 on n1, epoch 1
+
+        agent.queued.append(Registered("n1", 8, 20))  # registered again after a lost lease: nothing new
+        node.pump()
+        node.auto_create("legacy")  # asked already
+        assert len(agent.creates) == 1
+
+        store.create_topic("early")  # held here, named by a client before the registration asked for it
+        node.auto_create("early")
+        node.auto_create("fresh")  # not held here: placed by the controller
+        assert agent.creates[1:] == [
+            ("early", 1, 1, store.topic("early").config.settings(), (("n1",), 1)),
+            ("fresh", None),
+        ]
+    finally:
+        store.close()

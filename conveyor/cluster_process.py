@@ -74,7 +74,9 @@ class ClusterProcess:
         return ",".join(self.address(node) for node in self.node_ids)
 
     def address(self, node: str) -> str:
-        return self.brokers[node].address
+        """The node's fixed address (known before it first starts: it is in etcd and in clients' lists)."""
+        broker = self.brokers[node]
+        return broker.address or broker._bind
 
     def start(self, timeout: float = 60.0, *, nodes: list[str] | None = None) -> ClusterProcess:
         """Start etcd and the brokers (``nodes``: only these; ``start_node`` starts the others later)."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from conveyor.broker.client.admin import Admin
@@ -82,3 +83,30 @@ def test_reassign_is_refused_for_unknown_nodes_and_topics(cluster: ClusterProces
             admin.reassign_topic("stays", ["n1", "n2"], min_insync_replicas=3)
     missing = reassign_cli(cluster, "nowhere", "--replicas", "n1")
     assert missing.returncode != 0 and "UNKNOWN_TOPIC" in missing.stderr + missing.stdout
+
+
+def test_a_failed_node_is_replaced_by_reassigning_its_partitions_to_a_new_node(tmp_path: Path) -> None:
+    cluster = ClusterProcess(tmp_path / "cluster", nodes=4)
+    try:
+        cluster.start(nodes=["n1", "n2", "n3"])
+        with Admin(cluster.bootstrap) as admin:
+            admin.create_topic("kept", replication_factor=3, min_insync_replicas=2)
+        first = wait_for(lambda: partition(cluster, "kept"), message="kept to have a leader")
+        assert set(first.replicas) == {"n1", "n2", "n3"}
+        confirmed = publish(cluster, "kept", [f"k-{i}".encode() for i in range(1000)])
+
+        cluster.node("n3").kill()  # its disk is gone for good
+        wait_for(lambda: (p := partition(cluster, "kept")) is not None and "n3" not in p.isr, timeout=60)
+        confirmed.update(publish(cluster, "kept", [f"while-down-{i}".encode() for i in range(300)]))
+
+        cluster.start_node("n4")
+        done = reassign_cli(cluster, "kept", "--replicas", "n1,n2,n4", "--wait", "120")
+        assert done.returncode == 0, done.stdout + done.stderr
+        replaced = wait_for(lambda: partition(cluster, "kept"), message="kept's metadata")
+        assert replaced.replicas == ("n1", "n2", "n4") and set(replaced.isr) == {"n1", "n2", "n4"}
+        confirmed.update(publish(cluster, "kept", [f"after-{i}".encode() for i in range(300)]))
+        with Admin(cluster.bootstrap) as admin:
+            wait_for(lambda: admin.describe_topic("kept")["end_offset"] == len(confirmed), timeout=60)
+    finally:
+        cluster.kill()
+    assert dict(records(cluster.node("n4").data_dir, "kept")) == confirmed  # the new node holds it all

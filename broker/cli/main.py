@@ -399,9 +399,9 @@ def _reassign(admin: Any, args: argparse.Namespace, broker: str) -> dict[str, An
         return result
     from conveyor.broker.client.metadata import Metadata
 
-    deadline = time.monotonic() + args.wait
+    metadata, deadline = Metadata(broker), time.monotonic() + args.wait
     while True:
-        partition = Metadata(broker).refresh([args.name]).topics.get(args.name, {}).get(0)
+        partition = metadata.refresh([args.name]).topics.get(args.name, {}).get(0)
         done = partition is not None and list(partition.replicas) == replicas and set(partition.isr) == set(replicas)
         if done and partition is not None and partition.leader in replicas:
             return {**result, "state": "done", "leader": partition.leader, "isr": list(partition.isr)}

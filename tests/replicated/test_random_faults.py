@@ -143,6 +143,17 @@ def run_schedule(tmp_path: Path, faults: int, seed: int) -> None:
         traffic.deadline = time.monotonic()  # stop publishing now
         traffic.finish()
         wait_for(lambda: healthy(cluster), timeout=120, message="a full in-sync set at the end")
+    except BaseException:
+        for node, broker in cluster.brokers.items():  # what each node said, for the failure's report
+            print(
+                f"== {node}\n"
+                + "".join(
+                    line
+                    for line in broker.output[-400:]
+                    if " INFO " not in line[:40] or "conveyor.partitions" in line or "conveyor.cluster" in line
+                )[-6000:]
+            )
+        raise
     finally:
         cluster.stop() if all(b.proc and b.proc.poll() is None for b in cluster.brokers.values()) else cluster.kill()
 

@@ -272,6 +272,8 @@ class Broker:
                 if self.cluster is not None:
                     with self.containment.guard("cluster"):
                         self.cluster.pump()
+                        if self.cluster.shutdown.requested and self.cluster.shutdown_step(self.clock()):
+                            self.running = False  # handed off (or out of time): stop after this pass
                 if self.partitions is not None:
                     with self.containment.guard("replication"):
                         self._replication_pass(events)
@@ -285,8 +287,15 @@ class Broker:
             wake_w.close()
 
     def stop(self) -> None:
-        """Ask the loop to stop after this pass; safe from signal handlers and threads."""
-        self.running = False
+        """Ask the loop to stop after this pass; safe from signal handlers and threads.
+
+        A cluster node first hands what it leads to in-sync followers (a controlled
+        shutdown, bounded in time) and stops once that is done; a second call stops at once.
+        """
+        if self.cluster is not None and self.running and not self.cluster.shutdown.requested:
+            self.cluster.shutdown.requested = True
+        else:
+            self.running = False
         with contextlib.suppress(AttributeError, OSError):
             self._wake.send(b"x")
 
@@ -345,6 +354,8 @@ class Broker:
             deadlines.append(self._next_mirror_tick)
         if self.partitions is not None:
             deadlines.append(self._next_partitions_tick)
+        if self.cluster is not None and self.cluster.shutdown.requested:
+            deadlines.append(self.clock() + 0.05)  # a controlled shutdown checks its progress and deadline
         deadlines.append(self.store.next_sync_due())
         return max(0, int((min(d for d in deadlines if d is not None) - self.clock()) * 1000) + 1)
 
@@ -695,7 +706,7 @@ class Broker:
             if self.partitions is not None:
                 self.partitions.close()
             if self.cluster is not None:
-                self.cluster.close()
+                self.cluster.close(revoke=self.cluster.shutdown.requested)  # handed off: the key goes now
             if self.registry_watch is not None:
                 self.registry_watch.stop()
             self.socket.close(linger=500)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from conveyor.broker.cluster.agent import ClusterAgent
@@ -28,6 +29,7 @@ from conveyor.broker.cluster.events import (
     PartitionChanged,
     ReassignAnswer,
     Registered,
+    ShutdownAnswer,
     TopicChanged,
     TopicCreated,
 )
@@ -91,6 +93,26 @@ def cluster_settings(settings: BrokerSettings, version: str = "", curve_public: 
     )
 
 
+@dataclass
+class ControlledShutdown:
+    """Where a controlled shutdown is (Kafka's): stop appending, let a follower catch up, hand off, stop.
+
+    ``DRAIN_SECONDS`` bounds the wait for a caught-up follower and
+    ``HANDOFF_SECONDS`` the wait for the controller to move the leaderships; past
+    them the node stops anyway (its partitions then fail over when its lease ends).
+    """
+
+    requested: bool = False
+    started: float | None = None
+    asked: float | None = None  # when the controller was asked
+    request: int | None = None
+    answered: bool = False
+
+
+DRAIN_SECONDS = 5.0
+HANDOFF_SECONDS = 5.0
+
+
 class ClusterNode:
     """One node's part in the cluster: the agent's events in, role changes and ISR proposals out."""
 
@@ -117,6 +139,7 @@ class ClusterNode:
         self._creating: set[str] = set()
         self._joined = False  # local topics were checked against the cluster's (first registration)
         self._answers: dict[int, Callable[[Any], None]] = {}  # ADMIN requests waiting for the controller
+        self.shutdown = ControlledShutdown()
         partitions.propose = self.roles.propose
         if self.security is not None:
             # Replication uses CURVE as clients do: a follower fetches with the broker's own certificate,
@@ -133,6 +156,7 @@ class ClusterNode:
             PartitionChanged: self._on_partition,
             TopicCreated: self._on_created,
             ReassignAnswer: self._on_reassign_stored,
+            ShutdownAnswer: self._on_shutdown_answer,
         }
 
     def start(self) -> None:
@@ -232,6 +256,45 @@ class ClusterNode:
         if topic not in store.logs:
             config = self.configs.get(topic)
             store.create_topic(topic, dict(config.settings) if config else None)
+
+    # --- controlled shutdown -------------------------------------------------------------------
+
+    def shutdown_step(self, now: float) -> bool:
+        """One step of a controlled shutdown; True once the node may stop.
+
+        Appends to led partitions stop at once (NOT_LEADER: clients ask METADATA
+        again); when every led partition has an in-sync follower holding its whole
+        log durably (or after ``DRAIN_SECONDS``) the controller is asked to move the
+        leaderships to them; the node stops when it leads nothing more (or after
+        ``HANDOFF_SECONDS``). Without a registration there is nobody to hand off to.
+        """
+        state, partitions = self.shutdown, self.partitions
+        if state.started is None:
+            state.started = now
+            partitions.draining = True
+            log.info("controlled shutdown: handing %d led partitions off", len(partitions.leading))
+        if not partitions.leading or not self.registered:
+            return True
+        if state.asked is None:
+            successors = partitions.successors()
+            if len(successors) < len(partitions.leading) and now - state.started < DRAIN_SECONDS:
+                return False
+            state.asked = now
+            state.request = self.agent.request_shutdown(
+                {TopicPartition(topic, number): node for (topic, number), node in successors.items()}
+            )
+            return False
+        if now - state.asked >= HANDOFF_SECONDS:
+            left = len(partitions.leading)
+            log.warning("controlled shutdown: %d partitions still led after %.0f s", left, HANDOFF_SECONDS)
+            return True
+        return False
+
+    def _on_shutdown_answer(self, event: ShutdownAnswer) -> None:
+        if event.request_id == self.shutdown.request:
+            self.shutdown.answered = True
+            if event.error is not None:
+                log.warning("controlled shutdown: %s", event.error)
 
     # --- requests to the agent --------------------------------------------------------------------
 

@@ -99,6 +99,7 @@ class Partitions:
         self.leading: dict[TopicPartition, PartitionLeader] = {}
         self.following: dict[TopicPartition, Following] = {}
         self.on_unknown: Callable[[str], None] = lambda topic: None
+        self.draining = False  # a controlled shutdown is under way: no more appends to led partitions
         self.replicas = Replicas(host, node_id, wait_ms=fetch_wait_ms, clock=clock)
 
     # --- transitions ------------------------------------------------------------------------
@@ -259,6 +260,10 @@ class Partitions:
     def check_publish(self, topic: str, partition: int = 0) -> int:
         """A PUBLISH goes only to the leader, and only while enough replicas are in sync; the epoch to write."""
         leader = self.check_leader(topic, partition)
+        if self.draining:  # a controlled shutdown: appends stop so a follower can catch up to the end
+            raise NotLeader(
+                f"{topic}/{partition}: its leader {self.node_id} is shutting down", topic=topic, partition=partition
+            )
         leader.check_publish()
         return leader.epoch
 

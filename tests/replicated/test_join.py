@@ -10,13 +10,17 @@ from pathlib import Path
 from conveyor.broker.client.admin import Admin
 from conveyor.broker.client.metadata import Metadata, PartitionInfo
 from conveyor.broker.client.producer import Producer
+from conveyor.broker.wire import commands
+from conveyor.broker.wire.protocol import Command
 
 from conveyor.broker_process import BrokerProcess
 from conveyor.cluster_process import ClusterProcess
 from tests.helpers import wait_for
 from tests.replicated.replica_logs import records
+from tests.replication.cluster_helpers import batch, request
 
 TOPIC = "legacy"
+RAW = batch(b"raw-1", b"raw-2")
 
 
 def partition(cluster: ClusterProcess, nodes: list[str]) -> PartitionInfo | None:
@@ -43,6 +47,9 @@ def test_a_single_node_directory_joins_a_cluster_and_is_reassigned_to_three_node
     single = BrokerProcess(cluster.directory / "n1").start()  # no --cluster: today's single node
     try:
         confirmed = publish(single.address, [f"old-{i}".encode() for i in range(700)])
+        first = request(single.address, commands.publish(TOPIC, RAW, pid=4242, seq=0, rid=1))
+        assert first.command is Command.PUBLISHED and first.get("base_offset") == 700
+        confirmed.update({700: b"raw-1", 701: b"raw-2"})
     finally:
         single.stop()
     before = segments(single.data_dir)
@@ -53,7 +60,7 @@ def test_a_single_node_directory_joins_a_cluster_and_is_reassigned_to_three_node
         assert (joined.leader, joined.replicas, joined.isr, joined.leader_epoch) == ("n1", ("n1",), ("n1",), 1)
         with Admin(cluster.address("n1")) as admin:
             described = admin.describe_topic(TOPIC)
-        assert (described["start_offset"], described["end_offset"]) == (0, 700)  # data and offsets kept
+        assert (described["start_offset"], described["end_offset"]) == (0, 702)  # data and offsets kept
         assert segments(cluster.node("n1").data_dir) == before  # the old batches are not rewritten
 
         cluster.start_node("n2")
@@ -83,6 +90,10 @@ def test_a_single_node_directory_joins_a_cluster_and_is_reassigned_to_three_node
         assert after.leader_epoch > moved.leader_epoch
         leader = after.leader
         assert leader is not None
+        # The single node's idempotent producer resends its batch: the new leader knows its id and sequence.
+        again = request(cluster.address(leader), commands.publish(TOPIC, RAW, pid=4242, seq=0, rid=2))
+        assert again.command is Command.PUBLISHED
+        assert (again.get("base_offset"), again.get("duplicate")) == (700, True)
         confirmed.update(publish(cluster.bootstrap, [f"later-{i}".encode() for i in range(100)]))
     finally:
         cluster.kill()

@@ -191,3 +191,37 @@ def test_a_reassignment_adds_a_follower_then_drops_an_old_replica(backend: Backe
             done = partition(nodes[0], lambda s: s.assignment == target)
             assert set(done.isr) == set(target) and done.leader in target
             assert done.leader_epoch == state.leader_epoch + 1  # the old leader left
+
+
+def test_a_topic_registered_with_its_data_is_rf_1_on_its_node_until_reassigned_to_three(backend: Backend) -> None:
+    with started([make(backend, n) for n in "abc"]) as nodes:
+        for node in nodes:
+            wait_for(lambda node=node: len(node.agent.snapshot().nodes) == 3, what="3 nodes")
+        controller_of(nodes)
+        b = nodes[1]
+        request_id = b.agent.create_topic("orders", 1, 1, {"retention_ms": 1000}, existing=(("b",), 4))
+        created = wait_for(lambda: next((e for e in b.of(TopicCreated) if e.request_id == request_id), None))
+        assert created.error is None and created.config is not None
+        assert (created.config.replication_factor, created.config.min_insync_replicas) == (1, 1)
+        assert partition(b) == PartitionState(("b",), "b", 4, ("b",))  # b leads its data, after its last epoch
+
+        b.agent.reassign(TP, ("b", "a", "c"), min_insync_replicas=2)
+        step1 = partition(b, lambda s: len(s.assignment) == 3)
+        assert step1.isr == ("b",) and step1.leader == "b"
+        mod = b.agent.snapshot().partition_revisions[TP]
+        b.agent.propose_isr(TP, ("b", "a", "c"), 4, mod)  # both caught up
+        done = partition(b, lambda s: s.assignment == ("b", "a", "c") and set(s.isr) == {"a", "b", "c"})
+        assert (done.leader, done.leader_epoch) == ("b", 4)
+        config = wait_for(lambda: (c := b.agent.snapshot().topics.get("orders")) and c.replication_factor == 3 and c)
+        assert config.min_insync_replicas == 2 and dict(config.settings) == {"retention_ms": 1000}
+        wait_for(lambda: TP not in b.agent.view.reassigns, what="the request deleted")
+
+
+def test_a_topic_registered_with_its_data_needs_its_node_live(backend: Backend) -> None:
+    with started([make(backend, n) for n in "ab"]) as nodes:
+        for node in nodes:
+            wait_for(lambda node=node: len(node.agent.snapshot().nodes) == 2, what="2 nodes")
+        controller_of(nodes)
+        request_id = nodes[0].agent.create_topic("orders", 1, 1, existing=(("z",), 1))
+        answer = wait_for(lambda: next((e for e in nodes[0].of(TopicCreated) if e.request_id == request_id), None))
+        assert isinstance(answer.error, NotEnoughReplicas)

@@ -131,6 +131,9 @@ class AsyncProducer:
         self._started = False
         self._links: dict[str, _Link] = {}  # one socket per broker that leads a topic
         self._resending: set[str] = set()  # topics whose batches wait to follow their leader
+        # Topics whose route is not proven (their first batch, or after a leadership error): one batch at a
+        # time until a leader confirms one, so no batch overtakes one a broker refused (as ``Producer``).
+        self._probing: set[str] = set()
         self._buffers: dict[str, _Batch] = {}
         self._in_flight: dict[int, _Batch] = {}
         self._seqs: dict[str, int] = {}
@@ -266,11 +269,20 @@ class AsyncProducer:
         self._seqs[topic] = batch.seq + 1
         batch.body = pack_records(batch.records)
         batch.first_sent = time.monotonic()
-        waiting = self._waiting.get(topic)
-        if waiting or (self.metadata.following and self._flights.get(topic, 0) >= RESEND_WINDOW):
+        if batch.seq == 0 and self.metadata.following:
+            self._probing.add(topic)
+        if self._waiting.get(topic) or self._held_back(topic):
             self._waiting.setdefault(topic, deque()).append(batch)
             return
         self._launch(batch)
+
+    def _held_back(self, topic: str) -> bool:
+        """No new batch of ``topic`` now: its window is full, or its batches wait for a resend (order first)."""
+        if topic in self._resending:
+            return True
+        if not self.metadata.following:
+            return False
+        return self._flights.get(topic, 0) >= (1 if topic in self._probing else RESEND_WINDOW)
 
     def _launch(self, batch: _Batch) -> None:
         rid = next(self._rids)
@@ -281,7 +293,7 @@ class AsyncProducer:
     def _release(self, topic: str) -> None:
         """A batch of ``topic`` settled: the next waiting one goes (in sequence order)."""
         waiting = self._waiting.get(topic)
-        while waiting and self._flights.get(topic, 0) < RESEND_WINDOW:
+        while waiting and not self._held_back(topic):
             self._launch(waiting.popleft())
         if waiting is not None and not waiting:
             del self._waiting[topic]
@@ -301,9 +313,7 @@ class AsyncProducer:
             if not exc.retriable:
                 raise
             batch.last_error = exc
-            batch.sent_at = float("inf")
-            delay = backoff_seconds(self.retry_wait, batch.attempts + 1)
-            asyncio.get_running_loop().call_later(delay, self._transmit, rid, batch)
+            self._resend_later(batch.topic, backoff_seconds(self.retry_wait, batch.attempts + 1))
             return
         frames = commands.publish(batch.topic, batch.body, pid=self.producer_id, seq=batch.seq, rid=rid)
         batch.address = address
@@ -324,6 +334,7 @@ class AsyncProducer:
             if batch is None:
                 continue
             if reply.command is Command.PUBLISHED:
+                self._probing.discard(batch.topic)  # a leader confirmed: the topic's batches may overlap again
                 del self._in_flight[rid]
                 self._settled(batch)
                 base = int(reply.get("base_offset"))
@@ -342,8 +353,7 @@ class AsyncProducer:
                 if isinstance(exc, _LEADERSHIP_ERRORS):
                     self._follow_leader(batch, exc)
                     return
-                batch.sent_at = float("inf")
-                asyncio.get_running_loop().call_later(self.request_timeout / 10, self._transmit, rid, batch)
+                self._resend_later(batch.topic, self.request_timeout / 10)
                 return
             exc = delivery_timed_out(self.address, batch.topic, exc, batch.attempts)
         del self._in_flight[rid]
@@ -359,21 +369,29 @@ class AsyncProducer:
             self.metadata.not_leader(batch.topic, 0, exc)
         else:
             self.metadata.stale(batch.topic)
-        if batch.topic in self._resending:
-            return
-        self._resending.add(batch.topic)
-        for other in self._in_flight.values():
-            if other.topic == batch.topic:
-                other.sent_at = float("inf")  # not waiting for the old leader's answer
+        self._probing.add(batch.topic)
         hinted = isinstance(exc, NotLeader) and bool(exc.fields.get("leader_addr"))
-        delay = 0.0 if hinted else backoff_seconds(self.retry_wait, batch.attempts)
-        asyncio.get_running_loop().call_later(delay, self._resend_topic, batch.topic)
+        self._resend_later(batch.topic, 0.0 if hinted else backoff_seconds(self.retry_wait, batch.attempts))
+
+    def _resend_later(self, topic: str, delay: float) -> None:
+        """Every unconfirmed batch of ``topic`` goes again after ``delay``, together and in sequence order;
+        until then no newer batch of it is sent."""
+        if topic in self._resending:
+            return
+        self._resending.add(topic)
+        for other in self._in_flight.values():
+            if other.topic == topic:
+                other.sent_at = float("inf")  # not waiting for the old answer
+        asyncio.get_running_loop().call_later(delay, self._resend_topic, topic)
 
     def _resend_topic(self, topic: str) -> None:
         self._resending.discard(topic)
         for rid, batch in sorted(self._in_flight.items(), key=_in_order):
             if batch.topic == topic:
                 self._transmit(rid, batch)
+                if topic in self._resending:  # not routed yet: the rest goes with it later
+                    return
+        self._release(topic)
 
     async def _watchdog(self) -> None:
         """Resend on a fresh socket (to the leader of the moment) when confirms stop coming."""

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 
 from conveyor.broker.client.admin import Admin
+from conveyor.broker.client.async_producer import AsyncProducer
 from conveyor.broker.client.metadata import Metadata
 from conveyor.broker.client.producer import Producer
 from conveyor.broker.client.subscription import Subscription
@@ -67,3 +69,22 @@ def test_topics_create_goes_through_the_controller(cluster: ClusterProcess) -> N
     assert len(view[0].replicas) == 2 and view[0].leader in view[0].replicas
     with Producer(cluster.bootstrap) as producer:
         assert producer.send("payments", b"first").result(60) == 0
+
+
+def test_the_async_producer_follows_the_leader_through_a_kill(cluster: ClusterProcess) -> None:
+    """Auto-created topic (its first batches refused until it has a leader), then kill -9 of that leader."""
+
+    async def run() -> list[int]:
+        offsets: list[int] = []
+        async with AsyncProducer(cluster.bootstrap, linger_ms=2) as producer:
+            for i in range(3000):
+                offsets.append(await (await producer.send("async-orders", f"a{i}".encode())) if i % 500 == 0 else -1)
+                if i == 1500:
+                    leader = Metadata(cluster.bootstrap).refresh(["async-orders"]).topics["async-orders"][0].leader
+                    cluster.node(str(leader)).kill()
+            futures = [await producer.send("async-orders", f"b{i}".encode()) for i in range(3000)]
+            offsets.extend([await future for future in futures])
+        return [offset for offset in offsets if offset >= 0]
+
+    offsets = asyncio.run(asyncio.wait_for(run(), 180))
+    assert len(offsets) == len(set(offsets)) == 3006  # six awaited one by one, 3,000 in a burst: each at its own offset

@@ -310,7 +310,18 @@ class ClusterNode:
             self._register_local(topic)
             return
         self._creating.add(topic)
-        self.agent.create_topic(topic)
+        self.agent.create_topic(topic, *self.replication(None, None))
+
+    def replication(self, rf: int | None, min_insync: int | None) -> tuple[int | None, int | None]:
+        """A new topic's replicas and in-sync minimum: what was asked, else this node's defaults
+        (``--default-replication-factor`` capped at the registered nodes, ``--min-insync-replicas``
+        capped at the replicas). An RF asked above the live nodes is the controller's to refuse."""
+        live = len(self.agent.snapshot().nodes)
+        if rf is None:
+            rf = max(1, min(self.settings.default_replication_factor, live)) if live else None
+        if min_insync is None and rf is not None:
+            min_insync = min(self.settings.min_insync_replicas, rf)
+        return rf, min_insync
 
     # --- ADMIN in a cluster ------------------------------------------------------------------------
 
@@ -336,7 +347,7 @@ class ClusterNode:
         self.host.store.defaults.with_settings(config)  # a bad setting is refused here, before etcd
         if topic in self.configs:
             raise TopicExists(f"topic {topic} exists", topic=topic)
-        request = self.agent.create_topic(topic, rf, min_insync, config)
+        request = self.agent.create_topic(topic, *self.replication(rf, min_insync), config)
         self._creating.add(topic)
         self._answers[request] = answer
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+from pathlib import Path
 
 from conveyor.broker.client.admin import Admin
 from conveyor.broker.client.async_producer import AsyncProducer
@@ -88,3 +89,15 @@ def test_the_async_producer_follows_the_leader_through_a_kill(cluster: ClusterPr
 
     offsets = asyncio.run(asyncio.wait_for(run(), 180))
     assert len(offsets) == len(set(offsets)) == 3006  # six awaited one by one, 3,000 in a burst: each at its own offset
+
+
+def test_a_nodes_replication_defaults_apply_to_the_topics_it_creates(tmp_path: Path) -> None:
+    extra = ["--default-replication-factor", "2", "--min-insync-replicas", "1"]
+    with ClusterProcess(tmp_path / "cluster", nodes=3, extra=extra) as cluster:
+        with Producer(cluster.bootstrap) as producer:
+            producer.send("defaults", b"auto-created").result(60)
+        with Admin(cluster.bootstrap) as admin:
+            created = admin.create_topic("explicit", replication_factor=3)
+        assert (created["replication_factor"], created["min_insync_replicas"]) == (3, 1)
+        view = Metadata(cluster.bootstrap).refresh(["defaults"])
+        assert len(view.topics["defaults"][0].replicas) == 2

@@ -114,7 +114,9 @@ class Controller:
                 rf, min_insync = d.replication_for(
                     found.value.replication_factor, found.value.min_insync_replicas, len(live)
                 )
-                assignment = d.place(live, d.leader_load(view.partitions.values(), live), rf)
+                assignment = d.colocate(topic, view.partitions, live, rf) or d.place(
+                    live, d.leader_load(view.partitions.values(), live), rf
+                )
                 partition = d.new_partition(assignment)
         except (NotEnoughReplicas, InvalidRequest) as exc:
             self._refuse(request_key, found, exc.code, exc.message)

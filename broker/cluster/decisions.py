@@ -80,6 +80,27 @@ def place(nodes: Collection[str], load: Mapping[str, int], rf: int) -> tuple[str
     return tuple(ring[(start + i) % len(ring)] for i in range(rf))
 
 
+DEAD_LETTER_SUFFIX = ".dlq"
+
+
+def colocate(
+    topic: str, partitions: Mapping[TopicPartition, PartitionState], live: Collection[str], rf: int
+) -> tuple[str, ...] | None:
+    """``<t>.dlq`` goes on its source topic's live replicas, the source's leader first; None otherwise.
+
+    The source's leader writes its dead letters, which it can do only while it also
+    leads the dead-letter topic: both start led by the same node, and an election
+    (first of assignment ∩ ISR ∩ live) keeps them together while their ISRs agree.
+    """
+    if not topic.endswith(DEAD_LETTER_SUFFIX):
+        return None
+    source = partitions.get(TopicPartition(topic[: -len(DEAD_LETTER_SUFFIX)], 0))
+    if source is None or source.leader is None or source.leader not in live:
+        return None
+    order = [source.leader] + [n for n in source.assignment if n != source.leader and n in live]
+    return tuple(order[:rf]) if len(order) >= rf else None
+
+
 def new_partition(assignment: tuple[str, ...], leader_epoch: int = 1) -> PartitionState:
     """A new partition: the first replica leads, at epoch 1 (epoch 0 is for batches written before clustering).
 

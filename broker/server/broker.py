@@ -69,6 +69,7 @@ from conveyor.version import __version__
 
 if TYPE_CHECKING:
     from conveyor.broker.server.cluster_node import ClusterNode
+    from conveyor.broker.server.group_log import DeliveryGate
 
 log = logging.getLogger("conveyor.broker")
 
@@ -147,6 +148,7 @@ class Broker:
         self.poller = zmq.Poller()
         self.mirror: Mirror | None = None
         self.partitions: Partitions | None = None  # this node's replicated partitions (cluster mode only)
+        self.gate: DeliveryGate | None = None  # cluster mode: deliveries wait for their group-state record
         self.cluster: ClusterNode | None = None  # the etcd side of cluster mode (--cluster)
         self._next_partitions_tick: float | None = None
         self._soon: collections.deque[Callable[[], None]] = collections.deque()
@@ -214,7 +216,22 @@ class Broker:
         self.partitions = Partitions(self, node_id, clock=self.clock, **options)
         self.fetches.replicas = self.partitions
         self._next_partitions_tick = self.clock()
+        self._replicate_groups(self.partitions)
         return self.partitions
+
+    def _replicate_groups(self, partitions: Partitions) -> None:
+        """Consumer groups follow leadership: built from the group log on leading, gated on its HW."""
+        from conveyor.broker.server.group_log import DeliveryGate
+        from conveyor.broker.server.group_roles import GroupRoles
+
+        roles = GroupRoles(self, partitions)
+        self.gate = DeliveryGate(self.store, roles, clock=self.clock)
+        roles.gate = self.gate
+        self.dispatcher.gate = self.gate
+        self.dead_letters.gate = self.gate
+        partitions.on_lead = roles.lead
+        partitions.on_step_down = roles.step_down
+        self.groups.clear()  # groups.json's groups come back when this node leads their topic
 
     def call_soon(self, fn: Callable[[], None]) -> None:
         """Run ``fn`` on the loop's thread in its next pass (from any thread: the cluster agent, a test)."""

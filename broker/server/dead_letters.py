@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from conveyor.broker.log.data_dir import Store
 from conveyor.broker.log.topic_log import TopicLog
@@ -29,6 +29,9 @@ from conveyor.broker.wire.record import Batch, pack_records, unpack_records
 from conveyor.errors import ConveyorError
 from conveyor.names import dead_letter_topic
 
+if TYPE_CHECKING:
+    from conveyor.broker.server.group_log import DeliveryGate
+
 log = logging.getLogger("conveyor.broker")
 
 ORIGIN_TOPIC = "x-origin-topic"
@@ -42,6 +45,8 @@ LAST_ERROR = "x-last-error"
 # topic, an invalid name, a bug) is kept unsettled and tried again this slowly: never dropped, never
 # retried every second.
 DEAD_LETTER_RETRY_SECONDS = 30.0
+# Cluster mode: how often dead letters waiting for their dead-letter topic to be led here try again.
+DEAD_LETTER_WAIT_SECONDS = 1.0
 
 __all__ = ["DEAD_LETTER_RETRY_SECONDS", "DeadLetters", "DeadWrite", "dead_letter_body", "dead_letter_topic"]
 
@@ -130,6 +135,7 @@ class DeadLetters:
         self._metrics = metrics
         self._containment = containment
         self._clock = clock
+        self.gate: DeliveryGate | None = None  # cluster mode: settled letters are recorded in the group log
 
     def _live(self, group: Group) -> bool:
         return self.groups.get((group.topic, group.name)) is group
@@ -162,6 +168,12 @@ class DeadLetters:
             return
         name = dead_letter_topic(group.topic, group.settings.dead_letter_topic)
         failures = self._metrics.dead_letter_failures
+        if self.gate is not None and not self.gate.leads(name):
+            # In a cluster the dead-letter topic is a replicated topic: written where it is led. Not
+            # here (yet): ask for it and keep the letters dead, never redelivered past max_deliveries.
+            self.gate.want_topic(name)
+            self.undead(group, dead, delay=DEAD_LETTER_WAIT_SECONDS, dead_only=True)
+            return
         if name in self.store.logs and self.store.logs[name].config.read_only:
             # A mirror holds the parent's offsets: a local append would make it a different log.
             log.error(
@@ -205,6 +217,9 @@ class DeadLetters:
             return
         stored = [w for w in self.writes if w.end <= w.log.visible_offset]
         self.moved.update(w.group for w in stored)
+        if self.gate is not None:
+            for write in stored:
+                self.gate.touch(write.group)
         self.writes = [w for w in self.writes if w.end > w.log.visible_offset]
         for write in stored:
             if write.letter.by_broker:
@@ -260,11 +275,21 @@ class DeadLetters:
             )
             self._send(member.peer, frames)
 
-    def undead(self, group: Group, letter: DeadLetter, *, delay: float = 1.0) -> None:
-        """Dead letters that could not be stored are not settled: redeliver them (and dead-letter them again)."""
+    def undead(self, group: Group, letter: DeadLetter, *, delay: float = 1.0, dead_only: bool = False) -> None:
+        """Dead letters that could not be stored are not settled: redeliver them (and dead-letter them again).
+
+        ``dead_only``: try storing them again after ``delay``, without a redelivery in between.
+        """
         if self._live(group):
             ranges = list(letter.ranges)
             group.pending.append(
-                Pending(ranges, letter.deliveries, self._clock() + delay, letter.reason, first_ms=letter.first_ms)
+                Pending(
+                    ranges,
+                    letter.deliveries,
+                    self._clock() + delay,
+                    letter.reason,
+                    first_ms=letter.first_ms,
+                    dead=dead_only,
+                )
             )
             self.to_dispatch.add(group)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import heapq
 import itertools
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from conveyor.broker.log.data_dir import Store
 from conveyor.broker.log.topic_log import TopicLog
@@ -27,6 +27,9 @@ from conveyor.broker.server.peers import Peers
 from conveyor.broker.wire import commands
 
 from conveyor.errors import ConveyorError
+
+if TYPE_CHECKING:
+    from conveyor.broker.server.group_log import DeliveryGate
 
 DISPATCH_RETRY_SECONDS = (1.0, 30.0)  # first and longest wait before a group whose dispatch raised is tried again
 
@@ -92,8 +95,14 @@ class Dispatcher:
         self._metrics = metrics
         self._containment = containment
         self._clock = clock
+        # Cluster mode: DELIVERs of led topics wait until the group-state record counting them is
+        # replicated (``group_log.DeliveryGate``); None on a single node.
+        self.gate: DeliveryGate | None = None
 
     def run(self) -> None:
+        gate = self.gate
+        if gate is not None:
+            gate.release()
         groups = list(self.to_dispatch)
         self.to_dispatch.clear()
         for group in groups:
@@ -106,6 +115,10 @@ class Dispatcher:
                 self._dispatch_group(group, log_, retry)
             self.moved.add(group)
             self.timers.schedule(group)
+            if gate is not None:
+                gate.touch(group)
+        if gate is not None:
+            gate.write()  # one group-state record per topic for this pass; its DELIVERs wait for it
 
     def retries_due(self, now: float) -> None:
         """Queue the groups whose retry after a failed dispatch is due."""
@@ -145,6 +158,19 @@ class Dispatcher:
         frames = commands.deliver(
             plan.member.sub_id, group.topic, [e.to_wire() for e in entries], [e.batch.body for e in entries]
         )
+        if self.gate is not None and self.gate.gates(group.topic):
+            self.gate.hold(group, plan, frames)
+            return
+        self.send_plan(group, plan, frames)
+
+    def send_plan(self, group: Group, plan: Delivery, frames: list[Any]) -> None:
+        """Send a planned DELIVER; one that bounces marks its member busy and goes back uncounted."""
+        if plan.member.peer not in self.peers:
+            return  # gone since it was planned: leaving already put its offsets back
+        if plan.member.busy:
+            group.undeliver(plan)
+            return
+        entries = plan.entries
         if not self._send(plan.member.peer, frames):
             if self.peers.mark_busy(plan.member.peer, group, plan.member):
                 group.undeliver(plan)

@@ -96,6 +96,9 @@ class Pending:
     # superset of their keys, read once.
     held: bool = False
     keys: frozenset[Any] | None = None
+    # Dead letters whose dead-letter topic cannot take them yet (cluster mode: not led here): they go
+    # back to ``dead`` when due, never to a member (a redelivery would pass ``max_deliveries``).
+    dead: bool = False
 
 
 @dataclass(slots=True)
@@ -348,6 +351,10 @@ class Group:
         """Redeliver chunks whose ack timeout passed; return how many messages."""
         now = self.clock()
         expired = 0
+        if any(p.dead for p in self.pending):
+            due = [p for p in self.pending if p.dead and p.not_before <= now]
+            self.pending = [p for p in self.pending if not (p.dead and p.not_before <= now)]
+            self.dead += [DeadLetter(p.ranges, p.deliveries, p.last_error, True, p.avoid, p.first_ms) for p in due]
         while self._leases and self._leases[0][0] <= now:
             deadline, chunk_id = heapq.heappop(self._leases)
             chunk = self.chunks.get(chunk_id)
@@ -374,7 +381,7 @@ class Group:
 
     def has_due(self, now: float) -> bool:
         """Pending work due now that is not just waiting behind its key."""
-        return any(p.not_before <= now and not p.held for p in self.pending)
+        return any(p.not_before <= now and not p.held and not p.dead for p in self.pending)
 
     # --- offsets -------------------------------------------------------------------------
 
@@ -390,7 +397,7 @@ class Group:
         rows = [[a, b, c.deliveries, c.first_ms, 0, LIVE] for c in list(self.chunks.values()) for a, b in c.ranges]
         for p in list(self.pending):
             due = int(now_ms + (p.not_before - now) * 1000) if p.not_before > now else 0
-            rows += [[a, b, p.deliveries, p.first_ms, due, LIVE] for a, b in p.ranges]
+            rows += [[a, b, p.deliveries, p.first_ms, due, DEAD_BY_BROKER if p.dead else LIVE] for a, b in p.ranges]
         for d in [*self.dead, *dying]:
             dead = DEAD_BY_BROKER if d.by_broker else TERMINATED
             rows += [[a, b, d.deliveries, d.first_ms, 0, dead] for a, b in d.ranges]
@@ -587,7 +594,7 @@ class Group:
         now = self.clock()
         still: list[Pending] = []
         for item in sorted(self.pending, key=lambda p: p.ranges[0][0]):
-            if item.not_before > now:
+            if item.not_before > now or item.dead:
                 still.append(item)
                 continue
             remaining = self._redeliver(log, item, plans)
@@ -638,7 +645,9 @@ class Group:
         out: list[Pending] = []
         due: list[Pending] = []
         for item in self.pending:
-            if item.not_before > now:
+            if item.dead:
+                out.append(item)  # a dead letter waiting for its topic: never delivered again
+            elif item.not_before > now:
                 blocked |= self._keys_of(log, item)
                 out.append(item)
             else:

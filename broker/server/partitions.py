@@ -25,6 +25,7 @@ import zmq
 from conveyor.broker.cluster.keys import PartitionState
 from conveyor.broker.log.data_dir import Store
 from conveyor.broker.log.topic_log import TopicLog
+from conveyor.broker.server.group_log import group_log_name, is_group_log
 from conveyor.broker.server.replica import Replicas
 from conveyor.broker.server.replication import IsrChange, PartitionLeader, check_epoch, diverging
 from conveyor.broker.wire.protocol import Frame
@@ -48,6 +49,10 @@ class Following:
     leader: str
     address: str
     epoch: int
+
+
+def _shadow_propose(change: IsrChange) -> None:
+    """A group log proposes no ISR: its topic's ISR is written to it (``isr_written``)."""
 
 
 def role_for(state: PartitionState | None, me: str) -> Role:
@@ -100,6 +105,10 @@ class Partitions:
         self.following: dict[TopicPartition, Following] = {}
         self.on_unknown: Callable[[str], None] = lambda topic: None
         self.draining = False  # a controlled shutdown is under way: no more appends to led partitions
+        # A topic's consumer groups live where it is led: the broker rebuilds them from the topic's
+        # group log when this node starts leading it (``on_lead``) and drops them when it stops.
+        self.on_lead: Callable[[str], None] = lambda topic: None
+        self.on_step_down: Callable[[str], None] = lambda topic: None
         self.replicas = Replicas(host, node_id, wait_ms=fetch_wait_ms, clock=clock)
 
     # --- transitions ------------------------------------------------------------------------
@@ -148,14 +157,34 @@ class Partitions:
         isr: Iterable[str],
         min_insync: int,
     ) -> PartitionLeader:
-        """Lead this partition from ``epoch`` on; HW starts at the last one heard as a follower."""
+        """Lead this partition from ``epoch`` on; HW starts at the last one heard as a follower.
+
+        The topic's group log is led with it (same epoch, replicas and ISR), then ``on_lead``.
+        """
         tp = (topic, partition)
         current = self.leading.get(tp)
         if current is not None and current.epoch == epoch:
             current.isr_written(isr)
             current.replicas = tuple(replicas)
             current.min_insync = min_insync
+            if not is_group_log(topic):
+                self.become_leader(
+                    group_log_name(topic), partition, epoch=epoch, replicas=replicas, isr=isr, min_insync=min_insync
+                )
             return current
+        leader = self._lead(topic, partition, epoch, tuple(replicas), set(isr), min_insync)
+        if not is_group_log(topic):
+            name = group_log_name(topic)
+            if self.leading.get((name, partition)) is not None:
+                self.leading.pop((name, partition))  # an older epoch's: led again at this one
+            self.become_leader(name, partition, epoch=epoch, replicas=replicas, isr=isr, min_insync=min_insync)
+            self.on_lead(topic)
+        return leader
+
+    def _lead(
+        self, topic: str, partition: int, epoch: int, replicas: tuple[str, ...], isr: set[str], min_insync: int
+    ) -> PartitionLeader:
+        tp = (topic, partition)
         followed = self.replicas.unfollow(topic, partition)
         self.following.pop(tp, None)
         log_ = self._log(topic)
@@ -167,11 +196,11 @@ class Partitions:
             partition,
             self.node_id,
             epoch,
-            tuple(replicas),
-            set(isr),
+            replicas,
+            isr,
             min_insync,
             self.lag_max,
-            self.propose,
+            _shadow_propose if is_group_log(topic) else self.propose,  # a group log's ISR is its topic's
             epoch_start=log_.end_offset,
             hw=hw,
         )
@@ -190,6 +219,10 @@ class Partitions:
         self._log(topic)
         if was is not None:
             self.host.fail_confirms_of(topic, self.not_leader(topic, partition))
+        if not is_group_log(topic):
+            if was is not None:
+                self.on_step_down(topic)
+            self.become_follower(group_log_name(topic), partition, leader=leader, address=address, epoch=epoch)
         self.following[tp] = Following(leader, address, epoch)
         self.host.store.topic(topic).set_high_watermark(was.hw if was is not None else 0)
         hw = was.hw if was is not None else 0
@@ -201,8 +234,12 @@ class Partitions:
         tp = (topic, partition)
         if self.leading.pop(tp, None) is not None:
             self.host.fail_confirms_of(topic, self.not_leader(topic, partition))
+            if not is_group_log(topic):
+                self.on_step_down(topic)
         self.following.pop(tp, None)
         self.replicas.unfollow(topic, partition)
+        if not is_group_log(topic):
+            self.stop(group_log_name(topic), partition)
 
     def role(self, topic: str, partition: int = 0) -> Role:
         if (topic, partition) in self.leading:
@@ -222,6 +259,8 @@ class Partitions:
         if leader is not None:
             leader.isr_written(isr)
             self._hw_moved(topic, leader, self.host.store.topic(topic))
+        if not is_group_log(topic):
+            self.isr_written(group_log_name(topic), partition, isr)
 
     def isr_refused(self, topic: str, partition: int) -> None:
         leader = self.leading.get((topic, partition))

@@ -285,3 +285,14 @@ def test_reassignment_steps_keep_the_invariants(
         current = after
         for n in after.assignment:  # followers catch up
             current = d.expand_isr(current, n) if current.leader is not None else current
+
+
+def test_a_dead_letter_topic_goes_on_its_source_replicas_led_by_the_source_leader() -> None:
+    source = PartitionState(("n1", "n2", "n3"), "n2", 4, ("n1", "n2", "n3"), False)
+    partitions = {TopicPartition("orders", 0): source}
+    assert d.colocate("orders.dlq", partitions, {"n1", "n2", "n3"}, 3) == ("n2", "n1", "n3")
+    assert d.colocate("orders.dlq", partitions, {"n2", "n3"}, 2) == ("n2", "n3")
+    assert d.colocate("orders.dlq", partitions, {"n2", "n3"}, 3) is None  # not enough live replicas: placed
+    assert d.colocate("orders.dlq", partitions, {"n1", "n3"}, 2) is None  # the source's leader is gone
+    assert d.colocate("orders", partitions, {"n1", "n2", "n3"}, 3) is None
+    assert d.colocate("other.dlq", partitions, {"n1", "n2", "n3"}, 3) is None

@@ -1,0 +1,94 @@
+"""Consumer groups follow a topic's leadership (cluster mode).
+
+When this node starts leading a topic, its groups are rebuilt from the
+topic's group log (``group_log``): committed offsets, what was in flight
+(redelivered now, its delivery counted), delayed redeliveries with their due
+times, dead letters not yet stored. When it stops leading, the groups and
+their subscriptions here end: each member is told BYE and subscribes again
+where the topic is led now. The broker's parts the gate needs
+(``GateHost``) are reached through here.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+from conveyor.broker.server.group_log import DeliveryGate, group_log_name
+from conveyor.broker.server.groups import DeadLetter, Delivery, Group
+from conveyor.broker.server.partitions import Partitions
+from conveyor.broker.wire import commands
+
+if TYPE_CHECKING:
+    from conveyor.broker.server.broker import Broker
+
+log = logging.getLogger("conveyor.group_roles")
+
+
+class GroupRoles:
+    """The broker side of group replication: ``Partitions``' ``on_lead``/``on_step_down``, the gate's host."""
+
+    def __init__(self, broker: Broker, partitions: Partitions) -> None:
+        self.broker = broker
+        self.partitions = partitions
+        self.gate: DeliveryGate | None = None
+
+    # --- GateHost -------------------------------------------------------------------------------
+
+    def leader_epoch(self, topic: str) -> int | None:
+        leader = self.partitions.leader_of(topic)
+        return leader.epoch if leader is not None else None
+
+    def send_plan(self, group: Group, plan: Delivery, frames: list[Any]) -> None:
+        self.broker.dispatcher.send_plan(group, plan, frames)
+
+    def dying(self) -> dict[Group, list[DeadLetter]]:
+        return self.broker.dead_letters.dying()
+
+    def wake(self, topic: str) -> None:
+        """A group log grew: the followers' parked FETCH is answered now, and the next pass syncs it."""
+        self.broker.appended.add(topic)
+        self.broker.fetches.wake(topic)
+        self.broker.stop_wake()
+
+    def want_topic(self, topic: str) -> None:
+        self.partitions.on_unknown(topic)  # cluster mode asks the controller for it (once at a time)
+
+    # --- leadership -------------------------------------------------------------------------------
+
+    def lead(self, topic: str) -> None:
+        """This node leads ``topic`` now: its groups start from the group log."""
+        assert self.gate is not None
+        broker = self.broker
+        self._drop(topic, "leadership changed")
+        states = self.gate.lead(topic, dict(broker.store.groups.get(topic, {})))
+        for name in list(broker.store.groups.get(topic, {})):
+            if name not in states:
+                broker.store.delete_group(topic, name)
+        for name, state in states.items():
+            broker.store.save_group(topic, name, state)  # this node's groups.json holds what it leads from
+            try:
+                group = broker.groups.make(topic, name, state)
+            except Exception as exc:  # one bad state never keeps the others from leading
+                broker.containment.record("group_log", exc, {"topic": topic, "group": name})
+                continue
+            broker.to_dispatch.add(group)
+        if states:
+            log.info("%s: %d group(s) resumed from %s", topic, len(states), group_log_name(topic))
+
+    def step_down(self, topic: str) -> None:
+        """This node no longer leads ``topic``: its groups and subscriptions here end."""
+        self._drop(topic, f"{topic} is led by another node now")
+
+    def _drop(self, topic: str, reason: str) -> None:
+        broker = self.broker
+        if self.gate is not None:
+            self.gate.drop(topic)
+        told: set[bytes] = set()
+        for group in broker.groups.of_topic(topic):
+            for member in group.members + group.joining:
+                broker.peers.forget_subscription(member.peer, member.sub_id)
+                if member.peer not in told:
+                    told.add(member.peer)
+                    broker._send(member.peer, commands.bye(reason))
+            del broker.groups[(topic, group.name)]

@@ -41,6 +41,11 @@ log = logging.getLogger("conveyor.group_log")
 
 PREFIX = "__groups."
 REPLAY_BYTES = 1 << 20
+# A group log keeps its newest records (whole segments past ``retention_bytes`` go) and a snapshot is
+# written after every ``SNAPSHOT_BYTES`` of records, so the latest snapshot is always kept and a new
+# leader replays at most about that much.
+SETTINGS = {"segment_bytes": 4 << 20, "retention_bytes": 64 << 20}
+SNAPSHOT_BYTES = 1 << 20
 
 GroupStates = dict[str, dict[str, Any]]
 
@@ -59,16 +64,22 @@ def group_state(group: Group, now: float, now_ms: int, dying: Any = ()) -> dict[
     return {**group.settings.to_dict(), **group.saved_state(now, now_ms, dying)}
 
 
-def encode_record(states: dict[str, dict[str, Any] | None], *, snapshot: bool) -> bytes:
-    """One batch body: one record whose value maps group name -> state (None: the group is gone)."""
-    value = msgpack.packb({"snapshot": snapshot, "groups": states}, use_bin_type=True)
+def encode_record(states: dict[str, dict[str, Any] | None], *, snapshot: bool, since: int) -> bytes:
+    """One batch body: one record whose value maps group name -> state (None: the group is gone).
+
+    ``since`` is the offset of the latest snapshot (this one's own for a snapshot): replay starts there.
+    """
+    value = msgpack.packb({"snapshot": snapshot, "since": since, "groups": states}, use_bin_type=True)
     return pack_records([(None, None, value)])
+
+
+def _decode(body: bytes) -> list[dict[str, Any]]:
+    return [msgpack.unpackb(value, raw=False, strict_map_key=False) for _k, _h, value in unpack_records(body)]
 
 
 def apply_record(states: GroupStates, body: bytes) -> None:
     """Apply one stored batch of a group log to ``states`` (a snapshot replaces them all)."""
-    for _key, _headers, value in unpack_records(body):
-        record = msgpack.unpackb(value, raw=False, strict_map_key=False)
+    for record in _decode(body):
         if record.get("snapshot"):
             states.clear()
         for name, state in record.get("groups", {}).items():
@@ -83,7 +94,7 @@ def replay(log_: TopicLog) -> GroupStates | None:
     if log_.end_offset <= log_.start_offset:
         return None
     states: GroupStates = {}
-    offset = log_.start_offset
+    offset = max(log_.start_offset, latest_snapshot(log_))
     while offset < log_.end_offset:
         batches = log_.read(offset, max_bytes=REPLAY_BYTES)
         if not batches:
@@ -93,6 +104,13 @@ def replay(log_: TopicLog) -> GroupStates | None:
                 apply_record(states, batch.body)
                 offset = batch.next_offset
     return states
+
+
+def latest_snapshot(log_: TopicLog) -> int:
+    """Where the latest snapshot is, as the log's last record says (0 when it does not say)."""
+    last = log_.read(log_.end_offset - 1, max_bytes=1)
+    records = _decode(last[-1].body) if last else []
+    return int(records[-1].get("since", 0)) if records else 0
 
 
 class GateHost(Protocol):
@@ -126,6 +144,7 @@ class DeliveryGate:
         self.touched: set[Group] = set()
         self.written: dict[tuple[str, str], dict[str, Any]] = {}
         self.records = 0  # group-state records written (a metric for tests and status)
+        self.snapshots: dict[str, tuple[int, int]] = {}  # topic -> (latest snapshot's offset, bytes since)
 
     def gates(self, topic: str) -> bool:
         """Whether deliveries of ``topic`` wait for the group log (this node leads it)."""
@@ -170,12 +189,17 @@ class DeliveryGate:
             state = group_state(group, now, now_ms, dying.get(group, ()))
             if self.written.get((topic, group.name)) != state:
                 changed[group.name] = state
-        if changed:
-            target.append(encode_record(changed, snapshot=False), 1, leader_epoch=epoch)
+        since, size = self.snapshots.get(topic, (0, 0))
+        for group_name, written in changed.items():
+            if written is not None:
+                self.written[(topic, group_name)] = written
+        if changed and size >= SNAPSHOT_BYTES:
+            self._snapshot(topic, target, epoch)
+        elif changed:
+            body = encode_record(changed, snapshot=False, since=since)
+            target.append(body, 1, leader_epoch=epoch)
+            self.snapshots[topic] = (since, size + len(body))
             self.records += 1
-            for group_name, written in changed.items():
-                if written is not None:
-                    self.written[(topic, group_name)] = written
             self.host.wake(name)
         for held in self.held.get(topic, []):
             if held.after < 0:
@@ -216,15 +240,27 @@ class DeliveryGate:
             states = dict(local)
         self.drop(topic)
         epoch = self.host.leader_epoch(name)
+        for group_name, state in states.items():
+            self.written[(topic, group_name)] = state
         if target is not None and epoch is not None:
-            target.append(encode_record(dict(states), snapshot=True), 1, leader_epoch=epoch)
-            self.records += 1
-            self.host.wake(name)
+            self._snapshot(topic, target, epoch, states)
         return states
+
+    def _snapshot(self, topic: str, target: TopicLog, epoch: int, states: GroupStates | None = None) -> None:
+        """Every group of ``topic`` in one record: replay starts here from now on."""
+        if states is None:
+            states = {name: state for (of, name), state in self.written.items() if of == topic}
+        since = target.end_offset
+        body = encode_record(dict(states), snapshot=True, since=since)
+        target.append(body, 1, leader_epoch=epoch)
+        self.snapshots[topic] = (since, 0)
+        self.records += 1
+        self.host.wake(target.name)
 
     def drop(self, topic: str) -> None:
         """This node no longer leads ``topic``: its held DELIVERs never leave, its records are forgotten."""
         self.held.pop(topic, None)
+        self.snapshots.pop(topic, None)
         for key in [k for k in self.written if k[0] == topic]:
             del self.written[key]
         self.touched = {g for g in self.touched if g.topic != topic}

@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from conveyor.broker.config.broker_settings import BrokerSettings
 from conveyor.broker.log.data_dir import Store
 from conveyor.broker.server.containment import Containment
+from conveyor.broker.server.group_log import is_group_log
 from conveyor.monitoring.health import DEGRADED, HEALTHY, UNHEALTHY, Report, live, loop_check, ready, report
 
 if TYPE_CHECKING:
@@ -101,6 +102,8 @@ def replication_check(partitions: Partitions) -> dict[str, Any]:
     under: dict[str, dict[str, Any]] = {}
     below: list[str] = []
     for (topic, number), leader in list(partitions.leading.items()):
+        if is_group_log(topic):
+            continue  # a topic's group log shares its replicas and ISR: the topic's row says it
         isr, replicas = sorted(set(leader.isr)), leader.replicas
         if len(isr) < len(replicas):
             name = f"{topic}/{number}"

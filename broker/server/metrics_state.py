@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Protocol
 from conveyor.broker.config.broker_settings import BrokerSettings
 from conveyor.broker.log.data_dir import Store
 from conveyor.broker.log.topic_log import TopicLog
+from conveyor.broker.server.group_log import is_group_log
 from conveyor.broker.server.group_table import GroupIndex
 from conveyor.broker.server.limits import TopicLimits
 from conveyor.broker.server.partition_status import follower_lag
@@ -137,7 +138,7 @@ def cluster_snapshot(host: ClusterHost) -> dict[str, Rows]:
     now = partitions.clock()
     for (topic, number), leader in list(partitions.leading.items()):
         log = host.store.logs.get(topic)
-        if log is None:
+        if log is None or is_group_log(topic):  # a group log shares its topic's replicas and ISR
             continue
         labels = (topic, str(number))
         isr = len(leader.isr)
@@ -157,5 +158,6 @@ def cluster_snapshot(host: ClusterHost) -> dict[str, Rows]:
             add("conveyor_replica_lag_messages", (*labels, node), messages)
             add("conveyor_replica_lag_seconds", (*labels, node), seconds)
     for topic, number in list(partitions.following):
-        add("conveyor_partition_leader", (topic, str(number)), 0)
+        if not is_group_log(topic):
+            add("conveyor_partition_leader", (topic, str(number)), 0)
     return rows

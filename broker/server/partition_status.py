@@ -17,6 +17,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from conveyor.broker.log.data_dir import Store
+from conveyor.broker.server.group_log import is_group_log
 from conveyor.broker.server.replication import FollowerState, PartitionLeader
 
 if TYPE_CHECKING:
@@ -83,11 +84,11 @@ def describe_partitions(
     now = partitions.clock()
     for (name, _number), leader in sorted(list(partitions.leading.items())):
         log = store.logs.get(name)
-        if topic in (None, name) and log is not None:
+        if topic in (None, name) and log is not None and not is_group_log(name):
             rows.append(describe_led(leader, log.end_offset, now))
     for (name, number), following in sorted(list(partitions.following.items())):
         log = store.logs.get(name)
-        if topic in (None, name) and log is not None:
+        if topic in (None, name) and log is not None and not is_group_log(name):
             rows.append(
                 {
                     "topic": name,

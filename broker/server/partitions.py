@@ -25,6 +25,7 @@ import zmq
 from conveyor.broker.cluster.keys import PartitionState
 from conveyor.broker.log.data_dir import Store
 from conveyor.broker.log.topic_log import TopicLog
+from conveyor.broker.server.group_log import SETTINGS as GROUP_LOG_SETTINGS
 from conveyor.broker.server.group_log import group_log_name, is_group_log
 from conveyor.broker.server.replica import Replicas
 from conveyor.broker.server.replication import IsrChange, PartitionLeader, check_epoch, diverging
@@ -332,6 +333,8 @@ class Partitions:
         """For each led partition, a follower that holds its whole log durably (controlled shutdown)."""
         found: dict[TopicPartition, str] = {}
         for tp, leader in self.leading.items():
+            if is_group_log(tp[0]):
+                continue  # moves with its topic: every delivery it counted is on each ISR member already
             node = leader.successor(self.host.store.topic(tp[0]).end_offset)
             if node is not None:
                 found[tp] = node
@@ -394,5 +397,5 @@ class Partitions:
     def _log(self, topic: str) -> TopicLog:
         store = self.host.store
         if topic not in store.logs:
-            store.create_topic(topic)
+            store.create_topic(topic, GROUP_LOG_SETTINGS if is_group_log(topic) else None)
         return store.topic(topic)

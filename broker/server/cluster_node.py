@@ -39,6 +39,7 @@ from conveyor.broker.config.broker_settings import BrokerSettings
 from conveyor.broker.log.data_dir import Store, check_name
 from conveyor.broker.net.security import ClientKeys, ServerSecurity
 from conveyor.broker.server.cluster_roles import ClusterRoles
+from conveyor.broker.server.group_log import is_group_log
 from conveyor.broker.server.metadata import ClusterMetadata, PartitionMetadata
 from conveyor.broker.server.partitions import Partitions
 
@@ -277,7 +278,8 @@ class ClusterNode:
             return True
         if state.asked is None:
             successors = partitions.successors()
-            if len(successors) < len(partitions.leading) and now - state.started < DRAIN_SECONDS:
+            topics = [tp for tp in partitions.leading if not is_group_log(tp[0])]  # a group log moves with its topic
+            if len(successors) < len(topics) and now - state.started < DRAIN_SECONDS:
                 return False
             state.asked = now
             state.request = self.agent.request_shutdown(

@@ -115,6 +115,8 @@ class ClusterAgent:
         self.registered = threading.Event()  # set while the node's key is in etcd under a live lease
         self.lease: Lease | None = None
         self._given_up: list[int] = []  # leases counted lost, to revoke once registered again
+        self._recovering = False  # the lease was lost: registering again after an etcd outage (or a stop)
+        self._settle_until = 0.0  # until then, a controller leaves node changes alone (the others come back)
         self.watch: Watch | None = None
         self._inbox: queue.SimpleQueue[object] = queue.SimpleQueue()
         self._ids = itertools.count(1)
@@ -257,6 +259,9 @@ class ClusterAgent:
                 self._campaign()
                 self._pending_steps.discard("campaign")
             if "repair" in self._pending_steps:
+                if self._settling():
+                    self._retry_at = self._settle_until
+                    return
                 self._as_controller(lambda: self.controller.repair_all(self.view))
                 self._pending_steps.discard("repair")
             self._backoff = RETRY_MIN
@@ -294,9 +299,23 @@ class ClusterAgent:
             raise
         self.etcd.put_if_absent(self.keys.meta, k.encode_meta())
         self._revoke_given_up()
+        if self._recovering:
+            self._recovering = False
+            self._settle_until = self.clock() + self.settings.lease_seconds + RETRY_MAX
         self.registered.set()
         if "load" not in self._pending_steps:
             self._emit(Registered(self.node_id, self.lease.id, self.view.revision))
+
+    def _settling(self) -> bool:
+        """Just back from a lost lease: the other nodes' keys may be missing only because etcd was away.
+
+        A frozen etcd expires every lease when it resumes, and every node registers
+        again, each at its next retry. A controller that repaired at once would see
+        the late ones as gone, move their partitions and shrink ISRs to itself; it
+        waits until each had a TTL and a retry to come back. A node that never lost
+        its lease (a plain kill -9 of another node) does not wait.
+        """
+        return self.clock() < self._settle_until
 
     def _revoke_given_up(self) -> None:
         """End the leases this node gave up as lost, now that its key is under a new one.
@@ -385,7 +404,10 @@ class ClusterAgent:
         if not self.controller.active:
             return
         view, ctl = self.view, self.controller
-        if change.kind == "node":
+        if change.kind == "node" and self._settling():
+            self._pending_steps.add("repair")  # once the nodes the outage cut off had time to register again
+            self._retry_at = max(self._retry_at or 0.0, self._settle_until)
+        elif change.kind == "node":
             self._as_controller(lambda: ctl.repair_all(view))
         elif change.kind == "create" and not change.deleted:
             self._as_controller(lambda: ctl.create_topic(view, change.topic))
@@ -400,6 +422,7 @@ class ClusterAgent:
             return
         log.warning("node %s lost its lease %x; registering again", self.node_id, lease_id)
         self.registered.clear()
+        self._recovering = True
         self.controller.resign()
         self._announce_controller()
         self._emit(LeaseLost(lease_id))

@@ -108,6 +108,41 @@ def test_after_etcd_was_away_longer_than_the_lease_the_old_lease_is_revoked_on_r
         wait_for(lambda: node.agent.is_controller, what="controller again, under the new lease")
 
 
+def test_after_a_frozen_etcd_the_new_controller_waits_for_the_nodes_to_register_again(backend: Backend) -> None:
+    """A frozen etcd expires every lease when it resumes. The first node back becomes controller; if it
+    repaired at once it would see the others as gone, move the leader and shrink the ISR to itself."""
+    with started([make(backend, n) for n in "abc"]) as nodes:
+        for node in nodes:
+            wait_for(lambda node=node: len(node.agent.snapshot().nodes) == 3, what="3 nodes")
+        create(nodes[0])
+        before = wait_for(lambda: state_on(nodes[0]), what="the partition")
+        leases = {node.agent.node_id: node.agent.lease.id for node in nodes if node.agent.lease is not None}
+        backend.process.pause()
+        try:
+            for node in nodes:
+                wait_for(lambda node=node: node.of(LeaseLost), what="every node counts its lease lost")
+            time.sleep(6.0)  # the fault's length: the nodes' retries spread out, as in a long outage
+        finally:
+            backend.process.resume()
+
+        def settled() -> bool:
+            agents = [node.agent for node in nodes]
+            back = all(
+                a.registered.is_set() and a.lease is not None and a.lease.id != leases[a.node_id] for a in agents
+            )
+            controllers = [a for a in agents if a.is_controller]
+            return back and len(controllers) == 1 and "repair" not in controllers[0]._pending_steps
+
+        wait_for(settled, what="every node registered again and the controller's repair pass done")
+        for node in nodes:
+            after = state_on(node)
+            assert after is not None and (after.leader, after.leader_epoch, after.isr) == (
+                before.leader,
+                before.leader_epoch,
+                before.isr,
+            ), after
+
+
 # --- real processes, kill -9 -------------------------------------------------
 
 NODE_SCRIPT = """

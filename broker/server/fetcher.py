@@ -55,7 +55,7 @@ class Fetcher:
         on_reconnect: Callable[[], None] = lambda: None,
         clock: Callable[[], float] = time.monotonic,
         name: str = "upstream",
-        keys: ClientKeys | None = None,
+        keys: Callable[[], ClientKeys | None] = lambda: None,
     ) -> None:
         self.ctx = ctx
         self.poller = poller
@@ -67,7 +67,7 @@ class Fetcher:
         self.on_reconnect = on_reconnect
         self.clock = clock
         self.name = name
-        self.keys = keys  # CURVE keys for this link; None: the process's client keys, if any
+        self.keys = keys  # CURVE keys for each new socket of this link; None: the process's client keys, if any
         self.socket: zmq.Socket[Any] | None = None
         self.watch: HandshakeWatch | None = None
         self.refused = ""  # the other side refused this broker's handshake (AUTH_FAILED), until it answers
@@ -81,10 +81,12 @@ class Fetcher:
     # --- the connection ----------------------------------------------------------------
 
     def connect(self) -> None:
-        # The other broker may require CURVE: this broker is its client, with ``keys`` (a follower's own
-        # certificate) or the process's client keys (a mirror). rcvhwm 0 (no limit): the owner keeps a
-        # bounded number of requests in flight, which bounds the replies.
-        self.socket, self.watch = new_dealer(self.ctx, self.address, keys=self.keys, sndhwm=DEFAULT_HWM, rcvhwm=0)
+        # The other broker may require CURVE: this broker is its client, with ``keys()`` (a follower's own
+        # certificate and its leader's key as of now: a leader restarted with a new certificate is reached
+        # at the next reconnect) or the process's client keys (a mirror). rcvhwm 0 (no limit): the owner
+        # keeps a bounded number of requests in flight, which bounds the replies.
+        keys = self.keys()
+        self.socket, self.watch = new_dealer(self.ctx, self.address, keys=keys, sndhwm=DEFAULT_HWM, rcvhwm=0)
         self.poller.register(self.socket, zmq.POLLIN)
         self.last_reply = self.clock()
         self.on_connect()

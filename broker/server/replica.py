@@ -192,7 +192,7 @@ class Replicas:
             on_connect=partial(self._on_connect, leader),
             clock=self.clock,
             name=f"leader {leader}",
-            keys=self.keys_for(leader),
+            keys=partial(self.keys_for, leader),
         )
         fetcher.connect()
         return fetcher

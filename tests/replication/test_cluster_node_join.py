@@ -24,6 +24,9 @@ class Agent:
         found, self.queued = self.queued, []
         return found
 
+    def snapshot(self) -> Any:
+        return SimpleNamespace(nodes={"n1": None})  # one registered node: n1
+
     def create_topic(self, topic: str, *args: Any, existing: Any = None) -> int:
         self.creates.append((topic, *args, existing))
         return len(self.creates)
@@ -58,7 +61,7 @@ def test_local_topics_unknown_to_the_cluster_are_registered_with_their_data_once
         node.auto_create("fresh")  # not held here: placed by the controller
         assert agent.creates[1:] == [
             ("early", 1, 1, store.topic("early").config.settings(), (("n1",), 1)),
-            ("fresh", None),
+            ("fresh", 1, 1, None),  # the node's defaults, capped at the one registered node
         ]
     finally:
         store.close()

@@ -10,6 +10,7 @@ from pathlib import Path
 from conveyor.broker.client.admin import Admin
 from conveyor.broker.client.metadata import Metadata, PartitionInfo
 from conveyor.broker.client.producer import Producer
+from conveyor.broker.client.subscription import Subscription
 from conveyor.broker.wire import commands
 from conveyor.broker.wire.protocol import Command
 
@@ -42,6 +43,22 @@ def publish(address: str, values: list[bytes]) -> dict[int, bytes]:
     return confirmed
 
 
+def consume(address: str, *, at_least: int) -> int:
+    """Receive and ack at least ``at_least`` messages as group ``billing`` from offset 0; how many were acked."""
+    seen: list[int] = []
+    with Subscription(TOPIC, "billing", address=address) as subscription:
+
+        def enough() -> bool:
+            messages = subscription.receive(timeout=1.0)
+            seen.extend(message.offset for message in messages)
+            subscription.ack(messages)
+            return len(seen) >= at_least
+
+        wait_for(enough, timeout=60, message=f"{at_least} deliveries")
+    assert seen == list(range(len(seen)))
+    return len(seen)
+
+
 def test_a_single_node_directory_joins_a_cluster_and_is_reassigned_to_three_nodes(tmp_path: Path) -> None:
     cluster = ClusterProcess(tmp_path / "cluster", nodes=3)
     single = BrokerProcess(cluster.directory / "n1").start()  # no --cluster: today's single node
@@ -50,6 +67,9 @@ def test_a_single_node_directory_joins_a_cluster_and_is_reassigned_to_three_node
         first = request(single.address, commands.publish(TOPIC, RAW, pid=4242, seq=0, rid=1))
         assert first.command is Command.PUBLISHED and first.get("base_offset") == 700
         confirmed.update({700: b"raw-1", 701: b"raw-2"})
+        acked = consume(single.address, at_least=300)  # a group's committed offset, in groups.json
+        with Admin(single.address) as admin:
+            wait_for(lambda: admin.describe_group(TOPIC, "billing")["committed_offset"] == acked)
     finally:
         single.stop()
     before = segments(single.data_dir)
@@ -95,6 +115,10 @@ def test_a_single_node_directory_joins_a_cluster_and_is_reassigned_to_three_node
         assert again.command is Command.PUBLISHED
         assert (again.get("base_offset"), again.get("duplicate")) == (700, True)
         confirmed.update(publish(cluster.bootstrap, [f"later-{i}".encode() for i in range(100)]))
+        # The group goes on from where it was in single-node mode: its state moved with the topic.
+        with Subscription(TOPIC, "billing", address=cluster.bootstrap) as subscription:
+            first = wait_for(lambda: subscription.receive(timeout=1.0), timeout=60, message="a delivery")
+        assert first[0].offset == acked
     finally:
         cluster.kill()
     assert dict(records(cluster.node(leader).data_dir, TOPIC)) == confirmed

@@ -160,9 +160,11 @@ class PartitionLeader:
     hw: int = 0
     followers: dict[str, FollowerState] = field(default_factory=dict)
     pending: IsrChange | None = None  # proposed, not written yet
+    written: set[str] = field(default_factory=set)  # the ISR etcd holds, as far as this leader knows
 
     def __post_init__(self) -> None:
         self.isr.add(self.node)
+        self.written = set(self.isr)
         for node in self.replicas:
             if node != self.node:
                 self.followers[node] = FollowerState(node)
@@ -211,6 +213,8 @@ class PartitionLeader:
         if late:
             log.warning("%s/%d: followers %s lag; proposing to drop them", self.topic, self.partition, late)
             self._propose(self.isr - set(late), shrink=True)
+        elif self.isr != self.written:  # a rejoin counted here that etcd refused or never got: write it again
+            self._propose(set(self.isr), shrink=False, track=True)
 
     def follower_gone(self, node: str) -> None:
         """A follower's node left the cluster: propose dropping it now, not after ``lag_max``."""
@@ -220,6 +224,7 @@ class PartitionLeader:
     def isr_written(self, isr: Iterable[str]) -> None:
         """The agent wrote an ISR (or etcd holds another one): it is the ISR from now on."""
         self.isr = set(isr) | {self.node}
+        self.written = set(self.isr)
         self.pending = None
 
     def isr_refused(self) -> None:
@@ -267,8 +272,9 @@ class PartitionLeader:
             state.last_caught_up = now
             state.last_fetch = now
 
-    def _propose(self, isr: set[str], *, shrink: bool) -> None:
+    def _propose(self, isr: set[str], *, shrink: bool, track: bool = False) -> None:
+        """Hand an ISR to the agent; a shrink (or a rewrite, ``track``) is pending until it answers."""
         change = IsrChange(self.topic, self.partition, self.epoch, tuple(sorted(isr)), shrink)
-        if shrink:
+        if shrink or track:
             self.pending = change
         self.propose(change)

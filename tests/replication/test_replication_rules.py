@@ -240,3 +240,20 @@ def test_the_successor_is_an_in_sync_follower_holding_the_whole_log() -> None:
         "b": {"fetch_offset": 100, "durable_offset": 90, "lag_messages": 20},
         "c": {"fetch_offset": 100, "durable_offset": 100, "lag_messages": 20},
     }
+
+
+def test_a_refused_expansion_is_proposed_again_until_etcd_holds_it() -> None:
+    """The rejoin counted here at once, but etcd never got it (unreachable): the next check writes it again."""
+    state, proposed = leader(isr=("a", "b"))
+    state.on_fetch("b", 100, 100, leader_end=100, now=1.0)
+    state.update_hw(100)
+    state.on_fetch("c", 100, 100, leader_end=100, now=2.0)
+    assert "c" in state.isr and len(proposed) == 1
+    state.isr_refused()
+    state.check_lag(now=3.0)
+    assert proposed[-1] == IsrChange("t", 0, 5, ("a", "b", "c"), shrink=False) and len(proposed) == 2
+    state.check_lag(now=3.5)
+    assert len(proposed) == 2  # one proposal at a time
+    state.isr_written(("a", "b", "c"))
+    state.check_lag(now=4.0)
+    assert len(proposed) == 2  # written: nothing more to say

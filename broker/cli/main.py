@@ -399,11 +399,14 @@ def _reassign(admin: Any, args: argparse.Namespace, broker: str) -> dict[str, An
         return result
     from conveyor.broker.client.metadata import Metadata
 
+    names = [args.name, *([result["dead_letter_topic"]] if result.get("dead_letter_topic") else [])]
     metadata, deadline = Metadata(broker), time.monotonic() + args.wait
     while True:
-        partition = metadata.refresh([args.name]).topics.get(args.name, {}).get(0)
-        done = partition is not None and list(partition.replicas) == replicas and set(partition.isr) == set(replicas)
-        if done and partition is not None and partition.leader in replicas:
+        topics = metadata.refresh(names).topics
+        moved = [topics.get(name, {}).get(0) for name in names]
+        if all(p is not None and list(p.replicas) == replicas and set(p.isr) == set(replicas) for p in moved):
+            partition = moved[0]
+            assert partition is not None
             return {**result, "state": "done", "leader": partition.leader, "isr": list(partition.isr)}
         if time.monotonic() > deadline:
             raise ClusterError(f"reassignment of {args.name} to {','.join(replicas)} not done in {args.wait:g} s")

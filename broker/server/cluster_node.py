@@ -18,9 +18,11 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, Protocol
 
 from conveyor.broker.cluster.agent import ClusterAgent
+from conveyor.broker.cluster.decisions import DEAD_LETTER_SUFFIX
 from conveyor.broker.cluster.events import (
     ClusterEvent,
     ClusterSettings,
@@ -358,6 +360,8 @@ class ClusterNode:
 
         The controller then adds the new replicas as followers, and once every one of them
         is in sync drops the old ones (electing a new leader if the leader is among them).
+        The topic's dead-letter topic (``<t>.dlq``), when the cluster has one, moves with it to
+        the same replicas: dead letters are written only where both are led by the same node.
         """
         name = header.get("topic")
         topic = check_name(name if isinstance(name, str) else "")
@@ -366,12 +370,14 @@ class ClusterNode:
         replicas = tuple(header.get("replicas") or ())
         min_insync = _count(header.get("min_insync_replicas"), "min_insync_replicas")
         tp = TopicPartition(topic, 0)
+        started: dict[str, Any] = {"name": topic, "partition": tp.partition, "replicas": list(replicas)}
+        dead = topic + DEAD_LETTER_SUFFIX
+        if not topic.endswith(DEAD_LETTER_SUFFIX) and dead in self.configs:
+            moved = self.agent.reassign(TopicPartition(dead, 0), replicas, min_insync)
+            self._answers[moved] = partial(_log_refusal, dead)
+            started["dead_letter_topic"] = dead
         request = self.agent.reassign(tp, replicas, min_insync)
-        self._answers[request] = lambda error: answer(
-            error
-            if error is not None
-            else {"name": topic, "partition": tp.partition, "replicas": list(replicas), "state": "started"}
-        )
+        self._answers[request] = lambda error: answer(error if error is not None else {**started, "state": "started"})
 
     def _on_reassign_stored(self, event: ReassignAnswer) -> None:
         answer = self._answers.pop(event.request_id, None)
@@ -398,6 +404,11 @@ class ClusterNode:
                 state.offline,
             )
         return ClusterMetadata(self.node_id, snapshot.controller, nodes, answer)
+
+
+def _log_refusal(topic: str, error: Any) -> None:
+    if error is not None:
+        log.warning("reassignment of %s not stored: %s", topic, error)
 
 
 def _count(value: Any, name: str) -> int | None:

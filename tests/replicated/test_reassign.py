@@ -42,18 +42,25 @@ def test_reassign_moves_a_topic_off_its_leader_and_the_new_replica_takes_over_on
 ) -> None:
     with Admin(cluster.bootstrap) as admin:
         admin.create_topic("moves", replication_factor=2, min_insync_replicas=2)
+        wait_for(lambda: partition(cluster, "moves"), message="moves to have a leader")
+        admin.create_topic("moves.dlq", replication_factor=2, min_insync_replicas=2)  # placed with its source
     before = wait_for(lambda: partition(cluster, "moves"), message="moves to have a leader")
     assert before.replicas == ("n1", "n2") and before.leader == "n1"
+    dead = wait_for(lambda: partition(cluster, "moves.dlq"), message="moves.dlq to have a leader")
+    assert dead.replicas == ("n1", "n2")
     confirmed = publish(cluster, "moves", [f"m-{i}".encode() for i in range(1500)])
 
     done = reassign_cli(cluster, "moves", "--replicas", "n2,n3", "--wait", "120", "--format", "json")
     assert done.returncode == 0, done.stdout + done.stderr
-    assert json.loads(done.stdout)["state"] == "done"
+    answer = json.loads(done.stdout)
+    assert answer["state"] == "done" and answer["dead_letter_topic"] == "moves.dlq"
 
     after = wait_for(lambda: partition(cluster, "moves"), message="moves' metadata")
     assert after.replicas == ("n2", "n3")
     assert set(after.isr) == {"n2", "n3"}
     assert after.leader == "n2" and after.leader_epoch > before.leader_epoch  # the leader was removed: it moved
+    dead = wait_for(lambda: partition(cluster, "moves.dlq"), message="moves.dlq's metadata")
+    assert (dead.replicas, dead.leader) == (("n2", "n3"), "n2")  # the dead letters moved with their topic
     confirmed.update(publish(cluster, "moves", [f"after-{i}".encode() for i in range(300)]))
 
     cluster.node("n2").kill()

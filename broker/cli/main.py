@@ -350,7 +350,7 @@ def _topics_setup(parser: argparse.ArgumentParser) -> None:
         nargs="?",
         const=600.0,
         metavar="SECONDS",
-        help="reassign: wait until the new replicas are the in-sync set (default 600 s; exits 1 if they are not)",
+        help="reassign: wait until the new replicas are the in-sync set (default 600 s; exits 2 if they are not)",
     )
     parser.add_argument("--format", choices=["table", "json"], default="table")
 

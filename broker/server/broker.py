@@ -653,6 +653,8 @@ class Broker:
 
     def group_deleted(self, topic: str, name: str) -> None:
         self.metrics.forget_group(topic, name)
+        if self.gate is not None:
+            self.gate.forget(topic, name)  # a deleted group stays deleted after a failover
 
     def reset_topic(self, topic: str, offset: int, *, event: str | None = None) -> None:
         """Empty a topic's log at ``offset`` (a mirror's resync or refresh); its groups start there again."""

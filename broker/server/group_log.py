@@ -185,7 +185,10 @@ class DeliveryGate:
         now, now_ms = self.clock(), int(time.time() * 1000)
         dying = self.host.dying() if groups else {}
         changed: dict[str, dict[str, Any] | None] = {}
+        live = self.store.groups.get(topic, {})
         for group in groups:
+            if group.name not in live:
+                continue  # deleted since (its tombstone is written)
             state = group_state(group, now, now_ms, dying.get(group, ()))
             if self.written.get((topic, group.name)) != state:
                 changed[group.name] = state
@@ -204,6 +207,21 @@ class DeliveryGate:
         for held in self.held.get(topic, []):
             if held.after < 0:
                 held.after = target.end_offset
+
+    def forget(self, topic: str, group: str) -> None:
+        """A group was deleted: its tombstone goes into the group log (this node leads the topic)."""
+        name = group_log_name(topic)
+        epoch = self.host.leader_epoch(name)
+        target = self.store.logs.get(name)
+        self.written.pop((topic, group), None)
+        if epoch is None or target is None:
+            return
+        since, size = self.snapshots.get(topic, (0, 0))
+        body = encode_record({group: None}, snapshot=False, since=since)
+        target.append(body, 1, leader_epoch=epoch)
+        self.snapshots[topic] = (since, size + len(body))
+        self.records += 1
+        self.host.wake(name)
 
     def release(self) -> None:
         """Send the held DELIVERs whose record is below the group log's high watermark, in order."""

@@ -114,3 +114,21 @@ def test_a_delayed_nack_survives_a_leader_kill(cluster: ClusterProcess) -> None:
     assert [a for a, _t in again] == [2], again
     # Redelivered after its delay, counted once more: not at once, as an in-flight message would be.
     assert again[0][1] - nacked_at >= 7.0, f"redelivered {again[0][1] - nacked_at:.1f} s after an 8 s nack"
+
+
+def test_a_deleted_group_stays_deleted_after_a_leader_kill(cluster: ClusterProcess) -> None:
+    leader = make_topic(cluster, "gone", 10)
+    with Subscription("gone", "old", address=cluster.bootstrap, credit=10) as subscription:
+        seen: list[Message] = []
+        receive_until(subscription, lambda: len(seen) >= 10, lambda ms: (seen.extend(ms), subscription.ack(ms)), 60)
+    with Admin(cluster.address(leader)) as admin:
+        admin.delete_group("gone", "old")
+        assert "old" not in admin.describe_topic("gone").get("groups", [])
+    with Subscription("gone", "keep", address=cluster.bootstrap, credit=10) as subscription:  # proves the record
+        kept: list[Message] = []
+        receive_until(subscription, lambda: len(kept) >= 10, lambda ms: kept.extend(ms), 60)
+    cluster.node(leader).kill()
+    new_leader, _epoch = leader_of(cluster, "gone", other_than=leader)
+    with Admin(cluster.address(new_leader)) as admin:
+        groups = admin.describe_topic("gone").get("groups", [])
+    assert "keep" in groups and "old" not in groups

@@ -21,6 +21,7 @@ import json
 import os
 import shutil
 import signal
+import subprocess
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -38,6 +39,7 @@ from conveyor.etcd_process import free_port
 STATE_FILE = "cluster.json"
 BOOTSTRAP_FILE = "bootstrap"
 LAST_LINES = 8  # of a process's output, when it did not start
+LAST_GRACE = 0.5  # seconds the last broker gets before its second SIGTERM: it has nobody to hand off to
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
@@ -142,7 +144,7 @@ def cmd_local(args: argparse.Namespace) -> int:
             pass
         print("conveyor cluster: stopping the brokers, then etcd (Ctrl-C again kills them)", flush=True)
         try:
-            cluster.stop()
+            _stop(cluster)
         except _Stop:
             cluster.kill()
         except Exception as exc:  # a broker that would not stop was killed: say so, the rest stopped
@@ -224,6 +226,33 @@ def _report(cluster: ClusterProcess, directory: Path) -> str:
         "and running this again restarts the same cluster on the same ports.",
     ]
     return "\n".join(lines)
+
+
+def _stop(cluster: ClusterProcess) -> None:
+    """SIGTERM each broker in turn, then etcd.
+
+    Each broker's controlled shutdown hands what it leads to the brokers still
+    running. The last one has nobody left to hand off to and would wait for a
+    successor until its deadlines: a second SIGTERM, after ``LAST_GRACE``,
+    stops it at once (it still syncs and exits cleanly).
+    """
+    brokers = [cluster.node(node) for node in cluster.node_ids]
+    running = [broker for broker in brokers if broker.proc is not None and broker.proc.poll() is None]
+    failures: list[str] = []
+    for position, broker in enumerate(running):
+        try:
+            if position == len(running) - 1 and broker.proc is not None:
+                broker.signal(signal.SIGTERM)
+                try:
+                    broker.proc.wait(LAST_GRACE)
+                except subprocess.TimeoutExpired:
+                    broker.signal(signal.SIGTERM)
+            broker.stop()
+        except subprocess.TimeoutExpired:
+            failures.append(f"{broker.data_dir.name} did not stop in time and was killed")
+    cluster.stop()  # the brokers have exited: this stops etcd
+    if failures:
+        raise RuntimeError("; ".join(failures))
 
 
 def _watch(cluster: ClusterProcess, wakeup: int) -> None:

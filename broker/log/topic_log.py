@@ -350,6 +350,9 @@ class TopicLog(ABC):
         """Drop every batch at or after ``offset``, e.g. to resync a mirror."""
         offset = max(offset, self.start_offset)
         if offset >= self.end_offset:
+            # No batch to cut, but epochs a leader assigned here without writing go (a follower told to
+            # truncate at its end would otherwise name that epoch again in every replica FETCH).
+            self.epochs.truncate_from_end(offset)
             return
         offset = self._truncate(offset)
         self.end_offset = offset

@@ -251,8 +251,15 @@ class Replicas:
             log_.set_high_watermark(followed.hw)  # a new leader starts from it; readers here see up to it
         diverging = reply.get("diverging")
         if diverging:
+            before = (log_.end_offset, log_.last_epoch)
             own = log_.epoch_end_offset(int(diverging["epoch"]))
             self._truncate(followed, log_, truncation_offset(diverging, own))
+            if (log_.end_offset, log_.last_epoch) == before:  # nothing changed: asking again at once would spin
+                log.warning(
+                    "%s/%d: DIVERGING changed nothing here; asking again later", followed.topic, followed.partition
+                )
+                followed.retry_at = self.clock() + RETRY_AFTER
+                return
             self._fetch(link, followed)
             return
         if self._apply(followed, log_, reply):

@@ -326,3 +326,18 @@ def test_retention_moves_the_first_epoch_to_the_new_start(tmp_path):
     assert log.epochs.entries == kept
     log.close()
     assert file_log(tmp_path / "t", **config).epochs.entries == kept
+
+
+@pytest.mark.parametrize("make", [memory_log, lambda: None], ids=["memory", "file"])
+def test_truncating_at_the_end_still_forgets_an_epoch_that_wrote_nothing(make, tmp_path):
+    """A leader of epoch 2 that appended nothing, then a follower told to cut at its end: epoch 2 goes.
+
+    The cut changes no batch, but the cache must lose the empty epoch, or the next replica FETCH names
+    epoch 2 again, the leader (which never knew it) answers DIVERGING at the same offset, and so on.
+    """
+    log_ = make() or file_log(tmp_path)
+    write(log_, 1, 10)
+    log_.assign_epoch(2)  # it led at epoch 2, at the log end, and wrote nothing
+    assert log_.last_epoch == 2
+    log_.truncate_to(log_.end_offset)
+    assert log_.last_epoch == 1 and log_.end_offset == 10

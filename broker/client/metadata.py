@@ -25,80 +25,23 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 from typing import Any
 
 import zmq
 from conveyor.broker.config.addresses import broker_addresses, check_address
 from conveyor.broker.net.connection import new_dealer
+from conveyor.broker.net.metadata import ClusterView, PartitionInfo
 from conveyor.broker.net.security import ClientKeys
 from conveyor.broker.net.transport import recv_frames_blocking, send_frames
 from conveyor.broker.wire import commands
 from conveyor.broker.wire.protocol import Command, decode, error_from_header
-from conveyor.broker.wire.schema import check_metadata_result
 
-from conveyor.errors import AuthFailed, BrokerUnavailable, ConfigError, ConveyorError, MalformedFrame, NotLeader
+from conveyor.errors import AuthFailed, BrokerUnavailable, ConfigError, ConveyorError, NotLeader
 
 __all__ = ["ClusterView", "Metadata", "PartitionInfo", "ask_metadata", "broker_addresses"]
 
 STAGGER = 0.5  # seconds before the next bootstrap broker is asked too
-
-
-@dataclass(frozen=True, slots=True)
-class PartitionInfo:
-    """One partition of a METADATA answer."""
-
-    leader: str | None
-    leader_addr: str | None
-    leader_epoch: int
-    replicas: tuple[str, ...]
-    isr: tuple[str, ...]
-    offline: bool
-
-
-@dataclass(frozen=True, slots=True)
-class ClusterView:
-    """A METADATA answer, and the address it came from (``source``)."""
-
-    source: str
-    node: str
-    controller: str | None
-    nodes: Mapping[str, str]
-    topics: Mapping[str, Mapping[int, PartitionInfo]]
-
-    @classmethod
-    def from_header(cls, source: str, header: Mapping[str, Any]) -> ClusterView:
-        problem = check_metadata_result(header)
-        if problem is not None:
-            raise MalformedFrame(f"METADATA_RESULT from {source}: {problem}")
-        topics = {
-            name: {int(number): _partition(p) for number, p in topic["partitions"].items()}
-            for name, topic in header["topics"].items()
-        }
-        return cls(source, header["node"], header["controller"], dict(header["nodes"]), topics)
-
-    def address_of(self, node: str | None) -> str | None:
-        """Where ``node`` listens. The node that answered is reached where it was asked (it may bind 0.0.0.0)."""
-        if node is None:
-            return None
-        return self.source if node == self.node else self.nodes.get(node)
-
-    def leader_address(self, topic: str, partition: int = 0) -> str | None:
-        """The leader's address; the answering node's for a topic it does not know; None while offline."""
-        known = self.topics.get(topic)
-        if known is None:
-            return self.source
-        info = known.get(partition)
-        if info is None or info.offline or info.leader is None:
-            return None
-        return self.address_of(info.leader) or (check_address(info.leader_addr) if info.leader_addr else None)
-
-
-def _partition(p: Mapping[str, Any]) -> PartitionInfo:
-    return PartitionInfo(
-        p["leader"], p["leader_addr"], p["leader_epoch"], tuple(p["replicas"]), tuple(p["isr"]), p["offline"]
-    )
 
 
 def ask_metadata(

@@ -56,6 +56,11 @@ def optional_endpoint(value: Any) -> str:
     return "" if text(value) == "" else endpoint(value)
 
 
+def optional_endpoint_list(value: Any) -> str:
+    """One endpoint to connect to, a bootstrap list of them (``a,b``), or empty for none."""
+    return "" if text(value) == "" else endpoint_list(value)
+
+
 def optional_url(value: Any) -> str:
     """``http://HOST:PORT[/PATH]``, or empty for none."""
     url = text(value)

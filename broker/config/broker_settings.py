@@ -14,7 +14,13 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from conveyor.broker.config import units
-from conveyor.broker.config.addresses import bind_endpoint, cluster_url, optional_endpoint, optional_url
+from conveyor.broker.config.addresses import (
+    bind_endpoint,
+    cluster_url,
+    optional_endpoint,
+    optional_endpoint_list,
+    optional_url,
+)
 from conveyor.broker.config.fsync import FsyncPolicy
 from conveyor.broker.config.options import INT32_MAX, Option, nonempty, text
 from conveyor.broker.config.topic_settings import TOPIC_SETTINGS
@@ -172,7 +178,7 @@ HELP = {
     "curve_authorized_keys": "directory of client public certificates (.key) allowed in with CURVE",
     "curve_allow_any_client": "with CURVE and no --curve-authorized-keys: encrypt, but let any client in",
     "metrics": "update metrics (--no-metrics only to measure what they cost; /healthz stays)",
-    "upstream": "parent broker to mirror topics from (tcp://HOST:PORT)",
+    "upstream": "parent broker to mirror topics from (tcp://HOST:PORT), or a cluster's bootstrap list (a,b,c)",
     "mirror": "topic patterns to mirror from the upstream (fnmatch; repeat or separate with commas)",
     "mirror_gap_policy": "when the parent's retention passed this log's end: resync (start over) or stop",
     "mirror_lag_threshold": "messages behind the parent before the mirror is DEGRADED",
@@ -255,7 +261,7 @@ RULES: dict[str, dict[str, Any]] = {
     "disk_free_min_bytes": {"type": units.size_bytes, "minimum": 0},
     "fsync_warn_seconds": {"minimum": 0},
     "log_level": {"choices": LOG_LEVELS},
-    "upstream": {"type": optional_endpoint},
+    "upstream": {"type": optional_endpoint_list},
     "mirror_gap_policy": {"choices": ("resync", "stop")},
     "mirror_lag_threshold": {"minimum": 0},
     "mirror_unreachable_after_ms": {"minimum": 1},

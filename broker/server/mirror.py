@@ -7,6 +7,16 @@ child's log is the only state: after a restart (its own or the parent's)
 it fetches again from its durable end, so no offset is skipped or stored
 twice. Mirrored topics are read-only for local producers. Several levels
 chain: a child is a parent for the next level.
+
+The parent may be a cluster: ``--upstream`` is then its bootstrap list
+(``tcp://a:1,tcp://b:2``). The link asks METADATA with each topic
+discovery (on the link itself: the loop never waits for it) and moves to
+the leader of the first mirrored topic; a ``NOT_LEADER`` naming a leader
+moves it at once; a silent link moves to the next bootstrap address and
+asks again. The FETCH stays a consumer's, served up to the high watermark,
+so offsets carry over unchanged. Topics led by other nodes are read from
+the node the link is on, up to that replica's high watermark (one link per
+leader is not done). One address works exactly as before: no METADATA.
 """
 
 from __future__ import annotations
@@ -20,7 +30,9 @@ from functools import partial
 from typing import Any, Protocol
 
 import zmq
+from conveyor.broker.config.addresses import broker_addresses
 from conveyor.broker.log.data_dir import Store
+from conveyor.broker.net.metadata import ClusterView
 from conveyor.broker.server.fetcher import Fetcher
 from conveyor.broker.wire import commands
 from conveyor.broker.wire.entry import entries_from_wire
@@ -31,6 +43,8 @@ from conveyor.monitoring.health import DEGRADED, HEALTHY, UNHEALTHY
 from conveyor.errors import ConveyorError
 
 log = logging.getLogger("conveyor.mirror")
+
+NOT_LEADER_RETRY = 0.5  # seconds before a FETCH answered NOT_LEADER (no leader named) is sent again
 
 
 class MirrorHost(Protocol):
@@ -77,6 +91,7 @@ class TopicMirror:
     refresh_target: int | None = None  # a refresh completes when the local end reaches it
     fetched_bytes: int = 0
     fetched_messages: int = 0
+    retry_at: float = 0.0  # no FETCH before (a NOT_LEADER that named no leader: the cluster is electing one)
 
 
 @dataclass
@@ -88,12 +103,15 @@ class Mirror:
     link: Fetcher = field(init=False)
     _list_rid: int | None = None
     _next_discovery: float = 0.0
+    _metadata_rid: int | None = None  # the METADATA in flight (a cluster upstream)
+    _metadata_source: str = ""  # the address it was asked of
+    _rotate: bool = False  # the link was torn down: the next socket goes to the next bootstrap address
 
     def __post_init__(self) -> None:
         self.link = Fetcher(
             self.host.ctx,
             self.host.poller,
-            self.settings.upstream,
+            self.bootstrap[0] if self.bootstrap else "",
             wait_ms=self.settings.fetch_wait_ms,
             max_batch_bytes=self.host.max_batch_bytes,
             on_reply=self._on_reply,
@@ -124,15 +142,39 @@ class Mirror:
     def refused(self) -> str:
         return self.link.refused
 
+    @property
+    def bootstrap(self) -> tuple[str, ...]:
+        """The upstream's addresses: one parent, or a cluster's bootstrap list (none while the registry names none)."""
+        return broker_addresses(self.settings.upstream) if self.settings.upstream else ()
+
+    @property
+    def cluster(self) -> bool:
+        """Whether the upstream is a cluster: the link follows leaders (several bootstrap addresses)."""
+        return len(self.bootstrap) > 1
+
     def _on_connect(self) -> None:
         self._next_discovery = self.clock()
-        self._list_rid = None  # answers to the old socket's requests never come
+        self._list_rid = self._metadata_rid = None  # answers to the old socket's requests never come
         for mirror in self.topics.values():
             mirror.rid = None
-        log.info("mirroring %s from %s", ", ".join(self.settings.patterns), self.settings.upstream)
+        log.info("mirroring %s from %s", ", ".join(self.settings.patterns), self.link.address)
 
     def _count_reconnect(self) -> None:
+        # A cluster's link, or one that followed a leader away from its one parent, tries the bootstrap list again.
+        self._rotate = bool(self.bootstrap) and (self.cluster or self.link.address != self.bootstrap[0])
         self.host.metrics.mirror_reconnects.labels(self.settings.upstream).inc()
+
+    def _move_to(self, address: str) -> None:
+        """Fetch from ``address`` from now on (a cluster's leader); offsets carry over unchanged."""
+        self.link.change_address(address)
+        self._rotate = False
+
+    def _next_address(self) -> str:
+        """The bootstrap address after the link's (the first when the link is on a leader not in the list)."""
+        known = self.bootstrap
+        if self.link.address not in known:
+            return known[0]
+        return known[(known.index(self.link.address) + 1) % len(known)]
 
     def close(self) -> None:
         """Close the link to the parent (the broker is stopping)."""
@@ -143,20 +185,26 @@ class Mirror:
         if address == self.settings.upstream:
             return
         self.settings = MirrorSettings(**{**self.settings.__dict__, "upstream": address})
-        self.link.change_address(address)
+        self._move_to(self.bootstrap[0])
 
     # --- the loop's hooks -------------------------------------------------------------------
 
     def tick(self, now: float) -> float:
         """Housekeeping; returns when it wants to run again (clock seconds)."""
+        if self._rotate and self.link.socket is None:
+            self._rotate = False
+            self.link.address = self._next_address()  # connected after the link's backoff
         come_back = self.link.tick(now)
         if come_back is not None:
             return come_back
         if now >= self._next_discovery and self._list_rid is None:
             self._list_rid = self._request(partial(commands.admin, "list_topics"))
+            if self.cluster and self._metadata_rid is None:
+                self._metadata_source = self.link.address
+                self._metadata_rid = self._request(partial(commands.metadata, None))
             self._next_discovery = now + self.settings.discover_every
         for mirror in self.topics.values():
-            if mirror.rid is None and not mirror.stopped:
+            if mirror.rid is None and not mirror.stopped and mirror.retry_at <= now:
                 self._fetch(mirror)
         # Never a time in the past: the loop would spin instead of sleeping.
         return max(now + 0.01, min(self._next_discovery, now + 0.5))
@@ -171,6 +219,11 @@ class Mirror:
             if reply.command is Command.RESULT:
                 self._discover(reply.get("result") or [])
             return
+        if rid is not None and rid == self._metadata_rid:
+            self._metadata_rid = None
+            if reply.command is Command.METADATA_RESULT:
+                self._on_metadata(reply)
+            return
         mirror = next((m for m in self.topics.values() if m.rid == rid), None)
         if mirror is None:
             return  # an answer to a request from before a reconnect
@@ -179,8 +232,39 @@ class Mirror:
             self._apply(mirror, reply)
         elif reply.command is Command.ERROR:
             self._on_error(mirror, error_from_header(reply.header))
-        if not mirror.stopped:
+        if not mirror.stopped and mirror.retry_at <= self.clock():
             self._fetch(mirror)
+
+    # --- a cluster upstream: following the leader ---------------------------------------------
+
+    def _on_metadata(self, reply: Frame) -> None:
+        try:
+            view = ClusterView.from_header(self._metadata_source, reply.header)
+        except ConveyorError as exc:
+            log.error("unusable METADATA answer from %s: %s", self._metadata_source, exc)
+            return
+        topic = self._anchor(view)
+        address = None if topic is None else view.leader_address(topic)
+        if address is not None and address != self.link.address:
+            log.info("mirror follows the leader of %s to %s", topic, address)
+            self._move_to(address)
+
+    def _anchor(self, view: ClusterView) -> str | None:
+        """The topic whose leader the link follows: the first mirrored one (the first the cluster has that matches)."""
+        if self.topics:
+            return min(self.topics)
+        matching = sorted(t for t in view.topics if any(fnmatch.fnmatchcase(t, p) for p in self.settings.patterns))
+        return matching[0] if matching else None
+
+    def _not_leader(self, mirror: TopicMirror, exc: ConveyorError) -> None:
+        """Go to the leader the answer names; without one, ask METADATA again and FETCH a little later."""
+        hint = exc.fields.get("leader_addr")
+        if isinstance(hint, str) and hint and hint != self.link.address:
+            log.info("mirror of %s: %s; following it to %s", mirror.topic, exc, hint)
+            self._move_to(hint)
+            return
+        mirror.retry_at = self.clock() + NOT_LEADER_RETRY
+        self._next_discovery = self.clock()
 
     # --- topics -------------------------------------------------------------------------------
 
@@ -280,6 +364,8 @@ class Mirror:
             self._gap(mirror, log_.end_offset, start)
         elif exc.name == "SHUTTING_DOWN":
             self.link.down_since = self.link.down_since or self.clock()  # the parent is going away
+        elif exc.name == "NOT_LEADER":
+            self._not_leader(mirror, exc)
         elif exc.name == "UNKNOWN_TOPIC":
             log.warning("topic %s is gone upstream; mirroring stops", mirror.topic)
             del self.topics[mirror.topic]
@@ -343,6 +429,7 @@ class Mirror:
     def health(self) -> dict[str, Any]:
         return {
             "upstream": self.settings.upstream,
+            **({"fetching_from": self.link.address} if self.cluster else {}),
             "status": self.status(),
             "seconds_since_answer": round(self.clock() - self.last_reply, 3),
             "reconnects": self.reconnects,

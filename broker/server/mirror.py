@@ -44,7 +44,7 @@ from conveyor.errors import ConveyorError
 
 log = logging.getLogger("conveyor.mirror")
 
-NOT_LEADER_RETRY = 0.5  # seconds before a FETCH answered NOT_LEADER (no leader named) is sent again
+NOT_LEADER_RETRY = 0.5  # seconds before a FETCH a cluster node did not serve (NOT_LEADER, UNKNOWN_TOPIC) goes again
 
 
 class MirrorHost(Protocol):
@@ -257,9 +257,14 @@ class Mirror:
         return matching[0] if matching else None
 
     def _not_leader(self, mirror: TopicMirror, exc: ConveyorError) -> None:
-        """Go to the leader the answer names; without one, ask METADATA again and FETCH a little later."""
+        """Go to the leader the answer names; without one, ask METADATA again and FETCH a little later.
+
+        Only the first topic moves the link (it follows that topic's leader): two topics led by two nodes
+        would otherwise pull it back and forth.
+        """
         hint = exc.fields.get("leader_addr")
-        if isinstance(hint, str) and hint and hint != self.link.address:
+        first = mirror.topic == min(self.topics)
+        if first and isinstance(hint, str) and hint and hint != self.link.address:
             log.info("mirror of %s: %s; following it to %s", mirror.topic, exc, hint)
             self._move_to(hint)
             return
@@ -366,6 +371,10 @@ class Mirror:
             self.link.down_since = self.link.down_since or self.clock()  # the parent is going away
         elif exc.name == "NOT_LEADER":
             self._not_leader(mirror, exc)
+        elif exc.name == "UNKNOWN_TOPIC" and self.cluster:
+            # A node without a replica of the topic knows nothing of it (and a cluster does not delete topics).
+            log.warning("%s does not hold %s; fetching it again later", self.link.address, mirror.topic)
+            mirror.retry_at = self.clock() + NOT_LEADER_RETRY
         elif exc.name == "UNKNOWN_TOPIC":
             log.warning("topic %s is gone upstream; mirroring stops", mirror.topic)
             del self.topics[mirror.topic]

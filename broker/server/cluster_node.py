@@ -308,7 +308,13 @@ class ClusterNode:
         A topic this node's directory holds already (a client faster than the registration at
         start) is registered with its data, never placed anew on nodes that lack it.
         """
-        if not self.settings.auto_create_topics or topic in self.configs or topic in self._creating:
+        if self.settings.auto_create_topics:
+            self.want_topic(topic)
+
+    def want_topic(self, topic: str) -> None:
+        """Ask the controller for ``topic`` unless known or asked already (``auto_create`` without the
+        setting: a dead-letter topic is made whatever ``--auto-create-topics`` says, as on a single node)."""
+        if topic in self.configs or topic in self._creating or is_group_log(topic):
             return
         if topic in self.host.store.logs:
             self._register_local(topic)

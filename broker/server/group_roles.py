@@ -52,7 +52,9 @@ class GroupRoles:
         self.broker.stop_wake()
 
     def want_topic(self, topic: str) -> None:
-        self.partitions.on_unknown(topic)  # cluster mode asks the controller for it (once at a time)
+        """A dead-letter topic the cluster may not have: the controller is asked for it (once at a time)."""
+        if self.broker.cluster is not None:
+            self.broker.cluster.want_topic(topic)
 
     # --- leadership -------------------------------------------------------------------------------
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import time
+from pathlib import Path
 
 from conveyor.broker.client.admin import Admin
 from conveyor.broker.client.message import Message
@@ -132,3 +133,18 @@ def test_a_deleted_group_stays_deleted_after_a_leader_kill(cluster: ClusterProce
     with Admin(cluster.address(new_leader)) as admin:
         groups = admin.describe_topic("gone").get("groups", [])
     assert "keep" in groups and "old" not in groups
+
+
+def test_dead_letters_reach_their_topic_with_auto_create_off(tmp_path: Path) -> None:
+    """A dead-letter topic is made through the controller whatever --auto-create-topics says, as on one node."""
+    with ClusterProcess(tmp_path / "cluster", nodes=3, extra=["--no-auto-create-topics"]) as cluster:
+        make_topic(cluster, "strict", 5)
+        with Subscription(
+            "strict", "once", address=cluster.bootstrap, max_deliveries=1, ack_timeout_ms=1000
+        ) as subscription:
+            seen: list[Message] = []
+            receive_until(subscription, lambda: len(seen) >= 5, seen.extend, 60)  # never acked
+            dead: list[Message] = []
+            with Subscription("strict.dlq", "audit", address=cluster.bootstrap) as dlq:
+                receive_until(dlq, lambda: len(dead) >= 5, dead.extend, 60)
+        assert sorted(bytes(m.value) for m in dead) == sorted(bytes(m.value) for m in seen)

@@ -70,6 +70,7 @@ from conveyor.version import __version__
 if TYPE_CHECKING:
     from conveyor.broker.server.cluster_node import ClusterNode
     from conveyor.broker.server.group_log import DeliveryGate
+    from conveyor.broker.server.group_roles import GroupRoles
 
 log = logging.getLogger("conveyor.broker")
 
@@ -149,6 +150,7 @@ class Broker:
         self.mirror: Mirror | None = None
         self.partitions: Partitions | None = None  # this node's replicated partitions (cluster mode only)
         self.gate: DeliveryGate | None = None  # cluster mode: deliveries wait for their group-state record
+        self.group_roles: GroupRoles | None = None  # cluster mode: groups follow their topic's leadership
         self.cluster: ClusterNode | None = None  # the etcd side of cluster mode (--cluster)
         self._next_partitions_tick: float | None = None
         self._soon: collections.deque[Callable[[], None]] = collections.deque()
@@ -224,7 +226,7 @@ class Broker:
         from conveyor.broker.server.group_log import DeliveryGate
         from conveyor.broker.server.group_roles import GroupRoles
 
-        roles = GroupRoles(self, partitions)
+        roles = self.group_roles = GroupRoles(self, partitions)
         self.gate = DeliveryGate(self.store, roles, clock=self.clock)
         roles.gate = self.gate
         self.dispatcher.gate = self.gate
@@ -705,6 +707,8 @@ class Broker:
         """Commit the offsets of the groups that may have moved (``every``: all of them)."""
         moved = list(self.groups.values()) if every else [*self._moved, *(w.group for w in self.dead_letters.writes)]
         self._moved.clear()
+        if self.group_roles is not None:
+            self.group_roles.apply_followed()  # a follower's groups.json follows the leader's group log
         self.groups.commit(moved, self.dead_letters.dying())
 
     # --- shutdown and health ----------------------------------------------------------------

@@ -14,7 +14,14 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any
 
-from conveyor.broker.server.group_log import DeliveryGate, group_log_name
+from conveyor.broker.server.group_log import (
+    DeliveryGate,
+    GroupStates,
+    apply_record,
+    group_log_name,
+    is_group_log,
+    replay,
+)
 from conveyor.broker.server.groups import DeadLetter, Delivery, Group
 from conveyor.broker.server.partitions import Partitions
 from conveyor.broker.wire import commands
@@ -32,6 +39,7 @@ class GroupRoles:
         self.broker = broker
         self.partitions = partitions
         self.gate: DeliveryGate | None = None
+        self.applied: dict[str, int] = {}  # followed group log -> the offset its records are applied up to
 
     # --- GateHost -------------------------------------------------------------------------------
 
@@ -56,6 +64,50 @@ class GroupRoles:
         if self.broker.cluster is not None:
             self.broker.cluster.want_topic(topic)
 
+    # --- following ---------------------------------------------------------------------------------
+
+    def apply_followed(self) -> None:
+        """Apply what the followed group logs received since the last call to ``groups.json``.
+
+        A new leadership replays its group log anyway; this keeps a follower's offsets file
+        (what an operator or a tool reads) in step. A log cut back or restarted since (a
+        truncation, retention) is replayed from its latest snapshot.
+        """
+        store = self.broker.store
+        followed = [topic for topic, _partition in self.partitions.following]
+        topics = {group_log_name(topic): topic for topic in followed if not is_group_log(topic)}
+        for name in followed:
+            log_ = store.logs.get(name)
+            topic = topics.get(name)
+            if log_ is None or topic is None:
+                continue
+            applied = self.applied.get(name)
+            if topic is None or applied == log_.end_offset:
+                continue
+            if applied is None or not log_.start_offset <= applied <= log_.end_offset:
+                states = replay(log_) or {}
+            else:
+                states = dict(store.groups.get(topic, {}))
+                offset = applied
+                while offset < log_.end_offset:
+                    batches = log_.read(offset, max_bytes=1 << 20)
+                    if not batches:
+                        break
+                    for batch in batches:
+                        if batch.next_offset > offset:
+                            apply_record(states, batch.body)
+                            offset = batch.next_offset
+            self._store(topic, states)
+            self.applied[name] = log_.end_offset
+
+    def _store(self, topic: str, states: GroupStates) -> None:
+        store = self.broker.store
+        for name in [n for n in store.groups.get(topic, {}) if n not in states]:
+            store.delete_group(topic, name)
+        for name, state in states.items():
+            if store.group(topic, name) != state:
+                store.save_group(topic, name, state)
+
     # --- leadership -------------------------------------------------------------------------------
 
     def lead(self, topic: str) -> None:
@@ -64,11 +116,9 @@ class GroupRoles:
         broker = self.broker
         self._drop(topic, "leadership changed")
         states = self.gate.lead(topic, dict(broker.store.groups.get(topic, {})))
-        for name in list(broker.store.groups.get(topic, {})):
-            if name not in states:
-                broker.store.delete_group(topic, name)
+        self._store(topic, states)  # this node's groups.json holds what it leads from
+        self.applied.pop(group_log_name(topic), None)
         for name, state in states.items():
-            broker.store.save_group(topic, name, state)  # this node's groups.json holds what it leads from
             try:
                 group = broker.groups.make(topic, name, state)
             except Exception as exc:  # one bad state never keeps the others from leading

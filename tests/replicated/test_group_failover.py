@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import json
 import time
 from pathlib import Path
 
@@ -12,6 +13,7 @@ from conveyor.broker.client.producer import Producer
 from conveyor.broker.client.subscription import Subscription
 
 from conveyor.cluster_process import ClusterProcess
+from tests.helpers import wait_for
 from tests.replicated.test_failover import leader_of
 
 CREDIT = 20
@@ -148,3 +150,20 @@ def test_dead_letters_reach_their_topic_with_auto_create_off(tmp_path: Path) -> 
             with Subscription("strict.dlq", "audit", address=cluster.bootstrap) as dlq:
                 receive_until(dlq, lambda: len(dead) >= 5, dead.extend, 60)
         assert sorted(bytes(m.value) for m in dead) == sorted(bytes(m.value) for m in seen)
+
+
+def test_a_followers_groups_file_follows_the_leaders_group_log(cluster: ClusterProcess) -> None:
+    leader = make_topic(cluster, "mirrored", 50)
+    with Subscription("mirrored", "readers", address=cluster.bootstrap, credit=10) as subscription:
+        seen: list[Message] = []
+        receive_until(subscription, lambda: len(seen) >= 50, lambda ms: (seen.extend(ms), subscription.ack(ms)), 60)
+        follower = next(node for node in cluster.node_ids if node != leader)
+        path = cluster.node(follower).data_dir / "topics" / "mirrored" / "groups.json"
+
+        def committed() -> int:
+            try:
+                return int(json.loads(path.read_text())["readers"]["committed_offset"])
+            except (OSError, ValueError, KeyError):
+                return -1
+
+        wait_for(lambda: committed() == 50, timeout=60, message=f"{follower}'s groups.json at offset 50")

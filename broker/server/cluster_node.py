@@ -280,14 +280,17 @@ class ClusterNode:
             return True
         if state.asked is None:
             successors = partitions.successors()
-            topics = [tp for tp in partitions.leading if not is_group_log(tp[0])]  # a group log moves with its topic
-            if len(successors) < len(topics) and now - state.started < DRAIN_SECONDS:
+            # A group log moves with its topic; a partition with no other in-sync member has nobody to wait for.
+            topics = [tp for tp, led in partitions.leading.items() if not is_group_log(tp[0]) and len(led.isr) > 1]
+            if any(tp not in successors for tp in topics) and now - state.started < DRAIN_SECONDS:
                 return False
             state.asked = now
             state.request = self.agent.request_shutdown(
                 {TopicPartition(topic, number): node for (topic, number), node in successors.items()}
             )
             return False
+        if state.answered:  # the controller moved what it could: what is still led here had nobody to go to
+            return True
         if now - state.asked >= HANDOFF_SECONDS:
             left = len(partitions.leading)
             log.warning("controlled shutdown: %d partitions still led after %.0f s", left, HANDOFF_SECONDS)

@@ -21,7 +21,7 @@ from conveyor.cluster_process import ClusterProcess
 from tests.helpers import wait_for
 from tests.replicated.fault_checks import Load, check_replicas, dumped, leader_of, partition, wait_in_sync
 
-FAST_OUTAGE = 10.0  # seconds: five 2 s leases
+FAST_OUTAGE = 5.0  # seconds: two and a half 2 s leases
 ISSUE_OUTAGE = 30.0  # seconds: the issue's "etcd stopped for 30 s" (make soak)
 
 

@@ -268,3 +268,25 @@ def test_nats_r3_and_conveyor_r3_run_on_three_server_clusters(tmp_path: Path) ->
     assert {"meta", "stream", "consumer g0"} <= set(r["leaders"]["start"])
     assert not report.get("skipped_variants")
     assert "nats-1" in proc.stdout and "conveyor:r3" in proc.stdout
+
+
+@pytest.mark.skipif(shutil.which("etcd") is None, reason="etcd is not installed (make test installs etcd-server)")
+@pytest.mark.timeout(120)
+def test_conveyor_r3_runs_on_three_brokers_and_etcd(tmp_path: Path) -> None:
+    """The replicated Conveyor system alone (no NATS needed): three brokers, etcd, a topic with RF 3."""
+    config = {
+        "scenarios": [
+            {"name": "tiny-r3", "messages": 2000, "batch_size": 200, "duration": 10, "systems": ["conveyor:r3"]}
+        ],
+    }
+    path = tmp_path / "tiny.json"
+    path.write_text(json.dumps(config))
+    out = tmp_path / "out.json"
+    cmd = [sys.executable, "-m", "conveyor", "bench", "--config", str(path), "--systems", "conveyor:r3"]
+    cmd += ["--json", str(out), "--no-progress"]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=110)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    (ours,) = json.loads(out.read_text())["results"]
+    assert ours["variant"] == "conveyor:r3" and ours["ok"] and ours["exactly_once"], ours["errors"]
+    assert ours["unique"] == 2000 and ours["leader_changes"] == 0
+    assert {"broker n1", "broker n2", "broker n3", "etcd"} <= set(ours["cpu_us_per_message"])

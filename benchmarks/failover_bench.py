@@ -23,6 +23,22 @@ from pathlib import Path
 from typing import Any
 
 TOPIC = "failover"
+SLOW = 4.0  # seconds: a round this slow prints what the nodes logged about the cluster meanwhile
+
+
+def what_the_nodes_said(cluster: Any, since: float) -> str:
+    """The cluster lines each node logged since ``since`` (wall clock): why a failover was slow."""
+    out = []
+    for node, broker in cluster.brokers.items():
+        for line in broker.output:
+            stamp = line[:23]
+            try:
+                when = time.mktime(time.strptime(stamp[:19], "%Y-%m-%d %H:%M:%S")) + int(stamp[20:23]) / 1000
+            except ValueError:
+                continue
+            if when >= since and ("conveyor.cluster" in line or "conveyor.partitions" in line):
+                out.append(f"  {node}: {line.rstrip()[:200]}")
+    return "\n".join(out)
 
 
 def leader(bootstrap: str, full_isr: int = 0, not_node: str | None = None, timeout: float = 120.0) -> tuple[str, int]:
@@ -123,6 +139,8 @@ def run(kills: int, lease_ms: int, rate: int, directory: Path, progress: bool = 
                         f"(epoch {new_epoch}) after {first - killed:.2f} s",
                         flush=True,
                     )
+                    if first - killed > SLOW:
+                        print(what_the_nodes_said(cluster, since=time.time() - (time.monotonic() - killed) - 1))
                 cluster.node(victim).start()
         finally:
             load.close()

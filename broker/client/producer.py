@@ -480,6 +480,7 @@ class _ProducerIO:
         self.by_socket: dict[Any, _Link] = {}  # a link's data socket and its watch's socket -> the link
         self.silent = 0  # handshakes that ended without a reason, counted across sockets
         self.suspect: dict[str, float] = {}  # leaders that hung up, and when
+        self.suspect_epochs: dict[tuple[str, str], int] = {}  # (address, topic) -> epoch it led at when it hung up
         self.asked_at = 0.0  # when the leaders were last asked for because of a suspect one
         if producer.metadata.single:
             self._link(producer.metadata.bootstrap[0])  # connect now, as before clusters
@@ -562,6 +563,8 @@ class _ProducerIO:
         for ``request_timeout``. Until another leader is named (asked every ``LEADER_POLL``), or for at most
         ``request_timeout``, they are not sent to it again."""
         self.suspect[address] = time.monotonic()
+        for topic, epoch in self._epochs_led_by(address).items():
+            self.suspect_epochs[(address, topic)] = epoch
         self._reconnect(address)
 
     def _fail_everything(self, error: RequestTimeout) -> None:
@@ -676,6 +679,9 @@ class _ProducerIO:
         since = self.suspect.get(address)
         if since is None:
             return address
+        hung_up_at = self.suspect_epochs.get((address, flight.topic))
+        if hung_up_at is None or self._epochs_led_by(address).get(flight.topic, -1) > hung_up_at:
+            return address  # it leads this topic at a newer epoch than when it hung up: it is back (a new election)
         now = time.monotonic()
         if now - since >= self.p.request_timeout:
             del self.suspect[address]  # still named leader after all that time: try it (it may be back)
@@ -684,13 +690,25 @@ class _ProducerIO:
         flight.sent_at = float("inf")
         return None
 
+    def _epochs_led_by(self, address: str) -> dict[str, int]:
+        """The leader epoch of each topic ``address`` leads in the last METADATA answer."""
+        view = self.p.metadata.view
+        if view is None:
+            return {}
+        return {
+            topic: info.leader_epoch
+            for topic, partitions in view.topics.items()
+            if (info := partitions.get(0)) is not None and view.leader_address(topic) == address
+        }
+
     def _read_replies(self, link: _Link) -> None:
         while True:
             frames = recv_frames(link.sock)
             if frames is None:
                 return
             self.last_heard = time.monotonic()
-            self.suspect.pop(link.address, None)
+            if self.suspect.pop(link.address, None) is not None:
+                self.suspect_epochs = {k: v for k, v in self.suspect_epochs.items() if k[0] != link.address}
             try:
                 reply = decode(frames)
             except ConveyorError:

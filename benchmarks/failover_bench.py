@@ -60,10 +60,12 @@ def leader(bootstrap: str, full_isr: int = 0, not_node: str | None = None, timeo
 class Load:
     """A producer thread at ``rate`` msg/s; remembers when each message was sent and when it was confirmed."""
 
-    def __init__(self, bootstrap: str, rate: int) -> None:
+    def __init__(self, bootstrap: str, rate: int, request_timeout_ms: int = 5000) -> None:
         from conveyor.broker.client.producer import Producer
 
-        self.producer = Producer(bootstrap, linger_ms=1, delivery_timeout_ms=120_000)
+        self.producer = Producer(
+            bootstrap, linger_ms=1, delivery_timeout_ms=120_000, request_timeout_ms=request_timeout_ms
+        )
         self.rate = rate
         self.confirms: list[tuple[float, float]] = []  # (sent, confirmed)
         self.failed = 0
@@ -103,7 +105,9 @@ class Load:
         self.producer.close(timeout=30)
 
 
-def run(kills: int, lease_ms: int, rate: int, directory: Path, progress: bool = True) -> dict[str, Any]:
+def run(
+    kills: int, lease_ms: int, rate: int, directory: Path, progress: bool = True, request_timeout_ms: int = 5000
+) -> dict[str, Any]:
     from conveyor.broker.client.admin import Admin
 
     from conveyor.cluster_process import ClusterProcess
@@ -113,7 +117,7 @@ def run(kills: int, lease_ms: int, rate: int, directory: Path, progress: bool = 
     try:
         with Admin(cluster.bootstrap) as admin:
             admin.create_topic(TOPIC, replication_factor=3, min_insync_replicas=2)
-        load = Load(cluster.bootstrap, rate)
+        load = Load(cluster.bootstrap, rate, request_timeout_ms)
         load.thread.start()
         try:
             for k in range(1, kills + 1):
@@ -151,6 +155,7 @@ def run(kills: int, lease_ms: int, rate: int, directory: Path, progress: bool = 
         "kills": len(rounds),
         "lease_ms": lease_ms,
         "rate": rate,
+        "request_timeout_ms": request_timeout_ms,
         "p50_s": statistics.median(times),
         "max_s": max(times),
         "min_s": min(times),
@@ -164,10 +169,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kills", type=int, default=20)
     parser.add_argument("--lease-ms", type=int, default=2000)
     parser.add_argument("--rate", type=int, default=2000, help="messages per second published during the run")
+    parser.add_argument("--request-timeout-ms", type=int, default=5000, help="the producer's request_timeout_ms")
     parser.add_argument("--json", type=Path, help="write the result here")
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="conveyor-failover-") as tmp:
-        result = run(args.kills, args.lease_ms, args.rate, Path(tmp))
+        result = run(args.kills, args.lease_ms, args.rate, Path(tmp), request_timeout_ms=args.request_timeout_ms)
     print(
         f"failover over {result['kills']} kills (lease {args.lease_ms} ms): p50 {result['p50_s']:.2f} s, "
         f"max {result['max_s']:.2f} s, min {result['min_s']:.2f} s; sends failed: {result['failed_sends']}"

@@ -546,7 +546,10 @@ class _ProducerIO:
         """
         silent, disconnects = link.watch.silent, link.watch.disconnects
         refused = link.watch.read()
-        if link.watch.disconnects > disconnects and self.p.metadata.following:
+        gone = link.watch.disconnects > disconnects or link.watch.silent > silent
+        if gone and self.p.metadata.following:
+            # A leader killed mid-handshake ends it without a reason rather than disconnecting: either way it
+            # hung up, so its batches wait for METADATA to name the next leader instead of request_timeout.
             self._leader_gone(link.address)
             return
         if refused is None:
@@ -801,7 +804,9 @@ class _ProducerIO:
             self._finish(flight)
             flight.futures.fail(error)
         for address in {f.address for f in self.in_flight.values() if now - f.sent_at >= self.p.request_timeout}:
-            self._reconnect(address)
+            # No answer in time, or no connection to send on: a leader being followed is suspect too, so the
+            # batches wait for METADATA to name the next leader rather than go back to it at once.
+            self._leader_gone(address) if self.p.metadata.following else self._reconnect(address)
 
     def _reconnect(self, address: str) -> None:
         """A fresh socket (to the leader of the moment), then every batch that waited on ``address`` again, in order."""

@@ -112,7 +112,9 @@ class Dispatcher:
                 continue
             retry = self.retries.get(group) if self.retries else None
             if retry is None or self._clock() >= retry[0]:  # a group paused after a failure waits for its retry
-                self._dispatch_group(group, log_, retry)
+                # Gated: planned past HW, so the record counting it replicates with the messages.
+                gated = gate is not None and gate.gates(group.topic)
+                self._dispatch_group(group, gate.planning_view(log_) if gate is not None and gated else log_, retry)
             self.moved.add(group)
             self.timers.schedule(group)
             if gate is not None:

@@ -16,7 +16,14 @@ The delivery gate: a DELIVER planned in a pass is held until the record of
 that pass (which counts the delivery) is below the group log's high
 watermark, so a failover can never forget a delivery a consumer saw, and no
 message goes past ``max_deliveries`` because a count was lost. It is the
-mechanism that gates confirms, one replication round trip.
+mechanism that gates confirms. Deliveries are planned over what the leader
+holds durably (``Ahead``), not only below the topic's high watermark, and a
+DELIVER also waits until its messages are below that HW: the record and
+the messages it delivers are replicated in the same round trip, instead of
+the record's round starting only once the messages' round ended. A record
+that counts a delivery whose messages a new leader lacks is harmless: a
+group resumes at most at its log's end (``GroupTable.make``), and those
+offsets come as new.
 
 A single node has none of this: no group log, no gate, the same files.
 """
@@ -27,7 +34,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import msgpack
 from conveyor.broker.log.data_dir import Store
@@ -125,12 +132,29 @@ class GateHost(Protocol):
 
 @dataclass(slots=True)
 class Held:
-    """A planned DELIVER waiting for its pass's record to be replicated."""
+    """A planned DELIVER waiting for its pass's record, and its messages, to be replicated."""
 
     group: Group
     plan: Delivery
     frames: list[Any]
+    data_end: int = 0  # the topic's HW must reach this: the end of the messages it delivers
     after: int = -1  # the group log's end once that record is written; -1: not yet written
+
+
+class Ahead:
+    """A led topic's log as the gated dispatch reads it: up to what this leader holds durably.
+
+    Readers elsewhere see a replicated log only below its high watermark
+    (``TopicLog.visible_offset``); deliveries planned here leave only once their
+    messages are below it too (``DeliveryGate.release``).
+    """
+
+    def __init__(self, log_: TopicLog) -> None:
+        self._log = log_
+        self.visible_offset = log_.durable_offset
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._log, name)
 
 
 class DeliveryGate:
@@ -157,8 +181,13 @@ class DeliveryGate:
     def want_topic(self, topic: str) -> None:
         self.host.want_topic(topic)
 
+    def planning_view(self, log_: TopicLog) -> TopicLog:
+        """The log a gated dispatch plans over: past HW, up to this leader's durable end."""
+        return cast(TopicLog, Ahead(log_))
+
     def hold(self, group: Group, plan: Delivery, frames: list[Any]) -> None:
-        self.held.setdefault(group.topic, []).append(Held(group, plan, frames))
+        data_end = max((entry.end for entry in plan.entries), default=0)
+        self.held.setdefault(group.topic, []).append(Held(group, plan, frames, data_end))
 
     def touch(self, group: Group) -> None:
         self.touched.add(group)
@@ -224,15 +253,16 @@ class DeliveryGate:
         self.host.wake(name)
 
     def release(self) -> None:
-        """Send the held DELIVERs whose record is below the group log's high watermark, in order."""
+        """Send the held DELIVERs whose record and messages are below their logs' high watermarks, in order."""
         for topic in list(self.held):
             items = self.held[topic]
             target = self.store.logs.get(group_log_name(topic))
-            if target is None:
+            data = self.store.logs.get(topic)
+            if target is None or data is None:
                 continue
-            visible = target.visible_offset
+            visible, data_visible = target.visible_offset, data.visible_offset
             ready = 0
-            while ready < len(items) and 0 <= items[ready].after <= visible:
+            while ready < len(items) and 0 <= items[ready].after <= visible and items[ready].data_end <= data_visible:
                 ready += 1
             if not ready:
                 continue

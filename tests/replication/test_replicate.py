@@ -15,7 +15,9 @@ from pathlib import Path
 import pytest
 import zmq
 from conveyor.broker.client.producer import Producer
+from conveyor.broker.client.subscription import Subscription
 from conveyor.broker.cluster.keys import PartitionState
+from conveyor.broker.server.group_log import group_log_name, replay
 from conveyor.broker.server.partitions import Role
 from conveyor.broker.wire import commands
 from conveyor.broker.wire.protocol import Command, decode, error_from_header
@@ -221,3 +223,68 @@ def test_a_resend_to_the_new_leader_is_answered_with_the_offsets_the_old_leader_
     assert again.command is Command.PUBLISHED
     assert (again.get("base_offset"), again.get("duplicate")) == (0, True)
     assert b.log_offsets(TOPIC) == (4, 4)
+
+
+def test_a_delivery_is_counted_with_its_messages_and_leaves_once_both_logs_pass_hw(nodes: dict[str, Node]) -> None:
+    """The group-log record counting a DELIVER replicates in the same round as the messages it delivers."""
+    a, b, c = nodes["a"], nodes["b"], nodes["c"]
+    for node in (a, b, c):
+        node.write_isr = False  # c stays in the ISR although it never fetches: neither HW passes what b holds
+    replicate_from_a(nodes, followers="b")
+    groups = group_log_name(TOPIC)
+
+    def counted_on_b() -> bool:
+        log_ = b.broker.store.logs.get(groups)
+        states = replay(log_) if log_ is not None and log_.durable_offset == log_.end_offset else None
+        return bool(states) and states.get("billing", {}).get("next_offset") == 1
+
+    with Subscription(TOPIC, "billing", address=a.address, credit=10) as subscription:
+        wait_for(lambda: a.on_loop(lambda: (TOPIC, "billing") in a.broker.groups), message="the group on a")
+        with Producer(a.address, linger_ms=1, delivery_timeout_ms=120_000) as producer:
+            future = producer.send(TOPIC, b"early")
+            # Planned while the message is above HW: b holds the record counting it, durably.
+            wait_for(lambda: b.on_loop(counted_on_b), message="b holds the record counting the delivery")
+            # The record passes its log's HW (its ISR without c), the message not: no DELIVER yet.
+            a.on_loop(lambda: a.partitions.isr_written(groups, 0, ("a", "b")))
+            wait_for(
+                lambda: a.on_loop(lambda: a.partitions.hw(groups) == a.broker.store.topic(groups).end_offset),
+                message="the group log's HW passes the record",
+            )
+            assert subscription.receive(timeout=1.0) == []
+            assert not future.done()
+            a.on_loop(lambda: a.partitions.isr_written(TOPIC, 0, ("a", "b")))
+            assert future.result(timeout=30) == 0
+            got = []
+            wait_for(lambda: got.extend(subscription.receive(timeout=0.2)) or bool(got), message="the delivery")
+            assert [bytes(m.value) for m in got] == [b"early"]
+
+
+def test_a_confirm_hw_allows_leaves_before_the_fsync_of_new_appends_in_the_same_pass(nodes: dict[str, Node]) -> None:
+    a, b, c = nodes["a"], nodes["b"], nodes["c"]
+    for node in (a, b, c):
+        node.write_isr = False  # c stays in the ISR although it never fetches: HW stays at 0
+    replicate_from_a(nodes, followers="b")
+    with contextlib.closing(zmq.Context.instance().socket(zmq.DEALER)) as sock:
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(a.address)
+        sock.send_multipart(commands.publish(TOPIC, batch(b"first"), rid=1))
+        wait_for(lambda: caught_up(b, 1), message="b holds the first message durably")
+        owed_at_sync: list[int] = []
+
+        def one_pass() -> None:
+            # In one pass: a new publish is appended, and the ISR loses c, so HW passes the first message.
+            a.broker.store.topic(TOPIC).append(batch(b"second"), 1, leader_epoch=1)
+            a.broker.appended.add(TOPIC)
+            store, sync = a.broker.store, a.broker.store.sync
+            store.sync = lambda **kw: (owed_at_sync.append(len(a.broker.confirms)), sync(**kw))[1]  # type: ignore[method-assign]
+            try:
+                a.partitions.isr_written(TOPIC, 0, ("a", "b"))
+                a.broker._group_commit()
+            finally:
+                del store.sync
+
+        a.on_loop(one_pass)
+        assert owed_at_sync and owed_at_sync[0] == 0, "the first message's confirm waited for the second's fsync"
+        assert sock.poll(30_000)
+        answer = decode(sock.recv_multipart())
+        assert answer.command is Command.PUBLISHED and answer.get("rid") == 1

@@ -3,8 +3,8 @@
 All of a node's etcd I/O runs here (design §3), so the broker's loop never
 blocks on etcd:
 
-* the loop calls the request methods (``create_topic``, ``propose_isr``,
-  ``request_shutdown``, ``reassign``); each queues the request, returns a
+* the loop calls the request methods (``create_topic``, ``delete_topic``,
+  ``alter_topic``, ``propose_isr``, ``request_shutdown``, ``reassign``); each queues the request, returns a
   request id at once, and its answer comes back later as an event;
 * the agent puts ``ClusterEvent``s on ``events`` and calls ``wake`` (the
   loop's wake-up pipe), and the loop drains them with ``poll()``.
@@ -29,8 +29,9 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
+from conveyor.broker.cluster import decisions as d
 from conveyor.broker.cluster import keys as k
-from conveyor.broker.cluster.controller import Controller, Deposed
+from conveyor.broker.cluster.controller import CAS_TRIES, Controller, Deposed
 from conveyor.broker.cluster.etcd import NOT_FOUND, Compare, Etcd, EtcdError, Lease, Op, Watch, WatchEvent
 from conveyor.broker.cluster.events import (
     ClusterEvent,
@@ -44,11 +45,14 @@ from conveyor.broker.cluster.events import (
     Registered,
     Request,
     ShutdownAnswer,
+    TopicAltered,
     TopicChanged,
     TopicCreated,
+    TopicDeleted,
 )
 from conveyor.broker.cluster.keys import (
     CreateRequest,
+    DeleteRequest,
     Keys,
     NodeRecord,
     ReassignRequest,
@@ -57,7 +61,15 @@ from conveyor.broker.cluster.keys import (
 )
 from conveyor.broker.cluster.view import Change, ClusterSnapshot, ClusterView
 
-from conveyor.errors import ConveyorError, FencedLeaderEpoch, InvalidRequest, NotLeader, UnknownTopic, error_for_code
+from conveyor.errors import (
+    ClusterError,
+    ConveyorError,
+    FencedLeaderEpoch,
+    InvalidRequest,
+    NotLeader,
+    UnknownTopic,
+    error_for_code,
+)
 
 log = logging.getLogger("conveyor.cluster")
 
@@ -124,6 +136,7 @@ class ClusterAgent:
         self._snapshot = self.view.snapshot()
         self._thread = threading.Thread(target=self._run, name="conveyor-cluster", daemon=True)
         self._creates: dict[str, list[int]] = {}  # topic -> request ids waiting for its config
+        self._deletes: dict[str, list[int]] = {}  # topic -> request ids waiting for its records to go
         self._shutdowns: list[int] = []
         self._started_ms = int(clock() * 1000)
         self._retry_at: float | None = None
@@ -187,6 +200,22 @@ class ClusterAgent:
             nodes=tuple(nodes),
             leader_epoch=epoch,
         )
+
+    def delete_topic(self, topic: str) -> int:
+        """Ask the controller to delete ``topic``'s records; answered by ``TopicDeleted`` once they are gone.
+
+        Each replica then drops its partition and files when its watch sees the config go.
+        """
+        return self._request("delete", topic=topic)
+
+    def alter_topic(self, topic: str, settings: Mapping[str, object]) -> int:
+        """Merge ``settings`` into ``topic``'s config record (a CAS, retried on a conflict); answered by
+        ``TopicAltered``. Every node applies the record from its ``TopicChanged``, now or when it starts.
+
+        Not a controller request: nothing is decided but the record itself, and the CAS on its
+        ``mod_revision`` orders it against every other write of the config (create, reassignment, delete).
+        """
+        return self._request("alter", topic=topic, settings=dict(settings))
 
     def propose_isr(
         self, tp: TopicPartition, isr: tuple[str, ...], leader_epoch: int, expected_mod_revision: int | None = None
@@ -411,6 +440,11 @@ class ClusterAgent:
             self._as_controller(lambda: ctl.repair_all(view))
         elif change.kind == "create" and not change.deleted:
             self._as_controller(lambda: ctl.create_topic(view, change.topic))
+        elif change.kind == "delete" and not change.deleted:
+            self._as_controller(lambda: ctl.delete_topic(view, change.topic))
+        elif change.kind == "config" and TopicPartition(change.topic, 0) in view.reassigns:
+            tp = TopicPartition(change.topic, 0)  # a reassignment's config write lost to an alter: again
+            self._as_controller(lambda: ctl.reassign(view, tp))
         elif change.kind == "shutdown" and not change.deleted:
             self._as_controller(lambda: ctl.shutdown(view, change.node_id))
         elif change.kind in ("reassign", "partition") and change.tp in view.reassigns:
@@ -447,6 +481,10 @@ class ClusterAgent:
                 if config is not None:
                     for request_id in self._creates.pop(change.topic, []):
                         self._emit(TopicCreated(request_id, change.topic, config))
+                else:
+                    self._answer_deletes(change.topic)
+            elif change.kind == "delete" and change.deleted:
+                self._answer_deletes(change.topic)  # done, or the topic was gone already
             elif change.kind == "partition" and change.tp is not None:
                 tp = change.tp
                 self._emit(PartitionChanged(tp, self.view.partitions.get(tp), self.view.partition_revisions.get(tp, 0)))
@@ -467,6 +505,10 @@ class ClusterAgent:
         if current != self._last_controller:
             self._last_controller = current
             self._emit(ControllerChanged(*current))
+
+    def _answer_deletes(self, topic: str) -> None:
+        for request_id in self._deletes.pop(topic, []):
+            self._emit(TopicDeleted(request_id, topic))
 
     def _on_create_answer(self, topic: str) -> None:
         """A refused create: tell every waiting request, and the asker removes the request."""
@@ -494,6 +536,10 @@ class ClusterAgent:
             self._request_shutdown(request)
         elif request.kind == "reassign":
             self._reassign(request)
+        elif request.kind == "delete":
+            self._delete(request)
+        elif request.kind == "alter":
+            self._alter(request)
 
     def _create(self, request: Request) -> None:
         topic = request.topic
@@ -525,6 +571,34 @@ class ClusterAgent:
             if not refused:
                 return  # someone asked already: this request waits for the same config
             self.etcd.txn([Compare.modified(key, held.mod_revision)], [Op.delete(key)])
+
+    def _delete(self, request: Request) -> None:
+        topic = request.topic
+        if topic not in self.view.topics:
+            self._emit(TopicDeleted(request.request_id, topic, UnknownTopic(f"no topic {topic}", topic=topic)))
+            return
+        self._deletes.setdefault(topic, []).append(request.request_id)
+        self.etcd.put(self.keys.delete_request(topic), k.encode_delete(DeleteRequest(self.node_id)))
+
+    def _alter(self, request: Request) -> None:
+        topic, key = request.topic, self.keys.topic_config(request.topic)
+        config, mod = self.view.topics.get(topic), self.view.topic_revisions.get(topic, 0)
+        for _ in range(CAS_TRIES):
+            if config is None:
+                self._emit(
+                    TopicAltered(request.request_id, topic, None, UnknownTopic(f"no topic {topic}", topic=topic))
+                )
+                return
+            wanted = d.altered_config(config, request.settings)
+            result = self.etcd.cas(key, k.encode_topic_config(wanted), mod)
+            if result.succeeded:
+                self._emit(TopicAltered(request.request_id, topic, wanted))
+                return
+            current = result.current
+            config = k.decode_topic_config(key, current.value) if current is not None else None
+            mod = current.mod_revision if current is not None else 0
+        error = ClusterError(f"alter of {topic}: {CAS_TRIES} conflicting writes of its config; try again", topic=topic)
+        self._emit(TopicAltered(request.request_id, topic, None, error))
 
     def _propose_isr(self, request: Request) -> None:
         tp = request.tp
@@ -636,4 +710,8 @@ def _failed(request: Request, exc: ConveyorError) -> ClusterEvent:
     if request.kind == "reassign":
         assert request.tp is not None
         return ReassignAnswer(request.request_id, request.tp, exc)
+    if request.kind == "delete":
+        return TopicDeleted(request.request_id, request.topic, exc)
+    if request.kind == "alter":
+        return TopicAltered(request.request_id, request.topic, None, exc)
     return ShutdownAnswer(request.request_id, exc)

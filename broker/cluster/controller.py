@@ -20,6 +20,7 @@ its own writes: the watch brings them back like anyone else's.
 from __future__ import annotations
 
 import logging
+import uuid
 from collections.abc import Callable
 from functools import partial
 
@@ -86,6 +87,8 @@ class Controller:
     def repair_all(self, view: ClusterView) -> None:
         """The takeover pass, also run on every node join or leave: each partition as ``repair`` wants it."""
         live = view.live()
+        for topic in sorted(view.deletes):
+            self.delete_topic(view, topic)
         for tp in sorted(view.partitions):
             self.update_partition(view, tp, lambda state: d.repair(state, live))
         for topic in sorted(view.creates):
@@ -96,7 +99,8 @@ class Controller:
             self.reassign(view, tp)
 
     def create_topic(self, view: ClusterView, topic: str) -> None:
-        """Config and partition 0 in one txn, guarded by the config's absence; a refusal is written into the request."""
+        """Config (with a new topic id) and partition 0 in one txn, guarded by the config's absence; a refusal
+        is written into the request."""
         found = view.creates.get(topic)
         if found is None or found.value.refused is not None:
             return
@@ -121,7 +125,7 @@ class Controller:
         except (NotEnoughReplicas, InvalidRequest) as exc:
             self._refuse(request_key, found, exc.code, exc.message)
             return
-        config = k.TopicConfigRecord(rf, min_insync, dict(found.value.settings))
+        config = k.TopicConfigRecord(rf, min_insync, dict(found.value.settings), uuid.uuid4().hex)
         tp = TopicPartition(topic, 0)
         result = self.fenced(
             [Compare.absent(self.keys.topic_config(topic)), Compare.modified(request_key, found.mod_revision)],
@@ -133,6 +137,29 @@ class Controller:
         )
         if result.succeeded:
             log.info("created %s rf=%d min_insync=%d on %s", topic, rf, min_insync, ",".join(assignment))
+
+    def delete_topic(self, view: ClusterView, topic: str) -> None:
+        """The topic's partition records, then its config, its pending requests and the request, in one txn.
+
+        The partitions go first: each replica's watch sees its partition end (it stops leading or
+        following) before the config goes (it drops its files). The dead-letter topic
+        ``<t>.dlq`` is a topic of its own and stays, as on a single node.
+        """
+        found = view.deletes.get(topic)
+        if found is None:
+            return
+        request_key = self.keys.delete_request(topic)
+        result = self.fenced(
+            [Compare.modified(request_key, found.mod_revision)],
+            [
+                Op.delete(self.keys.topic(topic) + "partitions/", prefix=True),
+                Op.delete(self.keys.topic_config(topic)),
+                Op.delete(self.keys.reassign_requests_of(topic), prefix=True),
+                Op.delete(request_key),
+            ],
+        )
+        if result.succeeded:
+            log.info("deleted %s (asked by %s)", topic, found.value.requester)
 
     def shutdown(self, view: ClusterView, node: str) -> None:
         """Move ``node``'s leaderships to live in-sync followers, take it out of every ISR, mark the request done."""
@@ -179,11 +206,14 @@ class Controller:
             log.info("reassignment of %s to %s done", tp, ",".join(target))
             done: list[Op] = [Op.delete(key)]
             config = view.topics.get(tp.topic)
+            guard = [Compare.modified(key, found.mod_revision)]
             if config is not None:
                 moved = d.reassigned_config(config, len(target), found.value.min_insync_replicas)
-                if moved != config:
-                    done.insert(0, Op.put(self.keys.topic_config(tp.topic), k.encode_topic_config(moved)))
-            self.fenced([Compare.modified(key, found.mod_revision)], done)
+                if moved != config:  # guarded: an alter written since is kept (the config change retries this)
+                    config_key = self.keys.topic_config(tp.topic)
+                    guard.append(Compare.modified(config_key, view.topic_revisions.get(tp.topic, 0)))
+                    done.insert(0, Op.put(config_key, k.encode_topic_config(moved)))
+            self.fenced(guard, done)
 
     # --- writes ------------------------------------------------------------
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Collection, Iterable, Mapping
 from dataclasses import replace
+from typing import Any
 
 from conveyor.broker.cluster.keys import PartitionState, TopicConfigRecord, TopicPartition
 
@@ -27,35 +28,52 @@ DEFAULT_MIN_INSYNC = 2
 # --- topic creation --------------------------------------------------------
 
 
-def default_replication_factor(live_nodes: int) -> int:
-    """The cluster default: three copies, or as many as there are live nodes."""
-    return max(1, min(DEFAULT_REPLICATION_FACTOR, live_nodes))
-
-
 def default_min_insync(replication_factor: int) -> int:
     """Two copies before a confirm, or all of them below RF 2."""
     return min(DEFAULT_MIN_INSYNC, replication_factor)
+
+
+def default_replication(
+    requested_rf: int | None,
+    requested_min_insync: int | None,
+    live_nodes: int,
+    default_rf: int = DEFAULT_REPLICATION_FACTOR,
+    default_min_insync_replicas: int = DEFAULT_MIN_INSYNC,
+) -> tuple[int | None, int | None]:
+    """What was asked, else the defaults: ``default_rf`` capped at the live nodes (None with none live),
+    ``default_min_insync_replicas`` capped at the RF. Nothing is checked here: a node fills in its
+    own defaults (``--default-replication-factor``, ``--min-insync-replicas``) before it asks, and the
+    controller checks what it is asked (``replication_for``)."""
+    rf = requested_rf
+    if rf is None and live_nodes > 0:
+        rf = max(1, min(default_rf, live_nodes))
+    min_insync = requested_min_insync
+    if min_insync is None and rf is not None:
+        min_insync = min(default_min_insync_replicas, rf)
+    return rf, min_insync
 
 
 def replication_for(requested_rf: int | None, requested_min_insync: int | None, live_nodes: int) -> tuple[int, int]:
     """(RF, min_insync) for a create: the default when not asked; an RF above the live nodes is refused."""
     if live_nodes < 1:
         raise NotEnoughReplicas("no live node to place the topic on", live=live_nodes)
-    if requested_rf is None:
-        rf = default_replication_factor(live_nodes)
-    elif requested_rf < 1:
+    if requested_rf is not None and requested_rf < 1:
         raise InvalidRequest(f"replication factor must be >= 1, got {requested_rf}")
-    elif requested_rf > live_nodes:
+    if requested_rf is not None and requested_rf > live_nodes:
         raise NotEnoughReplicas(
             f"replication factor {requested_rf} > {live_nodes} live nodes", requested=requested_rf, live=live_nodes
         )
-    else:
-        rf = requested_rf
-    if requested_min_insync is None:
-        return rf, default_min_insync(rf)
-    if not 1 <= requested_min_insync <= rf:
+    rf, min_insync = default_replication(requested_rf, requested_min_insync, live_nodes)
+    assert rf is not None and min_insync is not None  # live_nodes >= 1
+    if requested_min_insync is not None and not 1 <= requested_min_insync <= rf:
         raise InvalidRequest(f"min_insync_replicas must be within 1..{rf}, got {requested_min_insync}")
-    return rf, requested_min_insync
+    return rf, min_insync
+
+
+def altered_config(config: TopicConfigRecord, settings: Mapping[str, Any]) -> TopicConfigRecord:
+    """A topic's record after ``topics alter``: each setting given replaces its value, the others stay
+    (as a single node's ``alter_topic`` does); replication factor and in-sync minimum are not settings."""
+    return replace(config, settings={**config.settings, **settings})
 
 
 def leader_load(partitions: Iterable[PartitionState], nodes: Iterable[str]) -> dict[str, int]:

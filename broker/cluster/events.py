@@ -141,11 +141,31 @@ class ReassignAnswer(ClusterEvent):
 
 
 @dataclass(frozen=True)
+class TopicDeleted(ClusterEvent):
+    """The answer to ``delete_topic``: the controller removed the topic's records (or ``error``)."""
+
+    request_id: int
+    topic: str
+    error: ConveyorError | None = None
+
+
+@dataclass(frozen=True)
+class TopicAltered(ClusterEvent):
+    """The answer to ``alter_topic``: the config as written (or ``error``); every node applies it from
+    its ``TopicChanged``."""
+
+    request_id: int
+    topic: str
+    config: TopicConfigRecord | None = None
+    error: ConveyorError | None = None
+
+
+@dataclass(frozen=True)
 class Request:
     """A loop request as queued to the agent thread (internal)."""
 
     request_id: int
-    kind: str  # create | isr | shutdown | reassign
+    kind: str  # create | isr | shutdown | reassign | delete | alter
     topic: str = ""
     tp: TopicPartition | None = None
     replication_factor: int | None = None

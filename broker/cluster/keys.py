@@ -10,6 +10,7 @@ Everything sits under ``/conveyor/<cluster>/`` (design §2)::
     requests/create/<t>           CreateRequest
     requests/shutdown/<node_id>   ShutdownRequest, under the asking node's lease
     requests/reassign/<t>/<p>     ReassignRequest
+    requests/delete/<t>           DeleteRequest
 
 Records are JSON. A record that does not decode (bad JSON, a missing field, a
 wrong type, a leader outside its assignment) raises ``RecordError`` naming the
@@ -60,11 +61,18 @@ class NodeRecord:
 
 @dataclass(frozen=True)
 class TopicConfigRecord:
-    """How a replicated topic was made; ``settings`` are its topic settings as given (JSON values)."""
+    """How a replicated topic was made; ``settings`` are its topic settings as given (JSON values).
+
+    ``topic_id`` tells one topic from an earlier one of the same name (Kafka's topic id): a
+    node that was away while a topic was deleted, or deleted and made again, finds its local
+    copy under another id and drops it rather than serving or registering stale data.
+    Records written before it existed have none ("").
+    """
 
     replication_factor: int
     min_insync_replicas: int
     settings: Mapping[str, Any] = field(default_factory=dict)
+    topic_id: str = ""
 
 
 @dataclass(frozen=True)
@@ -123,6 +131,13 @@ class ReassignRequest:
     min_insync_replicas: int | None = None
 
 
+@dataclass(frozen=True)
+class DeleteRequest:
+    """A node asks the controller to delete a topic: its config and partition records go in one txn."""
+
+    requester: str
+
+
 # --- keys ------------------------------------------------------------------
 
 
@@ -130,7 +145,7 @@ class ReassignRequest:
 class ParsedKey:
     """What a key under the cluster prefix names: ``kind`` and the parts that apply."""
 
-    kind: str  # meta | node | controller | config | partition | create | shutdown | reassign
+    kind: str  # meta | node | controller | config | partition | create | shutdown | reassign | delete
     node_id: str = ""
     topic: str = ""
     tp: TopicPartition | None = None
@@ -151,9 +166,14 @@ class Keys:
         self.create_requests = self.prefix + "requests/create/"
         self.shutdown_requests = self.prefix + "requests/shutdown/"
         self.reassign_requests = self.prefix + "requests/reassign/"
+        self.delete_requests = self.prefix + "requests/delete/"
 
     def node(self, node_id: str) -> str:
         return self.nodes + node_id
+
+    def topic(self, topic: str) -> str:
+        """The prefix of every record of ``topic`` (its config and partitions; not ``<topic>.dlq``'s)."""
+        return f"{self.topics}{topic}/"
 
     def topic_config(self, topic: str) -> str:
         return f"{self.topics}{topic}/config"
@@ -169,6 +189,13 @@ class Keys:
 
     def reassign_request(self, tp: TopicPartition) -> str:
         return f"{self.reassign_requests}{tp.topic}/{tp.partition}"
+
+    def delete_request(self, topic: str) -> str:
+        return self.delete_requests + topic
+
+    def reassign_requests_of(self, topic: str) -> str:
+        """The prefix of ``topic``'s reassignment requests (every partition)."""
+        return f"{self.reassign_requests}{topic}/"
 
     def parse(self, key: str) -> ParsedKey:
         """Which record ``key`` holds; ``RecordError`` for a key outside the layout."""
@@ -191,6 +218,8 @@ class Keys:
                 return ParsedKey("create", topic=_topic(topic, key))
             case ["requests", "shutdown", node_id]:
                 return ParsedKey("shutdown", node_id=_node_id(node_id, key))
+            case ["requests", "delete", topic]:
+                return ParsedKey("delete", topic=_topic(topic, key))
             case ["requests", "reassign", topic, partition]:
                 tp = TopicPartition(_topic(topic, key), _partition(partition, key))
                 return ParsedKey("reassign", topic=tp.topic, tp=tp)
@@ -244,13 +273,14 @@ def encode_controller(node_id: str) -> bytes:
 
 
 def encode_topic_config(record: TopicConfigRecord) -> bytes:
-    return _dump(
-        {
-            "replication_factor": record.replication_factor,
-            "min_insync_replicas": record.min_insync_replicas,
-            "settings": dict(record.settings),
-        }
-    )
+    body: dict[str, Any] = {
+        "replication_factor": record.replication_factor,
+        "min_insync_replicas": record.min_insync_replicas,
+        "settings": dict(record.settings),
+    }
+    if record.topic_id:
+        body["topic_id"] = record.topic_id
+    return _dump(body)
 
 
 def encode_partition(state: PartitionState) -> bytes:
@@ -291,6 +321,10 @@ def encode_reassign(request: ReassignRequest) -> bytes:
     if request.min_insync_replicas is not None:
         body["min_insync_replicas"] = request.min_insync_replicas
     return _dump(body)
+
+
+def encode_delete(request: DeleteRequest) -> bytes:
+    return _dump({"from": request.requester})
 
 
 # --- decode ----------------------------------------------------------------
@@ -362,7 +396,7 @@ def decode_topic_config(key: str, value: bytes) -> TopicConfigRecord:
     min_insync = f.count("min_insync_replicas", 1)
     if min_insync > rf:
         raise f.fail(f"min_insync_replicas {min_insync} > replication_factor {rf}")
-    return TopicConfigRecord(rf, min_insync, f.get("settings", dict, {}))
+    return TopicConfigRecord(rf, min_insync, f.get("settings", dict, {}), f.get("topic_id", str, ""))
 
 
 def decode_partition(key: str, value: bytes) -> PartitionState:
@@ -420,3 +454,7 @@ def decode_reassign(key: str, value: bytes) -> ReassignRequest:
     if min_insync is not None and min_insync > len(assignment):
         raise f.fail(f"min_insync_replicas {min_insync} > {len(assignment)} replicas")
     return ReassignRequest(assignment, min_insync)
+
+
+def decode_delete(key: str, value: bytes) -> DeleteRequest:
+    return DeleteRequest(_node_id(_Fields(key, value).get("from", str), key))

@@ -19,6 +19,7 @@ from typing import Generic, Protocol, TypeVar
 from conveyor.broker.cluster import keys as k
 from conveyor.broker.cluster.keys import (
     CreateRequest,
+    DeleteRequest,
     Keys,
     NodeRecord,
     PartitionState,
@@ -93,19 +94,22 @@ class ClusterView:
     controller: str | None = None
     controller_revision: int = 0  # create_revision of the controller key: the controller epoch
     topics: dict[str, TopicConfigRecord] = field(default_factory=dict)
+    topic_revisions: dict[str, int] = field(default_factory=dict)  # config mod_revision: what an alter compares
     partitions: dict[TopicPartition, PartitionState] = field(default_factory=dict)
     partition_revisions: dict[TopicPartition, int] = field(default_factory=dict)
     creates: dict[str, Versioned[CreateRequest]] = field(default_factory=dict)
     shutdowns: dict[str, Versioned[ShutdownRequest]] = field(default_factory=dict)
     reassigns: dict[TopicPartition, Versioned[ReassignRequest]] = field(default_factory=dict)
+    deletes: dict[str, Versioned[DeleteRequest]] = field(default_factory=dict)
     damaged: dict[str, str] = field(default_factory=dict)  # key -> why, for logs and tests
 
     def load(self, kvs: Iterable[KeyValueLike], revision: int) -> list[Change]:
         """Replace the whole view by a range read at ``revision``; the changes cover every key that differs."""
         before = self.snapshot()
         self.nodes, self.topics, self.partitions, self.partition_revisions = {}, {}, {}, {}
+        self.topic_revisions = {}
         self.controller, self.controller_revision = None, 0
-        self.creates, self.shutdowns, self.reassigns, self.damaged = {}, {}, {}, {}
+        self.creates, self.shutdowns, self.reassigns, self.deletes, self.damaged = {}, {}, {}, {}, {}
         for kv in kvs:
             self._put(kv)
         self.revision = self.loaded_revision = revision
@@ -156,6 +160,7 @@ class ClusterView:
                     self.controller_revision = created
                 case "config":
                     self.topics[parsed.topic] = k.decode_topic_config(key, value)
+                    self.topic_revisions[parsed.topic] = mod
                 case "partition":
                     assert parsed.tp is not None
                     self.partitions[parsed.tp] = k.decode_partition(key, value)
@@ -167,6 +172,8 @@ class ClusterView:
                 case "reassign":
                     assert parsed.tp is not None
                     self.reassigns[parsed.tp] = Versioned(k.decode_reassign(key, value), mod, created, lease)
+                case "delete":
+                    self.deletes[parsed.topic] = Versioned(k.decode_delete(key, value), mod, created, lease)
         except RecordError as exc:
             self.damaged[key] = str(exc)
             return None
@@ -187,6 +194,7 @@ class ClusterView:
                 found, self.controller, self.controller_revision = self.controller, None, 0
             case "config":
                 found = self.topics.pop(parsed.topic, None)
+                self.topic_revisions.pop(parsed.topic, None)
             case "partition":
                 assert parsed.tp is not None
                 found = self.partitions.pop(parsed.tp, None)
@@ -198,6 +206,8 @@ class ClusterView:
             case "reassign":
                 assert parsed.tp is not None
                 found = self.reassigns.pop(parsed.tp, None)
+            case "delete":
+                found = self.deletes.pop(parsed.topic, None)
         if found is None:
             return None
         return Change(parsed.kind, key, True, parsed.node_id, parsed.topic, parsed.tp)
@@ -218,6 +228,7 @@ class ClusterView:
                 gone = tp not in self.partitions
                 changes.append(Change("partition", self.keys.partition(tp), gone, topic=tp.topic, tp=tp))
         changes.extend(Change("create", self.keys.create_request(t), topic=t) for t in sorted(self.creates))
+        changes.extend(Change("delete", self.keys.delete_request(t), topic=t) for t in sorted(self.deletes))
         changes.extend(Change("shutdown", self.keys.shutdown_request(n), node_id=n) for n in sorted(self.shutdowns))
         changes.extend(
             Change("reassign", self.keys.reassign_request(tp), topic=tp.topic, tp=tp) for tp in sorted(self.reassigns)

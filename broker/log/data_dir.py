@@ -202,6 +202,24 @@ def register_backend(name: str, factory: LogFactory) -> None:
     STORAGES.add(name)
 
 
+def altered(
+    name: str, config: TopicConfig, changes: Mapping[str, Any], *, extra: Mapping[str, Any] | None = None
+) -> TopicConfig:
+    """``config`` with ``changes`` (each checked by the settings table); a setting fixed at creation may not move.
+
+    ``Store.alter_topic`` and a cluster's alter (checked on the node asked, before etcd) share it.
+    """
+    new = config.with_settings(changes, extra=extra)
+    for fixed in FIXED_AT_CREATION:
+        if getattr(new, fixed) != getattr(config, fixed):
+            raise ConfigError(
+                f"topic setting {fixed} cannot be changed after creation ({name} is {getattr(config, fixed)!r})",
+                setting=fixed,
+                topic=name,
+            )
+    return new
+
+
 def check_name(name: str, what: str = "topic") -> str:
     if not isinstance(name, str) or not NAME_RE.fullmatch(name) or name in (".", ".."):
         raise InvalidName(f"{what} name must match [A-Za-z0-9._-]{{1,200}}, got {name!r}", name=name)
@@ -568,16 +586,7 @@ class Store:
         start are gone from it (and from ``config_errors``).
         """
         topic_log = self.topic(name)
-        changes = {**(settings or {}), **more}
-        config = topic_log.config.with_settings(changes, extra=extra)
-        for fixed in FIXED_AT_CREATION:
-            if getattr(config, fixed) != getattr(topic_log.config, fixed):
-                raise ConfigError(
-                    f"topic setting {fixed} cannot be changed after creation "
-                    f"({name} is {getattr(topic_log.config, fixed)!r})",
-                    setting=fixed,
-                    topic=name,
-                )
+        config = altered(name, topic_log.config, {**(settings or {}), **more}, extra=extra)
         if config.storage == "file":
             self._wait_for_creation(name)
             with storage_errors(str(self.topics_dir / name)):

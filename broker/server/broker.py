@@ -657,6 +657,8 @@ class Broker:
         self.confirms.topic_deleted(topic, self.store.logs)
         self.dead_letters.topic_deleted()
         self.metrics.forget_topic(topic)
+        if self.group_roles is not None:
+            self.group_roles.applied.pop(topic, None)  # a group log deleted: one made again is read from its start
 
     def group_deleted(self, topic: str, name: str) -> None:
         self.metrics.forget_group(topic, name)

@@ -10,7 +10,15 @@ answer comes back as an event. The loop never waits for etcd.
 Auto-created topics (a PUBLISH or SUBSCRIBE to a topic the cluster does not
 know) go to the controller like ``conveyor topics create``: the request is
 answered NOT_LEADER (retriable, no leader yet) and the client asks METADATA
-again until the partition has a leader.
+again until the partition has a leader. With auto-create off it is answered
+UNKNOWN_TOPIC, as a single node answers.
+
+``topics delete`` goes to the controller, which removes the topic's records;
+``topics alter`` is a CAS of the topic's config record. Every node acts on
+what its watch then shows: a config gone drops the topic here as a single
+node's delete does (its groups, its group log, its files; not ``<t>.dlq``,
+a topic of its own), and a config changed is applied to the local log, at
+once or when the node starts again.
 """
 
 from __future__ import annotations
@@ -21,6 +29,7 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any, Protocol
 
+from conveyor.broker.cluster import decisions as d
 from conveyor.broker.cluster.agent import ClusterAgent
 from conveyor.broker.cluster.decisions import DEAD_LETTER_SUFFIX
 from conveyor.broker.cluster.events import (
@@ -32,36 +41,35 @@ from conveyor.broker.cluster.events import (
     ReassignAnswer,
     Registered,
     ShutdownAnswer,
+    TopicAltered,
     TopicChanged,
     TopicCreated,
+    TopicDeleted,
 )
 from conveyor.broker.cluster.keys import TopicConfigRecord, TopicPartition
 from conveyor.broker.config.addresses import etcd_members
 from conveyor.broker.config.broker_settings import BrokerSettings
-from conveyor.broker.log.data_dir import Store, check_name
+from conveyor.broker.log.data_dir import altered, check_name
 from conveyor.broker.net.security import ClientKeys, ServerSecurity
+from conveyor.broker.server import admin as admin_ops
+from conveyor.broker.server.admin import AdminHost
 from conveyor.broker.server.cluster_roles import ClusterRoles
-from conveyor.broker.server.group_log import is_group_log
+from conveyor.broker.server.group_log import group_log_name, is_group_log
 from conveyor.broker.server.metadata import ClusterMetadata, PartitionMetadata
 from conveyor.broker.server.partitions import Partitions
 
-from conveyor.errors import ConfigError, InvalidRequest, TopicExists, UnknownTopic
+from conveyor.errors import ConfigError, ConveyorError, TopicExists, UnknownTopic
 
-CLUSTER_ADMIN = {
-    "create_topic": "",
-    "reassign_topic": "",
-    "delete_topic": "delete it on every node with the cluster stopped, or wait for cluster topic deletion",
-    "alter_topic": "topic settings are fixed at creation in a cluster for now",
-}
+CLUSTER_ADMIN = frozenset({"create_topic", "reassign_topic", "delete_topic", "alter_topic"})
+TOPIC_ID = "cluster_topic_id"  # in a replica's topic.json ``extra``: which topic of that name it holds
 
 log = logging.getLogger("conveyor.cluster")
 
 
-class ClusterHost(Protocol):
-    """What the cluster side needs of its broker."""
+class ClusterHost(AdminHost, Protocol):
+    """What the cluster side needs of its broker: what ADMIN needs (a topic is deleted and described here
+    as a single node does it), and more."""
 
-    @property
-    def store(self) -> Store: ...
     @property
     def security(self) -> ServerSecurity | None: ...  # CURVE on the broker's socket, if any
 
@@ -159,6 +167,8 @@ class ClusterNode:
             PartitionChanged: self._on_partition,
             TopicCreated: self._on_created,
             ReassignAnswer: self._on_reassign_stored,
+            TopicDeleted: self._on_deleted,
+            TopicAltered: self._on_altered,
             ShutdownAnswer: self._on_shutdown_answer,
         }
 
@@ -202,6 +212,8 @@ class ClusterNode:
         keeping its data and offsets. ``conveyor topics reassign`` then adds replicas. The
         agent's view is loaded when it says ``Registered``, so ``configs`` holds every topic
         the cluster knows; internal logs (``__`` names) follow their topic and are left out.
+        A replica of a cluster topic (its ``topic.json`` names a topic id) that the cluster no
+        longer has was deleted while this node was away: it is dropped, not registered.
         """
         asked = [topic for topic in sorted(self.host.store.logs) if not topic.startswith("__")]
         return [topic for topic in asked if self._register_local(topic)]
@@ -210,6 +222,11 @@ class ClusterNode:
         """Ask for ``topic`` with this node's data (RF 1, this node leading); False if known or asked already."""
         log_ = self.host.store.logs.get(topic)
         if log_ is None or topic in self.configs or topic in self._creating:
+            return False
+        if log_.config.extra.get(TOPIC_ID):  # a replica of a cluster topic, not a single node's data
+            if self._joined:  # the view is loaded: the cluster deleted it while this node was away
+                log.info("topic %s was deleted from the cluster while this node was away: dropping it", topic)
+                self.drop_topic(topic)
             return False
         epoch = log_.last_epoch + 1
         self._creating.add(topic)
@@ -235,9 +252,51 @@ class ClusterNode:
 
     def _on_topic(self, event: TopicChanged) -> None:
         if event.config is None:
-            self.configs.pop(event.topic, None)
+            if self.configs.pop(event.topic, None) is not None or event.topic in self.host.store.logs:
+                self.drop_topic(event.topic)
         else:
             self.configs[event.topic] = event.config
+            if self._stale(event.topic, event.config.topic_id):
+                log.warning("topic %s: the copy here is of an earlier topic of that name: dropping it", event.topic)
+                self.drop_topic(event.topic)  # the partition record makes it again, empty, if this node holds it
+            self._apply_settings(event.topic, event.config)
+
+    def _stale(self, topic: str, topic_id: str) -> bool:
+        """This node's copy of ``topic`` belongs to another topic of that name (deleted while it was away)."""
+        log_ = self.host.store.logs.get(topic)
+        held = log_.config.extra.get(TOPIC_ID) if log_ is not None else None
+        return bool(held) and bool(topic_id) and held != topic_id
+
+    def drop_topic(self, topic: str) -> None:
+        """The cluster deleted ``topic``: drop it here as a single node's delete does.
+
+        Its partitions stop (a leader fails its waiting confirms with NOT_LEADER), its groups
+        and its group log ``__groups.<topic>`` go, then its files. ``<topic>.dlq`` stays.
+        """
+        self._creating.discard(topic)
+        for tp in [tp for tp in list(self.partitions.leading) + list(self.partitions.following) if tp[0] == topic]:
+            self.partitions.stop(*tp)
+        store = self.host.store
+        if topic in store.logs:
+            admin_ops.delete_topic(self.host, topic)
+        if group_log_name(topic) in store.logs:
+            store.delete_topic(group_log_name(topic))
+            self.host.topic_deleted(group_log_name(topic))
+        log.info("topic %s deleted from this node", topic)
+
+    def _apply_settings(self, topic: str, config: TopicConfigRecord) -> None:
+        """The cluster's settings of ``topic`` on this node's log (an alter, here or while it was down),
+        and its topic id (a copy from before topic ids, or registered from a single node's data)."""
+        log_ = self.host.store.logs.get(topic)
+        extra = {TOPIC_ID: config.topic_id} if config.topic_id else None
+        if log_ is None or log_.config.with_settings(config.settings, extra=extra) == log_.config:
+            return
+        try:
+            self.host.store.alter_topic(topic, config.settings, extra=extra)
+        except ConveyorError as exc:  # a setting this node refuses (another version): the rest stays as it was
+            log.warning("topic %s: the cluster's settings not applied here: %s", topic, exc)
+            return
+        log.info("topic %s: settings now %s", topic, dict(config.settings))
 
     def _on_partition(self, event: PartitionChanged) -> None:
         """Before the roles act on a record: this node's replica log exists, with the topic's settings."""
@@ -254,11 +313,31 @@ class ClusterNode:
         if answer is not None:
             answer(event.error if event.error is not None else _described(event.topic, event.config))
 
+    def _on_deleted(self, event: TopicDeleted) -> None:
+        answer = self._answers.pop(event.request_id, None)
+        if answer is not None:
+            answer(event.error if event.error is not None else {"deleted": event.topic})
+
+    def _on_altered(self, event: TopicAltered) -> None:
+        answer = self._answers.pop(event.request_id, None)
+        if event.config is not None:  # applied now, so the answer shows it (the watch brings it again)
+            self.configs[event.topic] = event.config
+            self._apply_settings(event.topic, event.config)
+        if answer is None:
+            return
+        if event.error is not None:
+            answer(event.error)
+        elif event.topic in self.host.store.logs:
+            answer(admin_ops.describe_topic(self.host, event.topic))
+        else:
+            answer(_described(event.topic, event.config))
+
     def _ensure_log(self, topic: str) -> None:
         store = self.host.store
         if topic not in store.logs:
             config = self.configs.get(topic)
-            store.create_topic(topic, dict(config.settings) if config else None)
+            extra = {TOPIC_ID: config.topic_id} if config is not None and config.topic_id else None
+            store.create_topic(topic, dict(config.settings) if config else None, extra=extra)
 
     # --- controlled shutdown -------------------------------------------------------------------
 
@@ -309,10 +388,27 @@ class ClusterNode:
         """A client named a topic the cluster does not know: ask the controller for it (once at a time).
 
         A topic this node's directory holds already (a client faster than the registration at
-        start) is registered with its data, never placed anew on nodes that lack it.
+        start) is registered with its data, never placed anew on nodes that lack it. With
+        ``--no-auto-create-topics`` a topic the cluster does not have is UNKNOWN_TOPIC.
         """
         if self.settings.auto_create_topics:
             self.want_topic(topic)
+        elif not self._known(topic):
+            raise UnknownTopic(f"no topic {topic} (auto-create is off)", topic=topic)  # as a single node says
+
+    def _known(self, topic: str) -> bool:
+        """The cluster has ``topic``, or is making it, or this node holds it; or it is the dead-letter
+        topic of a topic the cluster has (made through the controller when a first message dies,
+        whatever ``--auto-create-topics`` says: its subscribers wait for it with NOT_LEADER)."""
+        source = topic.removesuffix(DEAD_LETTER_SUFFIX)
+        return (
+            topic in self.configs
+            or (source != topic and source in self.configs)
+            or topic in self.agent.snapshot().topics
+            or topic in self._creating
+            or topic in self.host.store.logs
+            or is_group_log(topic)
+        )
 
     def want_topic(self, topic: str) -> None:
         """Ask the controller for ``topic`` unless known or asked already (``auto_create`` without the
@@ -327,14 +423,12 @@ class ClusterNode:
 
     def replication(self, rf: int | None, min_insync: int | None) -> tuple[int | None, int | None]:
         """A new topic's replicas and in-sync minimum: what was asked, else this node's defaults
-        (``--default-replication-factor`` capped at the registered nodes, ``--min-insync-replicas``
-        capped at the replicas). An RF asked above the live nodes is the controller's to refuse."""
+        (``--default-replication-factor``, ``--min-insync-replicas``; ``decisions.default_replication``)."""
         live = len(self.agent.snapshot().nodes)
-        if rf is None:
-            rf = max(1, min(self.settings.default_replication_factor, live)) if live else None
-        if min_insync is None and rf is not None:
-            min_insync = min(self.settings.min_insync_replicas, rf)
-        return rf, min_insync
+        settings = self.settings
+        return d.default_replication(
+            rf, min_insync, live, settings.default_replication_factor, settings.min_insync_replicas
+        )
 
     # --- ADMIN in a cluster ------------------------------------------------------------------------
 
@@ -344,14 +438,17 @@ class ClusterNode:
 
     def admin(self, op: str, header: Mapping[str, Any], answer: Callable[[Any], None]) -> None:
         """Run a cluster ADMIN op; ``answer`` gets the result or a ``ConveyorError``, now or once etcd answered."""
-        if op == "reassign_topic":
-            self.reassign(header, answer)
-            return
-        if op != "create_topic":
-            answer(InvalidRequest(f"{op} is not supported on a cluster yet: {CLUSTER_ADMIN[op]}", field="op"))
-            return
-        name = header.get("topic")
-        topic = check_name(name if isinstance(name, str) else "")
+        ops = {
+            "create_topic": self.create,
+            "reassign_topic": self.reassign,
+            "delete_topic": self.delete,
+            "alter_topic": self.alter,
+        }
+        ops[op](header, answer)
+
+    def create(self, header: Mapping[str, Any], answer: Callable[[Any], None]) -> None:
+        """``topics create``: checked here (settings, RF, TOPIC_EXISTS), then made by the controller."""
+        topic = _topic_of(header)
         config = dict(header.get("config") or {})
         rf = _count(config.pop("replication_factor", None), "replication_factor")
         min_insync = _count(config.pop("min_insync_replicas", None), "min_insync_replicas")
@@ -364,6 +461,34 @@ class ClusterNode:
         self._creating.add(topic)
         self._answers[request] = answer
 
+    def delete(self, header: Mapping[str, Any], answer: Callable[[Any], None]) -> None:
+        """``topics delete``: the controller removes the topic's records; answered once they are gone
+        (this node has dropped its copy by then; the others drop theirs as their watch sees it)."""
+        topic = _topic_of(header)
+        if topic not in self.configs:
+            raise UnknownTopic(f"no topic {topic}", topic=topic)
+        request = self.agent.delete_topic(topic)
+        self._answers[request] = answer
+
+    def alter(self, header: Mapping[str, Any], answer: Callable[[Any], None]) -> None:
+        """``topics alter``: checked here as a single node checks it, then written into the topic's config record."""
+        topic = _topic_of(header)
+        record = self.configs.get(topic)
+        if record is None:
+            raise UnknownTopic(f"no topic {topic}", topic=topic)
+        changes = header.get("config")
+        if not changes:
+            raise ConfigError(
+                f"alter_topic {topic}: no settings given (config is a map of setting to value)", topic=topic
+            )
+        if not isinstance(changes, Mapping):
+            raise ConfigError(f"alter_topic {topic}: config must be a map of setting to value", topic=topic)
+        log_ = self.host.store.logs.get(topic)
+        current = log_.config if log_ is not None else self.host.store.defaults.with_settings(record.settings)
+        altered(topic, current, changes)  # the same checks and errors as a single node's alter
+        request = self.agent.alter_topic(topic, dict(changes))
+        self._answers[request] = answer
+
     def reassign(self, header: Mapping[str, Any], answer: Callable[[Any], None]) -> None:
         """``topics reassign``: store the move for the controller; answered once etcd holds it.
 
@@ -372,8 +497,7 @@ class ClusterNode:
         The topic's dead-letter topic (``<t>.dlq``), when the cluster has one, moves with it to
         the same replicas: dead letters are written only where both are led by the same node.
         """
-        name = header.get("topic")
-        topic = check_name(name if isinstance(name, str) else "")
+        topic = _topic_of(header)
         if topic not in self.configs:
             raise UnknownTopic(f"topic {topic} is not known to the cluster", topic=topic)
         replicas = tuple(header.get("replicas") or ())
@@ -418,6 +542,11 @@ class ClusterNode:
 def _log_refusal(topic: str, error: Any) -> None:
     if error is not None:
         log.warning("reassignment of %s not stored: %s", topic, error)
+
+
+def _topic_of(header: Mapping[str, Any]) -> str:
+    name = header.get("topic")
+    return check_name(name if isinstance(name, str) else "")
 
 
 def _count(value: Any, name: str) -> int | None:

@@ -23,8 +23,24 @@ def state(assignment: str, leader: str | None, epoch: int, isr: str) -> Partitio
 @pytest.mark.parametrize(("live", "rf", "min_insync"), [(1, 1, 1), (2, 2, 2), (3, 3, 2), (7, 3, 2)])
 def test_the_cluster_default_is_three_copies_two_in_sync_or_fewer(live: int, rf: int, min_insync: int) -> None:
     assert d.replication_for(None, None, live) == (rf, min_insync)
-    assert d.default_replication_factor(live) == rf
+    assert d.default_replication(None, None, live) == (rf, min_insync)
     assert d.default_min_insync(rf) == min_insync
+
+
+def test_a_node_fills_in_its_own_defaults_and_leaves_the_checks_to_the_controller() -> None:
+    # --default-replication-factor 2 --min-insync-replicas 1 on a node that sees five live nodes
+    assert d.default_replication(None, None, 5, 2, 1) == (2, 1)
+    assert d.default_replication(None, None, 1, 3, 2) == (1, 1)  # capped at the live nodes, then at the RF
+    assert d.default_replication(3, None, 5, 2, 1) == (3, 1)  # what was asked stays
+    assert d.default_replication(4, None, 3) == (4, 2)  # above the live nodes: the controller's to refuse
+    assert d.default_replication(None, None, 0) == (None, None)  # no view yet: the controller's default
+
+
+def test_an_alter_replaces_the_settings_given_and_keeps_the_rest() -> None:
+    config = TopicConfigRecord(3, 2, {"retention_ms": "7d", "max_message_bytes": 1000})
+    altered = d.altered_config(config, {"retention_ms": 60_000, "read_only": True})
+    assert altered == TopicConfigRecord(3, 2, {"retention_ms": 60_000, "max_message_bytes": 1000, "read_only": True})
+    assert config.settings == {"retention_ms": "7d", "max_message_bytes": 1000}  # the record is not changed
 
 
 def test_a_replication_factor_above_the_live_nodes_is_refused() -> None:

@@ -8,8 +8,10 @@ import pytest
 from conveyor.broker.cluster import keys as k
 from conveyor.broker.cluster.keys import (
     CreateRequest,
+    DeleteRequest,
     Keys,
     NodeRecord,
+    ParsedKey,
     PartitionState,
     ReassignRequest,
     RecordError,
@@ -45,6 +47,7 @@ def test_every_key_parses_back(topic: str, partition: int, node: str) -> None:
     assert KEYS.parse(KEYS.reassign_request(tp)).tp == tp
     assert KEYS.parse(KEYS.topic_config(topic)).topic == topic
     assert KEYS.parse(KEYS.create_request(topic)).topic == topic
+    assert KEYS.parse(KEYS.delete_request(topic)) == ParsedKey("delete", topic=topic)
     assert KEYS.parse(KEYS.node(node)).node_id == node
     assert KEYS.parse(KEYS.shutdown_request(node)).kind == "shutdown"
     assert KEYS.parse(KEYS.controller).kind == "controller"
@@ -100,6 +103,10 @@ def test_other_records_round_trip() -> None:
     assert k.decode_node("key", "n1", k.encode_node(curve)) == curve
     config = TopicConfigRecord(3, 2, {"retention_ms": 1000})
     assert k.decode_topic_config("key", k.encode_topic_config(config)) == config
+    assert "topic_id" not in json.loads(k.encode_topic_config(config))  # a record from before topic ids
+    with_id = TopicConfigRecord(3, 2, {}, topic_id="5f0c")
+    assert k.decode_topic_config("key", k.encode_topic_config(with_id)) == with_id
+    assert k.decode_delete("key", k.encode_delete(DeleteRequest("n2"))) == DeleteRequest("n2")
     existing = CreateRequest("n1", 1, 1, {}, assignment=("n1",), leader_epoch=3)
     for create in (CreateRequest("n1"), CreateRequest("n1", 3, 2, {"a": 1}, (602, "too few")), existing):
         assert k.decode_create("key", k.encode_create(create)) == create

@@ -7,12 +7,15 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+import pytest
 from conveyor.broker.cluster.events import ClusterEvent, Registered, TopicChanged
 from conveyor.broker.cluster.keys import TopicConfigRecord
 from conveyor.broker.config.broker_settings import BrokerSettings
 from conveyor.broker.log.data_dir import Store
 from conveyor.broker.server.cluster_node import ClusterNode
 from conveyor.broker.wire.record import pack_records
+
+from conveyor.errors import UnknownTopic
 
 
 @dataclass
@@ -25,17 +28,17 @@ class Agent:
         return found
 
     def snapshot(self) -> Any:
-        return SimpleNamespace(nodes={"n1": None})  # one registered node: n1
+        return SimpleNamespace(nodes={"n1": None}, topics={})  # one registered node: n1
 
     def create_topic(self, topic: str, *args: Any, existing: Any = None) -> int:
         self.creates.append((topic, *args, existing))
         return len(self.creates)
 
 
-def node_on(store: Store, agent: Agent) -> ClusterNode:
+def node_on(store: Store, agent: Agent, **options: Any) -> ClusterNode:
     host = SimpleNamespace(store=store, security=None, stop_wake=lambda: None)
     partitions = SimpleNamespace(replicas=SimpleNamespace())
-    settings = BrokerSettings(node_id="n1", cluster="etcd://127.0.0.1:2379")
+    settings = BrokerSettings(node_id="n1", cluster="etcd://127.0.0.1:2379", **options)
     return ClusterNode(host, partitions, settings, agent=agent)  # type: ignore[arg-type]
 
 
@@ -63,5 +66,20 @@ def test_local_topics_unknown_to_the_cluster_are_registered_with_their_data_once
             ("early", 1, 1, store.topic("early").config.settings(), (("n1",), 1)),
             ("fresh", 1, 1, None),  # the node's defaults, capped at the one registered node
         ]
+    finally:
+        store.close()
+
+
+def test_with_auto_create_off_a_topic_the_cluster_lacks_is_unknown_as_on_one_node(tmp_path: Path) -> None:
+    store = Store(tmp_path / "data")
+    try:
+        agent = Agent([TopicChanged("orders", TopicConfigRecord(3, 2))])
+        node = node_on(store, agent, auto_create_topics=False)
+        node.pump()
+        with pytest.raises(UnknownTopic, match="auto-create is off"):
+            node.auto_create("deleted")  # a publish to it: UNKNOWN_TOPIC, not NOT_LEADER for ever
+        node.auto_create("orders")  # known: NOT_LEADER names its leader
+        node.auto_create("orders.dlq")  # made by the controller when a first message dies: wait for it
+        assert agent.creates == []
     finally:
         store.close()

@@ -5,14 +5,17 @@ SIGKILL, and measures the time from the kill to the first confirm of a
 message *sent after the kill* (only a new leader can confirm it), then
 restarts the killed node. It prints each round and the p50 and max, and
 writes them as JSON with ``--json``. ``make soak`` runs it with 20 kills and
-checks the issue's bounds (p50 <= 3 s, max <= 6 s).
+checks the issue's bounds (p50 <= 3 s, max <= 6 s). The load comes from a
+``Producer`` thread, or with ``--async`` from an ``AsyncProducer`` on an
+event loop of its own.
 
-    python -m conveyor.benchmarks.failover_bench --kills 20 [--lease-ms 2000] [--rate 2000]
+    python -m conveyor.benchmarks.failover_bench --kills 20 [--lease-ms 2000] [--rate 2000] [--async]
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import statistics
 import sys
@@ -105,8 +108,55 @@ class Load:
         self.producer.close(timeout=30)
 
 
+class AsyncLoad(Load):
+    """The same load from an ``AsyncProducer``, on an event loop in its own thread."""
+
+    def __init__(self, bootstrap: str, rate: int, request_timeout_ms: int = 5000) -> None:
+        self.bootstrap = bootstrap
+        self.request_timeout_ms = request_timeout_ms
+        self.rate = rate
+        self.confirms = []
+        self.failed = 0
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=lambda: asyncio.run(self._main()), daemon=True)
+
+    async def _main(self) -> None:
+        from conveyor.broker.client.async_producer import AsyncProducer
+
+        producer = await AsyncProducer(
+            self.bootstrap, linger_ms=1, delivery_timeout_ms=120_000, request_timeout_ms=self.request_timeout_ms
+        ).start()
+        try:
+            interval, n = 1.0 / self.rate, 0
+            start = time.monotonic()
+            while not self.stop.is_set():
+                sent = time.monotonic()
+                future = await producer.send(TOPIC, f"m{n}".encode())
+                future.add_done_callback(lambda f, s=sent: self._done(f, s))
+                n += 1
+                await asyncio.sleep(max(0.0, start + n * interval - time.monotonic()))
+        finally:
+            await producer.close(timeout=30)
+
+    def _done(self, future: Any, sent: float) -> None:
+        if future.cancelled() or future.exception() is not None:
+            self.failed += 1
+        else:
+            self.confirms.append((sent, time.monotonic()))
+
+    def close(self) -> None:
+        self.stop.set()
+        self.thread.join(40)
+
+
 def run(
-    kills: int, lease_ms: int, rate: int, directory: Path, progress: bool = True, request_timeout_ms: int = 5000
+    kills: int,
+    lease_ms: int,
+    rate: int,
+    directory: Path,
+    progress: bool = True,
+    request_timeout_ms: int = 5000,
+    use_async: bool = False,
 ) -> dict[str, Any]:
     from conveyor.broker.client.admin import Admin
 
@@ -117,7 +167,7 @@ def run(
     try:
         with Admin(cluster.bootstrap) as admin:
             admin.create_topic(TOPIC, replication_factor=3, min_insync_replicas=2)
-        load = Load(cluster.bootstrap, rate, request_timeout_ms)
+        load = (AsyncLoad if use_async else Load)(cluster.bootstrap, rate, request_timeout_ms)
         load.thread.start()
         try:
             for k in range(1, kills + 1):
@@ -152,6 +202,7 @@ def run(
         cluster.kill()
     times = [r["seconds"] for r in rounds]
     return {
+        "producer": "AsyncProducer" if use_async else "Producer",
         "kills": len(rounds),
         "lease_ms": lease_ms,
         "rate": rate,
@@ -170,12 +221,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--lease-ms", type=int, default=2000)
     parser.add_argument("--rate", type=int, default=2000, help="messages per second published during the run")
     parser.add_argument("--request-timeout-ms", type=int, default=5000, help="the producer's request_timeout_ms")
+    parser.add_argument(
+        "--async", dest="use_async", action="store_true", help="the load comes from an AsyncProducer, not a Producer"
+    )
     parser.add_argument("--json", type=Path, help="write the result here")
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="conveyor-failover-") as tmp:
-        result = run(args.kills, args.lease_ms, args.rate, Path(tmp), request_timeout_ms=args.request_timeout_ms)
+        result = run(
+            args.kills,
+            args.lease_ms,
+            args.rate,
+            Path(tmp),
+            request_timeout_ms=args.request_timeout_ms,
+            use_async=args.use_async,
+        )
     print(
-        f"failover over {result['kills']} kills (lease {args.lease_ms} ms): p50 {result['p50_s']:.2f} s, "
+        f"{result['producer']} failover over {result['kills']} kills (lease {args.lease_ms} ms): "
+        f"p50 {result['p50_s']:.2f} s, "
         f"max {result['max_s']:.2f} s, min {result['min_s']:.2f} s; sends failed: {result['failed_sends']}"
     )
     if args.json:

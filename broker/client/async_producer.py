@@ -2,7 +2,10 @@
 
 Same wire behaviour as ``Producer`` (linger, batches, idempotent resends);
 ``send()`` returns an ``asyncio.Future`` of the offset without waiting for
-the confirm, ``send_and_wait()`` waits for it.
+the confirm, ``send_and_wait()`` waits for it. It follows a cluster's
+leaders as ``Producer`` does, with the same decisions
+(``conveyor.broker.client.leadership``): a leader that hangs up or does not
+answer in time is suspect until METADATA names the next one.
 """
 
 from __future__ import annotations
@@ -21,6 +24,14 @@ from typing import Any, cast
 import tenacity
 import zmq
 import zmq.asyncio
+from conveyor.broker.client.leadership import (
+    LEADER_POLL,
+    LEADERSHIP_ERRORS,
+    Suspects,
+    held_back,
+    resends_due,
+    window,
+)
 from conveyor.broker.client.metadata import Metadata
 from conveyor.broker.client.options import RESEND_WINDOW, check_producer_options
 from conveyor.broker.net.connection import DEFAULT_HWM, backoff_seconds, new_dealer
@@ -32,11 +43,8 @@ from conveyor.broker.wire.values import make_record
 
 from conveyor.errors import (
     ConveyorError,
-    FencedLeaderEpoch,
-    NotEnoughReplicas,
     NotLeader,
     RequestTimeout,
-    UnknownLeaderEpoch,
     UnknownTopic,
     buffer_full,
     delivery_timed_out,
@@ -66,14 +74,6 @@ class _Link:
     sock: zmq.asyncio.Socket
     watch: HandshakeWatch
     tasks: list[asyncio.Task[None]] = field(default_factory=list)
-
-
-def _in_order(item: tuple[int, _Batch]) -> tuple[str, int]:
-    return item[1].topic, item[1].seq
-
-
-# Answers that mean "ask who leads now": the topic's unconfirmed batches follow the leader, in order.
-_LEADERSHIP_ERRORS = (NotLeader, NotEnoughReplicas, FencedLeaderEpoch, UnknownLeaderEpoch)
 
 
 class AsyncProducer:
@@ -130,6 +130,8 @@ class AsyncProducer:
         self._ctx = zmq.asyncio.Context.instance()
         self._started = False
         self._links: dict[str, _Link] = {}  # one socket per broker that leads a topic
+        self._silent = 0  # handshakes that ended without a reason, counted across sockets (as ``Producer``)
+        self._suspects = Suspects()  # leaders that hung up or did not answer in time (as ``Producer``)
         self._resending: set[str] = set()  # topics whose batches wait to follow their leader
         # Topics whose route is not proven (their first batch, or after a leadership error): one batch at a
         # time until a leader confirms one, so no batch overtakes one a broker refused (as ``Producer``).
@@ -157,11 +159,13 @@ class AsyncProducer:
         link = self._links.get(address)
         if link is None:
             sock, watch = new_dealer(self._ctx, address, sndhwm=DEFAULT_HWM, rcvhwm=DEFAULT_HWM)
+            watch.silent = self._silent
             link = self._links[address] = _Link(address, cast(zmq.asyncio.Socket, sock), watch)
             link.tasks = [asyncio.create_task(self._reader(link)), asyncio.create_task(self._handshakes(link))]
         return link
 
     async def _close_link(self, link: _Link) -> None:
+        self._silent = link.watch.silent
         if self._links.get(link.address) is link:
             del self._links[link.address]
         for task in link.tasks:
@@ -175,21 +179,28 @@ class AsyncProducer:
         """When a broker refuses this producer's handshake, what is in flight there fails with AUTH_FAILED at once."""
         while True:
             frames = await cast(zmq.asyncio.Socket, link.watch.socket).recv_multipart()
-            disconnects = link.watch.disconnects
+            silent, disconnects = link.watch.silent, link.watch.disconnects
             link.watch.on_event(frames)
             if link.watch.failure is not None:
                 self._refused(link.watch.failure, link.address)
-            elif link.watch.disconnects > disconnects and self.metadata.following:
-                # A leader this producer follows hung up (kill -9): resend now, not after request_timeout.
+            elif (link.watch.disconnects > disconnects or link.watch.silent > silent) and self.metadata.following:
+                # A leader this producer follows hung up (kill -9), or was killed mid-handshake (which ends it
+                # without a reason): resend now, not after request_timeout.
                 self._tasks.append(asyncio.create_task(self._leader_gone(link)))
                 return
 
     async def _leader_gone(self, link: _Link) -> None:
+        """A leader this producer follows hung up: it is suspect, so its batches wait for METADATA to name the
+        next leader (asked every ``LEADER_POLL``) rather than go back to it while its lease still runs."""
+        self._suspects.hung_up(link.address, self.metadata.view, time.monotonic())
         await self._close_link(link)
-        self.metadata.lost(link.address)
-        for rid, batch in sorted(self._in_flight.items(), key=_in_order):
-            if batch.address == link.address:
-                self._transmit(rid, batch)
+        self._resend_from(link.address)
+
+    def _resend_from(self, address: str) -> None:
+        """Every batch last sent to ``address`` goes again, in sequence order, to its leader of the moment."""
+        self.metadata.lost(address)
+        for rid, batch in resends_due({rid: b for rid, b in self._in_flight.items() if b.address == address}):
+            self._transmit(rid, batch)
 
     def _refused(self, error: ConveyorError, address: str) -> None:
         for rid, batch in list(self._in_flight.items()):
@@ -278,11 +289,10 @@ class AsyncProducer:
 
     def _held_back(self, topic: str) -> bool:
         """No new batch of ``topic`` now: its window is full, or its batches wait for a resend (order first)."""
-        if topic in self._resending:
-            return True
         if not self.metadata.following:
-            return False
-        return self._flights.get(topic, 0) >= (1 if topic in self._probing else RESEND_WINDOW)
+            return topic in self._resending
+        in_flight = self._flights.get(topic, 0)
+        return held_back(in_flight, window(topic in self._probing, RESEND_WINDOW), topic in self._resending)
 
     def _launch(self, batch: _Batch) -> None:
         rid = next(self._rids)
@@ -315,6 +325,9 @@ class AsyncProducer:
             batch.last_error = exc
             self._resend_later(batch.topic, backoff_seconds(self.retry_wait, batch.attempts + 1))
             return
+        if self._suspects.hold(address, batch.topic, self.metadata.view, time.monotonic(), self.request_timeout):
+            self._resend_later(batch.topic, LEADER_POLL)  # ask again then who leads
+            return
         frames = commands.publish(batch.topic, batch.body, pid=self.producer_id, seq=batch.seq, rid=rid)
         batch.address = address
         batch.sent_at = time.monotonic()
@@ -325,6 +338,7 @@ class AsyncProducer:
         while True:
             frames = await link.sock.recv_multipart()
             self._last_heard = time.monotonic()
+            self._suspects.heard_from(link.address)
             try:
                 reply = decode(frames)
             except ConveyorError:
@@ -350,7 +364,7 @@ class AsyncProducer:
         if exc.retriable:
             batch.last_error = exc
             if time.monotonic() - batch.first_sent < self.delivery_timeout:
-                if isinstance(exc, _LEADERSHIP_ERRORS):
+                if isinstance(exc, LEADERSHIP_ERRORS):
                     self._follow_leader(batch, exc)
                     return
                 self._resend_later(batch.topic, self.request_timeout / 10)
@@ -386,11 +400,12 @@ class AsyncProducer:
 
     def _resend_topic(self, topic: str) -> None:
         self._resending.discard(topic)
-        for rid, batch in sorted(self._in_flight.items(), key=_in_order):
-            if batch.topic == topic:
-                self._transmit(rid, batch)
-                if topic in self._resending:  # not routed yet: the rest goes with it later
-                    return
+        if self._suspects.poll_due(time.monotonic()):
+            self.metadata.stale()  # a leader is suspect: ask who leads now (once per poll, not once per topic)
+        for rid, batch in resends_due(self._in_flight, {topic}):
+            self._transmit(rid, batch)
+            if topic in self._resending:  # not routed yet: the rest goes with it later
+                return
         self._release(topic)
 
     async def _watchdog(self) -> None:
@@ -408,13 +423,13 @@ class AsyncProducer:
                             future.set_exception(error)
             stuck = {b.address for b in self._in_flight.values() if now - b.sent_at > self.request_timeout}
             for address in stuck:
+                if self.metadata.following:
+                    # No answer in time (a leader killed with no hang-up seen): suspect, as one that hung up.
+                    self._suspects.hung_up(address, self.metadata.view, now)
                 link = self._links.get(address)
                 if link is not None:
                     await self._close_link(link)
-                self.metadata.lost(address)
-                for rid, batch in sorted(self._in_flight.items(), key=_in_order):
-                    if batch.address == address:
-                        self._transmit(rid, batch)
+                self._resend_from(address)
 
     async def flush(self, timeout: float | None = None) -> None:
         """Ship every buffer and wait for all confirms; past ``timeout``, a ``RequestTimeout`` naming the broker."""

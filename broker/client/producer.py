@@ -45,6 +45,15 @@ import msgpack
 import tenacity
 import zmq
 from conveyor.broker.client.futures import BatchState, batch_futures, new_future
+from conveyor.broker.client.leadership import (
+    LEADER_POLL,
+    LEADERSHIP_ERRORS,
+    Suspects,
+    held_back,
+    in_order,
+    resends_due,
+    window,
+)
 from conveyor.broker.client.metadata import Metadata
 from conveyor.broker.client.options import RESEND_WINDOW, check_producer_options
 from conveyor.broker.net.connection import backoff_seconds, new_dealer
@@ -56,11 +65,8 @@ from conveyor.broker.wire.values import make_record
 
 from conveyor.errors import (
     ConveyorError,
-    FencedLeaderEpoch,
-    NotEnoughReplicas,
     NotLeader,
     RequestTimeout,
-    UnknownLeaderEpoch,
     UnknownTopic,
     buffer_full,
     delivery_timed_out,
@@ -79,10 +85,7 @@ log = logging.getLogger("conveyor.client")
 # out, so a queued message costs two byte copies and no Python objects.
 
 _packb = msgpack.Packer(use_bin_type=True).pack
-# Answers that mean "ask who leads now": the topic's unconfirmed batches follow the leader, in order.
-_LEADERSHIP_ERRORS = (NotLeader, NotEnoughReplicas, FencedLeaderEpoch, UnknownLeaderEpoch)
 _POLL_SLACK = 0.0002  # a poll that wakes this early for a linger deadline counts as on time
-LEADER_POLL = 0.2  # seconds between METADATA asks while a leader that hung up is still the one named
 
 
 def _bin_header(n: int) -> bytes:
@@ -479,9 +482,7 @@ class _ProducerIO:
         self.links: dict[str, _Link] = {}
         self.by_socket: dict[Any, _Link] = {}  # a link's data socket and its watch's socket -> the link
         self.silent = 0  # handshakes that ended without a reason, counted across sockets
-        self.suspect: dict[str, float] = {}  # leaders that hung up, and when
-        self.suspect_epochs: dict[tuple[str, str], int] = {}  # (address, topic) -> epoch it led at when it hung up
-        self.asked_at = 0.0  # when the leaders were last asked for because of a suspect one
+        self.suspects = Suspects()  # leaders that hung up, could not be sent to or did not answer in time
         if producer.metadata.single:
             self._link(producer.metadata.bootstrap[0])  # connect now, as before clusters
 
@@ -565,9 +566,7 @@ class _ProducerIO:
         """A broker this producer follows hung up (a kill -9 resets the connection): its batches do not wait
         for ``request_timeout``. Until another leader is named (asked every ``LEADER_POLL``), or for at most
         ``request_timeout``, they are not sent to it again."""
-        self.suspect[address] = time.monotonic()
-        for topic, epoch in self._epochs_led_by(address).items():
-            self.suspect_epochs[(address, topic)] = epoch
+        self.suspects.hung_up(address, self.p.metadata.view, time.monotonic())
         self._reconnect(address)
 
     def _fail_everything(self, error: RequestTimeout) -> None:
@@ -606,13 +605,11 @@ class _ProducerIO:
     def _blocked(self, topic: str) -> bool:
         """No new batch of ``topic`` now: its in-flight window is full, or one of its batches awaits a resend
         (a newer batch must not reach a leader before an older one it refused or never got)."""
-        if self.per_topic.get(topic, 0) >= self._window(topic):
-            return True
-        return any(self.in_flight[rid].topic == topic for rid in self.retry_at)
-
-    def _window(self, topic: str) -> int:
-        """Batches of ``topic`` that may await a confirm: one while its route is not proven."""
-        return 1 if topic in self.probing else self.p.max_in_flight
+        return held_back(
+            self.per_topic.get(topic, 0),
+            window(topic in self.probing, self.p.max_in_flight),
+            resend_pending=any(self.in_flight[rid].topic == topic for rid in self.retry_at),
+        )
 
     def _linger(self, topic: str) -> float:
         """How long a topic's open batch waits: nothing when eager and none of its batches is in flight."""
@@ -679,30 +676,12 @@ class _ProducerIO:
             self.retry_at[flight.rid] = time.monotonic() + backoff_seconds(self.p.retry_wait, flight.attempts)
             flight.sent_at = float("inf")
             return None
-        since = self.suspect.get(address)
-        if since is None:
-            return address
-        hung_up_at = self.suspect_epochs.get((address, flight.topic))
-        if hung_up_at is None or self._epochs_led_by(address).get(flight.topic, -1) > hung_up_at:
-            return address  # it leads this topic at a newer epoch than when it hung up: it is back (a new election)
         now = time.monotonic()
-        if now - since >= self.p.request_timeout:
-            del self.suspect[address]  # still named leader after all that time: try it (it may be back)
+        if not self.suspects.hold(address, flight.topic, self.p.metadata.view, now, self.p.request_timeout):
             return address
         self.retry_at[flight.rid] = now + LEADER_POLL  # ask again then who leads
         flight.sent_at = float("inf")
         return None
-
-    def _epochs_led_by(self, address: str) -> dict[str, int]:
-        """The leader epoch of each topic ``address`` leads in the last METADATA answer."""
-        view = self.p.metadata.view
-        if view is None:
-            return {}
-        return {
-            topic: info.leader_epoch
-            for topic, partitions in view.topics.items()
-            if (info := partitions.get(0)) is not None and view.leader_address(topic) == address
-        }
 
     def _read_replies(self, link: _Link) -> None:
         while True:
@@ -710,8 +689,7 @@ class _ProducerIO:
             if frames is None:
                 return
             self.last_heard = time.monotonic()
-            if self.suspect.pop(link.address, None) is not None:
-                self.suspect_epochs = {k: v for k, v in self.suspect_epochs.items() if k[0] != link.address}
+            self.suspects.heard_from(link.address)
             try:
                 reply = decode(frames)
             except ConveyorError:
@@ -732,7 +710,7 @@ class _ProducerIO:
         if exc.retriable:
             flight.last_error = exc
             if time.monotonic() - flight.first_sent < self.p.delivery_timeout:
-                if isinstance(exc, _LEADERSHIP_ERRORS):
+                if isinstance(exc, LEADERSHIP_ERRORS):
                     self._follow_leader(flight, exc)
                     return
                 flight.attempts += 1
@@ -783,14 +761,11 @@ class _ProducerIO:
         # A topic with a resend due sends every batch of it awaiting one, in sequence order, and stops at
         # the first that cannot be routed yet: the leader sees a producer's batches in order.
         topics = {self.in_flight[rid].topic for rid, when in self.retry_at.items() if when <= now}
-        due = sorted(
-            (self.in_flight[rid] for rid in self.retry_at if self.in_flight[rid].topic in topics), key=_in_order
-        )
-        if due and self.suspect and now - self.asked_at >= LEADER_POLL:
-            self.asked_at = now
+        due = resends_due({rid: self.in_flight[rid] for rid in self.retry_at}, topics)
+        if due and self.suspects.poll_due(now):
             self.p.metadata.stale()  # once per poll, not once per batch
         stalled: dict[str, float] = {}
-        for flight in due:
+        for _rid, flight in due:
             if flight.topic in stalled:
                 self.retry_at[flight.rid] = stalled[flight.topic]
                 continue
@@ -818,11 +793,7 @@ class _ProducerIO:
         time.sleep(backoff_seconds(self.p.retry_wait, min(self.reconnects, 10)))
         if self.p.metadata.single:
             self._link(address)
-        for flight in sorted((f for f in self.in_flight.values() if f.address == address), key=_in_order):
+        for flight in sorted((f for f in self.in_flight.values() if f.address == address), key=in_order):
             flight.attempts += 1
             self.retry_at.pop(flight.rid, None)
             self._transmit(flight)
-
-
-def _in_order(flight: _InFlight) -> tuple[str, int]:
-    return flight.topic, flight.seq

@@ -22,6 +22,7 @@ from operator import attrgetter
 from typing import Any
 
 import zmq
+from conveyor.broker.client.leadership import LEADERSHIP_ERRORS
 from conveyor.broker.client.message import Message, messages_from_entries
 from conveyor.broker.client.metadata import Metadata
 from conveyor.broker.net.connection import DEFAULT_HWM, new_dealer
@@ -31,13 +32,12 @@ from conveyor.broker.wire import commands
 from conveyor.broker.wire.protocol import Command, Frame, decode, error_from_header
 from conveyor.broker.wire.ranges import to_ranges
 
-from conveyor.errors import ConveyorError, FencedLeaderEpoch, NotEnoughReplicas, NotLeader, UnknownLeaderEpoch
+from conveyor.errors import ConveyorError, NotLeader
 
 log = logging.getLogger("conveyor.consumer")
 
 
 _offset_of = attrgetter("offset")
-_LEADERSHIP_ERRORS = (NotLeader, NotEnoughReplicas, FencedLeaderEpoch, UnknownLeaderEpoch)
 MAX_RANGES_PER_FRAME = 2048  # at most 19 bytes each: an ACK stays well under the broker's 64 KiB header limit
 
 
@@ -285,7 +285,7 @@ class Subscription:
                 self.on_event(*event)
         elif frame.command is Command.ERROR:
             exc = error_from_header(frame.header)
-            if isinstance(exc, _LEADERSHIP_ERRORS):
+            if isinstance(exc, LEADERSHIP_ERRORS):
                 # The leader moved (or this one cannot serve now): subscribe again where it is now.
                 if isinstance(exc, NotLeader):
                     self.metadata.not_leader(self.topic, 0, exc)

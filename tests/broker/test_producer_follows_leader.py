@@ -13,6 +13,7 @@ import asyncio
 import threading
 from typing import Any
 
+import pytest
 import zmq
 from conveyor.broker.client.async_producer import AsyncProducer
 from conveyor.broker.client.producer import Producer
@@ -58,10 +59,11 @@ class StandIns:
         rid = frame.get("rid")
         if frame.command is Command.METADATA:
             self.metadata_asked += 1
+            leader, epoch = self._leader()
             partition = {
-                "leader": "a",
-                "leader_addr": self.addresses["a"],
-                "leader_epoch": 1,
+                "leader": leader,
+                "leader_addr": self.addresses[leader],
+                "leader_epoch": epoch,
                 "replicas": ["a", "b"],
                 "isr": ["a", "b"],
                 "offline": False,
@@ -79,6 +81,10 @@ class StandIns:
             refusal = NotLeader("not leader", topic="orders", partition=0, leader="b", leader_addr=b, leader_epoch=2)
             return commands.error(refusal, rid)
         return commands.published(rid, "orders", base_offset=100 + seq, count=1, duplicate=False)
+
+    def _leader(self) -> tuple[str, int]:
+        """The leader METADATA names, and its epoch."""
+        return "a", 1
 
     def close(self) -> None:
         self.stop.set()
@@ -136,5 +142,59 @@ def test_the_async_producer_follows_the_leader_the_same_way():
         assert (pid, 0) in stand_ins.published["a"]
         assert set(stand_ins.published["a"]) <= set(stand_ins.published["b"]) == {(pid, 0), (pid, 1), (pid, 2)}
         assert list(dict.fromkeys(stand_ins.published["b"])) == [(pid, 0), (pid, 1), (pid, 2)]
+    finally:
+        stand_ins.close()
+
+
+class HungLeader(StandIns):
+    """``a`` takes every PUBLISH and never answers (hung, or gone without a word). METADATA names ``a`` at
+    epoch 1 for two more asks once ``a`` got a batch (a cluster does so until a's lease ends), then ``b``
+    at epoch 2; ``b`` confirms."""
+
+    ASKS_NAMING_A = 2
+
+    def __init__(self) -> None:
+        self.asked_after_publish = 0
+        super().__init__()
+
+    def _leader(self) -> tuple[str, int]:
+        if not self.published["a"]:
+            return "a", 1
+        self.asked_after_publish += 1
+        return ("a", 1) if self.asked_after_publish <= self.ASKS_NAMING_A else ("b", 2)
+
+    def _answer(self, name: str, frame: Any) -> list[Any] | None:
+        if name == "a" and frame.command is Command.PUBLISH:
+            self.published["a"].append((frame.get("pid"), frame.get("seq")))
+            return None
+        return super()._answer(name, frame)
+
+
+def _publish_one(kind: str, bootstrap: list[str], request_timeout_ms: int) -> tuple[int, int]:
+    """One message through a ``kind`` producer: its offset, and the producer's id."""
+    if kind == "Producer":
+        with Producer(bootstrap, linger_ms=0, batch_size=1, request_timeout_ms=request_timeout_ms) as producer:
+            return producer.send("orders", b"m0").result(timeout=30), producer.producer_id
+
+    async def run() -> tuple[int, int]:
+        async with AsyncProducer(bootstrap, linger_ms=0, batch_size=1, request_timeout_ms=request_timeout_ms) as aio:
+            return await asyncio.wait_for(await aio.send("orders", b"m0"), 30), aio.producer_id
+
+    return asyncio.run(run())
+
+
+@pytest.mark.parametrize("kind", ["Producer", "AsyncProducer"])
+def test_a_leader_that_does_not_answer_in_time_is_suspect_until_metadata_names_the_next(kind: str) -> None:
+    stand_ins = HungLeader()
+    try:
+        # Given a leader that takes a batch and never answers
+        bootstrap = [stand_ins.addresses["m"], stand_ins.addresses["b"]]
+        offset, pid = _publish_one(kind, bootstrap, request_timeout_ms=2000)
+        # Then after its request timeout the batch waited for METADATA (asked every 200 ms) to name the next
+        # leader, rather than going back to the silent one while it was still named and waiting again
+        assert stand_ins.published["a"] == [(pid, 0)]
+        assert stand_ins.published["b"] == [(pid, 0)]
+        assert offset == 100
+        assert stand_ins.asked_after_publish > HungLeader.ASKS_NAMING_A
     finally:
         stand_ins.close()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import time
 from pathlib import Path
 
 from conveyor.broker.client.admin import Admin
@@ -73,22 +74,32 @@ def test_topics_create_goes_through_the_controller(cluster: ClusterProcess) -> N
 
 
 def test_the_async_producer_follows_the_leader_through_a_kill(cluster: ClusterProcess) -> None:
-    """Auto-created topic (its first batches refused until it has a leader), then kill -9 of that leader."""
+    """Auto-created topic (its first batches refused until it has a leader), then kill -9 of that leader.
+
+    The killed leader is suspect: the batches wait for METADATA to name the next one instead of going
+    back to the dead one and waiting out ``request_timeout_ms`` (30 s here) first.
+    """
+    failover: list[float] = []
 
     async def run() -> list[int]:
         offsets: list[int] = []
-        async with AsyncProducer(cluster.bootstrap, linger_ms=2) as producer:
+        killed = 0.0
+        async with AsyncProducer(cluster.bootstrap, linger_ms=2, request_timeout_ms=30_000) as producer:
             for i in range(3000):
                 offsets.append(await (await producer.send("async-orders", f"a{i}".encode())) if i % 500 == 0 else -1)
+                if i == 2000:
+                    failover.append(time.monotonic() - killed)  # the first confirm awaited after the kill
                 if i == 1500:
                     leader = Metadata(cluster.bootstrap).refresh(["async-orders"]).topics["async-orders"][0].leader
                     cluster.node(str(leader)).kill()
+                    killed = time.monotonic()
             futures = [await producer.send("async-orders", f"b{i}".encode()) for i in range(3000)]
             offsets.extend([await future for future in futures])
         return [offset for offset in offsets if offset >= 0]
 
     offsets = asyncio.run(asyncio.wait_for(run(), 180))
     assert len(offsets) == len(set(offsets)) == 3006  # six awaited one by one, 3,000 in a burst: each at its own offset
+    assert failover[0] < 15, f"{failover[0]:.1f} s from the kill to a confirm: the dead leader's request timeout"
 
 
 def test_a_nodes_replication_defaults_apply_to_the_topics_it_creates(tmp_path: Path) -> None:

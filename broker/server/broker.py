@@ -361,9 +361,11 @@ class Broker:
     def _replication_pass(self, events: dict[Any, int]) -> None:
         partitions = self.partitions
         assert partitions is not None
-        partitions.on_events(events)
+        retry = partitions.on_events(events)
         now = self.clock()
         due = self._next_partitions_tick
+        if retry is not None and (due is None or retry < due):
+            due = self._next_partitions_tick = retry  # an error answer: fetch again then, not at the planned tick
         if due is None or now >= due:
             self._next_partitions_tick = partitions.tick(now)
 

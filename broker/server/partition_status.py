@@ -71,35 +71,48 @@ def describe_led(leader: PartitionLeader, end_offset: int, now: float) -> dict[s
     }
 
 
+def describe_partition(partitions: Partitions, store: Store, topic: str, number: int = 0) -> dict[str, Any]:
+    """One partition as this node holds it: leading (with each follower's lag), following, or ``role: none``."""
+    log = store.logs.get(topic)
+    end = log.end_offset if log is not None else 0
+    leader = partitions.leading.get((topic, number))
+    if leader is not None:
+        return describe_led(leader, end, partitions.clock())
+    following = partitions.following.get((topic, number))
+    if following is None:
+        return {"topic": topic, "partition": number, "role": "none"}
+    followed = partitions.replicas.followed(topic, number)
+    return {
+        "topic": topic,
+        "partition": number,
+        "role": "follower",
+        "leader": following.leader,
+        "leader_addr": following.address,
+        "epoch": following.epoch,
+        "high_watermark": partitions.hw(topic, number),
+        "end_offset": end,
+        "durable_offset": log.durable_offset if log is not None else 0,
+        "truncations": followed.truncations if followed is not None else 0,
+    }
+
+
 def describe_partitions(
     partitions: Partitions | None, store: Store, node_id: str, topic: str | None = None
 ) -> dict[str, Any]:
     """This node's partitions (``topic`` None: all), as the ADMIN op ``describe_partitions`` answers."""
-    rows: list[dict[str, Any]] = []
     if partitions is None:
-        for name, single in sorted(list(store.logs.items())):
-            if topic in (None, name):
-                rows.append(_single(name, node_id, single.visible_offset, single.end_offset))
+        rows = [
+            _single(name, node_id, single.visible_offset, single.end_offset)
+            for name, single in sorted(list(store.logs.items()))
+            if topic in (None, name)
+        ]
         return {"node": node_id, "cluster": False, "partitions": rows}
-    now = partitions.clock()
-    for (name, _number), leader in sorted(list(partitions.leading.items())):
-        log = store.logs.get(name)
-        if topic in (None, name) and log is not None and not is_group_log(name):
-            rows.append(describe_led(leader, log.end_offset, now))
-    for (name, number), following in sorted(list(partitions.following.items())):
-        log = store.logs.get(name)
-        if topic in (None, name) and log is not None and not is_group_log(name):
-            rows.append(
-                {
-                    "topic": name,
-                    "partition": number,
-                    "role": "follower",
-                    "leader": following.leader,
-                    "epoch": following.epoch,
-                    "high_watermark": partitions.hw(name, number),
-                    "end_offset": log.end_offset,
-                }
-            )
+    held = sorted(list(partitions.leading)) + sorted(list(partitions.following))  # what it leads first
+    rows = [
+        describe_partition(partitions, store, name, number)
+        for name, number in held
+        if topic in (None, name) and name in store.logs and not is_group_log(name)
+    ]
     return {"node": node_id, "cluster": True, "partitions": rows}
 
 

@@ -340,29 +340,6 @@ class Partitions:
                 found[tp] = node
         return found
 
-    def describe(self, topic: str, partition: int = 0) -> dict[str, object]:
-        """This node's view of a partition's replication (role, epoch, ISR, HW, followers or leader)."""
-        tp = (topic, partition)
-        log_ = self.host.store.logs.get(topic)
-        end = log_.end_offset if log_ is not None else 0
-        leader = self.leading.get(tp)
-        if leader is not None:
-            return leader.describe(end)
-        following = self.following.get(tp)
-        followed = self.replicas.followed(topic, partition)
-        if following is None or followed is None:
-            return {"role": "none"}
-        return {
-            "role": "follower",
-            "leader": following.leader,
-            "leader_addr": following.address,
-            "leader_epoch": following.epoch,
-            "high_watermark": followed.hw,
-            "end_offset": end,
-            "durable_offset": log_.durable_offset if log_ is not None else 0,
-            "truncations": followed.truncations,
-        }
-
     # --- the loop's hooks -------------------------------------------------------------------------
 
     def after_sync(self, topics: set[str]) -> None:
@@ -373,8 +350,9 @@ class Partitions:
                 self._hw_moved(topic, leader, self.host.store.topic(topic))
         self.replicas.after_sync(topics)
 
-    def on_events(self, events: dict[Any, int]) -> None:
-        self.replicas.on_events(events)
+    def on_events(self, events: dict[Any, int]) -> float | None:
+        """The leaders' answers to this node's replica FETCHes; when a retry they asked for is due."""
+        return self.replicas.on_events(events)
 
     def tick(self, now: float) -> float | None:
         """Links to leaders (connects, silence, retries) and ISR lag checks; when to come back."""

@@ -35,6 +35,13 @@ from conveyor.broker.wire.protocol import Command, Frame, error_from_header
 log = logging.getLogger("conveyor.replica")
 
 RETRY_AFTER = 0.5  # seconds before fetching again after an error answer (the agent may be moving roles)
+# Answers a follower gets while leadership moves (a node restarting or taking over has not applied its
+# own record yet, or has not made the log): expected for a moment, so logged at debug; at warning once
+# they go on past ``QUIET_SECONDS`` in a row.
+MOVING_ROLES = frozenset(
+    {"NOT_LEADER", "UNKNOWN_TOPIC", "UNKNOWN_LEADER_EPOCH", "FENCED_LEADER_EPOCH", "SHUTTING_DOWN"}
+)
+QUIET_SECONDS = 5.0
 
 
 class ReplicaHost(Protocol):
@@ -67,6 +74,7 @@ class Followed:
     reported_durable: int = 0  # the durable end the last FETCH told the leader
     fetched_batches: int = 0
     truncations: int = 0
+    failing_since: float | None = None  # the first of the error answers in a row
 
 
 @dataclass
@@ -95,6 +103,8 @@ class Replicas:
         self.max_bytes = max_bytes
         self.clock = clock
         self.links: dict[str, LeaderLink] = {}
+        self.quiet_seconds = QUIET_SECONDS
+        self._retry: float | None = None  # the earliest retry the answers read in this pass asked for
         # CURVE keys to fetch from a leader node (cluster mode with CURVE sets it); None: the process's.
         self.keys_for: Callable[[str], ClientKeys | None] = lambda leader: None
 
@@ -137,10 +147,21 @@ class Replicas:
 
     # --- the loop's hooks ---------------------------------------------------------------------
 
-    def on_events(self, events: dict[Any, int]) -> None:
+    def on_events(self, events: dict[Any, int]) -> float | None:
+        """Read the leaders' answers; when the earliest retry they asked for is due (None: none asked).
+
+        The loop ticks by then: the tick it planned before may be a whole silence timeout away,
+        and a follower that waits that long after a NOT_LEADER holds back its leader's HW.
+        """
+        self._retry = None
         for link in list(self.links.values()):
             if link.fetcher.socket is not None and link.fetcher.socket in events:
                 link.fetcher.on_readable()
+        return self._retry
+
+    def _retry_at(self, followed: Followed, when: float) -> None:
+        followed.retry_at = when
+        self._retry = when if self._retry is None else min(self._retry, when)
 
     def tick(self, now: float) -> float | None:
         """Connect, reconnect, retry; when it wants to run again (None: only on an answer)."""
@@ -241,11 +262,16 @@ class Replicas:
                 self._restart_at(followed, log_, int(exc.fields["start_offset"]))
                 self._fetch(link, followed)
                 return
-            log.warning("replica FETCH %s/%d from %s: %s", followed.topic, followed.partition, leader, exc)
-            followed.retry_at = self.clock() + RETRY_AFTER
+            now = self.clock()
+            followed.failing_since = followed.failing_since if followed.failing_since is not None else now
+            moving = exc.name in MOVING_ROLES and now - followed.failing_since < self.quiet_seconds
+            level = logging.DEBUG if moving else logging.WARNING
+            log.log(level, "replica FETCH %s/%d from %s: %s", followed.topic, followed.partition, leader, exc)
+            self._retry_at(followed, now + RETRY_AFTER)
             return
         if reply.command is not Command.FETCHED:
             return
+        followed.failing_since = None
         if reply.get("hw") is not None:
             followed.hw = int(reply.get("hw"))
             log_.set_high_watermark(followed.hw)  # a new leader starts from it; readers here see up to it
@@ -258,7 +284,7 @@ class Replicas:
                 log.warning(
                     "%s/%d: DIVERGING changed nothing here; asking again later", followed.topic, followed.partition
                 )
-                followed.retry_at = self.clock() + RETRY_AFTER
+                self._retry_at(followed, self.clock() + RETRY_AFTER)
                 return
             self._fetch(link, followed)
             return

@@ -246,26 +246,6 @@ class PartitionLeader:
         ready = [n for n, s in self.followers.items() if n in self.isr and s.durable >= leader_end]
         return min(ready) if ready else None
 
-    def describe(self, leader_end: int) -> dict[str, object]:
-        """The partition's replication state, for health, ``cluster status`` and tests."""
-        return {
-            "role": "leader",
-            "leader_epoch": self.epoch,
-            "replicas": list(self.replicas),
-            "isr": sorted(self.isr),
-            "min_insync_replicas": self.min_insync,
-            "high_watermark": self.hw,
-            "isr_change_pending": list(self.pending.isr) if self.pending is not None else None,
-            "followers": {
-                node: {
-                    "fetch_offset": s.fetch_offset,
-                    "durable_offset": s.durable,
-                    "lag_messages": max(0, leader_end - s.fetch_offset),
-                }
-                for node, s in sorted(self.followers.items())
-            },
-        }
-
     def now_caught_up(self, now: float) -> None:
         """Every follower counts as caught up now (a new leadership starts their clocks)."""
         for state in self.followers.values():

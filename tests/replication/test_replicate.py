@@ -8,6 +8,7 @@ reported the batch durable (and only with ``min_insync_replicas`` of them).
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Iterator
 from concurrent.futures import Future
 from pathlib import Path
@@ -18,6 +19,7 @@ from conveyor.broker.client.producer import Producer
 from conveyor.broker.client.subscription import Subscription
 from conveyor.broker.cluster.keys import PartitionState
 from conveyor.broker.server.group_log import group_log_name, replay
+from conveyor.broker.server.partition_status import describe_partition
 from conveyor.broker.server.partitions import Role
 from conveyor.broker.wire import commands
 from conveyor.broker.wire.protocol import Command, decode, error_from_header
@@ -64,10 +66,11 @@ def test_three_replicas_hold_byte_identical_segments_of_10000_messages(nodes: di
     for name in "bc":
         wait_for(lambda name=name: caught_up(nodes[name], 10_000), message=f"{name} holds all 10,000 durably")
     assert nodes["a"].on_loop(lambda: nodes["a"].partitions.hw(TOPIC)) == 10_000
-    described = nodes["a"].on_loop(lambda: nodes["a"].partitions.describe(TOPIC))
+    described = nodes["a"].on_loop(lambda: describe_partition(nodes["a"].partitions, nodes["a"].broker.store, TOPIC))
     assert described["high_watermark"] == 10_000 and described["isr"] == ["a", "b", "c"]
     assert nodes["a"].on_loop(lambda: nodes["a"].partitions.successors()) == {(TOPIC, 0): "b"}
-    assert nodes["b"].on_loop(lambda: nodes["b"].partitions.describe(TOPIC))["role"] == "follower"
+    followed = nodes["b"].on_loop(lambda: describe_partition(nodes["b"].partitions, nodes["b"].broker.store, TOPIC))
+    assert followed["role"] == "follower" and followed["leader"] == "a" and followed["truncations"] == 0
     first = nodes["b"].on_loop(lambda: nodes["b"].broker.store.topic(TOPIC).read(0)[0])
     assert first.leader_epoch == 1 and first.producer_id >= 0 and first.sequence == 0  # the leader's header, kept
     for node in nodes.values():
@@ -288,3 +291,33 @@ def test_a_confirm_hw_allows_leaves_before_the_fsync_of_new_appends_in_the_same_
         assert sock.poll(30_000)
         answer = decode(sock.recv_multipart())
         assert answer.command is Command.PUBLISHED and answer.get("rid") == 1
+
+
+def test_a_leader_not_in_place_yet_is_quiet_for_a_moment_then_warned_about(
+    nodes: dict[str, Node], caplog: pytest.LogCaptureFixture
+) -> None:
+    # Given b following a, which holds the topic but does not lead it (yet): replica FETCHes get NOT_LEADER
+    a, b = nodes["a"], nodes["b"]
+    a.on_loop(lambda: a.broker.store.create_topic(TOPIC))
+    b.on_loop(lambda: setattr(b.partitions.replicas, "quiet_seconds", 1.0))
+
+    def answers(level: int) -> list[str]:
+        return [r.getMessage() for r in caplog.records if r.levelno == level and f"FETCH {TOPIC}/0" in r.getMessage()]
+
+    caplog.set_level(logging.WARNING, logger="conveyor.fetcher")
+    with caplog.at_level(logging.DEBUG, logger="conveyor.replica"):
+        follow(b, TOPIC, a, epoch=1)
+
+        # Then the first answer is logged at debug only (a leadership moving is normal for a moment)
+        first = wait_for(lambda: answers(logging.DEBUG), message="a NOT_LEADER answer at debug")
+        assert "NOT_LEADER" in first[0] and not answers(logging.WARNING)
+
+        # And once the answers go on past the quiet time, at warning
+        warned = wait_for(lambda: answers(logging.WARNING), message="the NOT_LEADER answers at warning")
+        assert "NOT_LEADER" in warned[0]
+
+        # And b asks again after each answer (RETRY_AFTER), not only when its link has been silent long enough
+        # to be reconnected (a follower waiting that long would hold its leader's HW back)
+        wait_for(lambda: len(answers(logging.DEBUG) + answers(logging.WARNING)) >= 5, message="five answers")
+    reconnects = [r.getMessage() for r in caplog.records if "no answer for" in r.getMessage()]
+    assert not reconnects

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 from conveyor.broker.cluster.keys import PartitionState
 from conveyor.broker.log.epochs import LeaderEpochCache
+from conveyor.broker.server.partition_status import describe_led
 from conveyor.broker.server.partitions import Role, role_for
 from conveyor.broker.server.replication import (
     IsrChange,
@@ -234,12 +235,12 @@ def test_the_successor_is_an_in_sync_follower_holding_the_whole_log() -> None:
     state.on_fetch("c", 100, 100, leader_end=100, now=1.0)
     assert state.successor(100) == "c"
     assert state.successor(101) is None
-    described = state.describe(120)
+    described = describe_led(state, 120, 1.0)
     assert described["isr"] == ["a", "b", "c"]
-    assert described["followers"] == {
-        "b": {"fetch_offset": 100, "durable_offset": 90, "lag_messages": 20},
-        "c": {"fetch_offset": 100, "durable_offset": 100, "lag_messages": 20},
-    }
+    assert [(f["node"], f["fetch_offset"], f["durable_offset"], f["lag_messages"]) for f in described["followers"]] == [
+        ("b", 100, 90, 20),
+        ("c", 100, 100, 20),
+    ]
 
 
 def test_a_refused_expansion_is_proposed_again_until_etcd_holds_it() -> None:

@@ -270,15 +270,17 @@ class ClusterNode:
     def drop_topic(self, topic: str) -> None:
         """The cluster deleted ``topic``: drop it here as a single node's delete does.
 
-        Its partitions stop (a leader fails its waiting confirms with NOT_LEADER), its groups
-        and its group log ``__groups.<topic>`` go, then its files. ``<topic>.dlq`` stays.
+        First what a single node's delete does (its groups go with their subscriptions, waiting
+        confirms and fetches get UNKNOWN_TOPIC, its files go), so no client is sent to look for
+        another leader; then its partition roles stop, and its group log ``__groups.<topic>``
+        goes. ``<topic>.dlq`` is a topic of its own and stays.
         """
         self._creating.discard(topic)
-        for tp in [tp for tp in list(self.partitions.leading) + list(self.partitions.following) if tp[0] == topic]:
-            self.partitions.stop(*tp)
         store = self.host.store
         if topic in store.logs:
             admin_ops.delete_topic(self.host, topic)
+        for tp in [tp for tp in list(self.partitions.leading) + list(self.partitions.following) if tp[0] == topic]:
+            self.partitions.stop(*tp)
         if group_log_name(topic) in store.logs:
             store.delete_topic(group_log_name(topic))
             self.host.topic_deleted(group_log_name(topic))
@@ -291,12 +293,16 @@ class ClusterNode:
         extra = {TOPIC_ID: config.topic_id} if config.topic_id else None
         if log_ is None or log_.config.with_settings(config.settings, extra=extra) == log_.config:
             return
+        before = log_.config.settings()
         try:
             self.host.store.alter_topic(topic, config.settings, extra=extra)
         except ConveyorError as exc:  # a setting this node refuses (another version): the rest stays as it was
             log.warning("topic %s: the cluster's settings not applied here: %s", topic, exc)
             return
-        log.info("topic %s: settings now %s", topic, dict(config.settings))
+        after = log_.config.settings()
+        changed = {name: value for name, value in after.items() if before.get(name) != value}
+        if changed:  # not only the topic id written
+            log.info("topic %s: settings changed: %s", topic, changed)
 
     def _on_partition(self, event: PartitionChanged) -> None:
         """Before the roles act on a record: this node's replica log exists, with the topic's settings."""

@@ -22,7 +22,7 @@ from conveyor.broker.client.metadata import Metadata
 from conveyor.broker.client.producer import Producer
 
 from conveyor.cluster_process import ClusterProcess
-from conveyor.errors import ConfigError, UnknownTopic
+from conveyor.errors import ConfigError, UnknownGroup, UnknownTopic
 from tests.helpers import wait_for
 
 
@@ -88,6 +88,8 @@ def test_a_deleted_topic_made_again_starts_at_offset_0_on_every_replica(cluster:
         admin.create_topic("reborn", replication_factor=3)
     in_sync(cluster, "reborn")
     publish(cluster, "reborn", [b"old-%03d" % i for i in range(30)])
+    with Admin(cluster.bootstrap) as admin:
+        assert admin.reset_offsets("reborn", "readers", 10)["committed_offset"] == 10
     wait_for(lambda: end_offsets(cluster, "reborn") == dict.fromkeys(cluster.node_ids, 30), message="30 on each")
     assert all(topic_dir(cluster, node, "__groups.reborn").is_dir() for node in cluster.node_ids)
 
@@ -114,6 +116,8 @@ def test_a_deleted_topic_made_again_starts_at_offset_0_on_every_replica(cluster:
     for node in cluster.node_ids:
         data = wait_for(lambda n=node: (found := segments(cluster, n, "reborn")).count(b"new-") == 5 and found)
         assert b"old-" not in data, f"{node} kept records of the deleted topic"
+    with Admin(cluster.bootstrap) as admin, pytest.raises(UnknownGroup):  # its groups went with it
+        admin.describe_group("reborn", "readers")
 
 
 def cli(*args: str) -> subprocess.CompletedProcess[str]:

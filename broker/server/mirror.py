@@ -92,6 +92,7 @@ class TopicMirror:
     fetched_bytes: int = 0
     fetched_messages: int = 0
     retry_at: float = 0.0  # no FETCH before (a NOT_LEADER that named no leader: the cluster is electing one)
+    unknown_at: float | None = None  # a cluster node answered UNKNOWN_TOPIC: METADATA asked since says if it is gone
 
 
 @dataclass
@@ -105,6 +106,7 @@ class Mirror:
     _next_discovery: float = 0.0
     _metadata_rid: int | None = None  # the METADATA in flight (a cluster upstream)
     _metadata_source: str = ""  # the address it was asked of
+    _metadata_asked: float = 0.0  # when
     _rotate: bool = False  # the link was torn down: the next socket goes to the next bootstrap address
 
     def __post_init__(self) -> None:
@@ -202,6 +204,7 @@ class Mirror:
             if self.cluster and self._metadata_rid is None:
                 self._metadata_source = self.link.address
                 self._metadata_rid = self._request(partial(commands.metadata, None))
+                self._metadata_asked = now
             self._next_discovery = now + self.settings.discover_every
         for mirror in self.topics.values():
             if mirror.rid is None and not mirror.stopped and mirror.retry_at <= now:
@@ -229,6 +232,7 @@ class Mirror:
             return  # an answer to a request from before a reconnect
         mirror.rid = None
         if reply.command is Command.FETCHED:
+            mirror.unknown_at = None
             self._apply(mirror, reply)
         elif reply.command is Command.ERROR:
             self._on_error(mirror, error_from_header(reply.header))
@@ -243,11 +247,27 @@ class Mirror:
         except ConveyorError as exc:
             log.error("unusable METADATA answer from %s: %s", self._metadata_source, exc)
             return
+        self._gone_upstream(view)
         topic = self._anchor(view)
         address = None if topic is None else view.leader_address(topic)
         if address is not None and address != self.link.address:
             log.info("mirror follows the leader of %s to %s", topic, address)
             self._move_to(address)
+
+    def _gone_upstream(self, view: ClusterView) -> None:
+        """Topics a cluster node did not know, and the cluster's METADATA asked since does not name: deleted."""
+        for mirror in list(self.topics.values()):
+            if (
+                mirror.unknown_at is not None
+                and mirror.unknown_at <= self._metadata_asked
+                and mirror.topic not in view.topics
+            ):
+                self._stop_gone(mirror)
+
+    def _stop_gone(self, mirror: TopicMirror) -> None:
+        log.warning("topic %s is gone upstream; mirroring stops", mirror.topic)
+        del self.topics[mirror.topic]
+        mirror.stopped = "gone upstream"
 
     def _anchor(self, view: ClusterView) -> str | None:
         """The topic whose leader the link follows: the first mirrored one (the first the cluster has that matches)."""
@@ -372,13 +392,15 @@ class Mirror:
         elif exc.name == "NOT_LEADER":
             self._not_leader(mirror, exc)
         elif exc.name == "UNKNOWN_TOPIC" and self.cluster:
-            # A node without a replica of the topic knows nothing of it (and a cluster does not delete topics).
-            log.warning("%s does not hold %s; fetching it again later", self.link.address, mirror.topic)
-            mirror.retry_at = self.clock() + NOT_LEADER_RETRY
+            # A node without a replica of the topic knows nothing of it; or the cluster deleted it: the
+            # METADATA asked now tells (``_gone_upstream``). Meanwhile the FETCH goes again a little later.
+            log.info("%s does not hold %s; fetching it again later", self.link.address, mirror.topic)
+            now = self.clock()
+            mirror.unknown_at = mirror.unknown_at if mirror.unknown_at is not None else now
+            mirror.retry_at = now + NOT_LEADER_RETRY
+            self._next_discovery = now
         elif exc.name == "UNKNOWN_TOPIC":
-            log.warning("topic %s is gone upstream; mirroring stops", mirror.topic)
-            del self.topics[mirror.topic]
-            mirror.stopped = "gone upstream"
+            self._stop_gone(mirror)
         else:
             log.error("FETCH %s failed upstream: %s", mirror.topic, exc)
 

@@ -7,6 +7,7 @@ from typing import Any
 from unittest.mock import MagicMock
 
 import zmq
+from conveyor.broker.net.metadata import ClusterView
 from conveyor.broker.server.mirror import Mirror, MirrorSettings, TopicMirror
 
 from conveyor.errors import NotLeader, UnknownTopic
@@ -50,3 +51,26 @@ def test_a_silent_link_moves_to_the_next_bootstrap_address() -> None:
     mirror.tick(100.0)
     assert mirror.link.address == "tcp://127.0.0.1:7002"
     mirror.close()
+
+
+def test_a_topic_the_cluster_deleted_is_dropped_once_metadata_asked_since_does_not_name_it() -> None:
+    mirror = mirror_of(BOOTSTRAP, "orders", "orders.eu")
+    mirror._on_error(mirror.topics["orders.eu"], UnknownTopic("no such topic", topic="orders.eu"))
+    assert mirror._next_discovery == 100.0  # METADATA is asked at the next tick
+
+    view = ClusterView("tcp://127.0.0.1:7001", "n1", "n1", {"n1": "tcp://127.0.0.1:7001"}, {"orders": {}})
+    mirror._metadata_asked = 99.0  # a METADATA asked before the answer: it cannot tell
+    mirror._gone_upstream(view)
+    assert set(mirror.topics) == {"orders", "orders.eu"}
+
+    mirror._metadata_asked = 100.0  # asked since: the cluster has "orders" only
+    mirror._gone_upstream(view)
+    assert set(mirror.topics) == {"orders"}  # as one parent's UNKNOWN_TOPIC does
+
+
+def test_a_topic_the_cluster_still_has_is_kept_after_a_node_without_it_answered() -> None:
+    mirror = mirror_of(BOOTSTRAP, "orders.eu")
+    mirror._on_error(mirror.topics["orders.eu"], UnknownTopic("no such topic", topic="orders.eu"))
+    mirror._metadata_asked = 100.0
+    mirror._gone_upstream(ClusterView("tcp://127.0.0.1:7001", "n1", "n1", {}, {"orders.eu": {}}))
+    assert set(mirror.topics) == {"orders.eu"}

@@ -23,7 +23,9 @@ from conveyor.broker.client.producer import Producer
 
 from conveyor.cluster_process import ClusterProcess
 from conveyor.errors import ConfigError, UnknownGroup, UnknownTopic
+from conveyor.testing import BrokerProcess
 from tests.helpers import wait_for
+from tests.mirror.test_hierarchy import health
 
 
 @pytest.fixture(scope="module")
@@ -202,3 +204,28 @@ def test_a_node_away_while_a_topic_is_deleted_and_made_again_drops_its_old_copy(
     wait_for(lambda: end_offsets(cluster, "again").get(away) == 3, message=f"{away} at offset 3")
     data = wait_for(lambda: (found := segments(cluster, away, "again")).count(b"new-") == 3 and found)
     assert b"old-" not in data
+
+
+def test_a_mirror_of_the_cluster_stops_mirroring_a_topic_deleted_upstream(
+    cluster: ClusterProcess, tmp_path: Path
+) -> None:
+    # Given a child broker mirroring two of the cluster's topics
+    with Admin(cluster.bootstrap) as admin:
+        for topic in ("mirrored.kept", "mirrored.gone"):
+            admin.create_topic(topic, replication_factor=3)
+    for topic in ("mirrored.kept", "mirrored.gone"):
+        in_sync(cluster, topic)
+        publish(cluster, topic, [b"m-%d" % i for i in range(5)])
+    child = BrokerProcess(tmp_path / "child", extra=["--upstream", cluster.bootstrap, "--mirror", "mirrored.*"]).start()
+    try:
+        mirrored = lambda: set(health(child)["checks"]["upstream"]["topics"])  # noqa: E731
+        wait_for(lambda: mirrored() == {"mirrored.kept", "mirrored.gone"}, message="both topics mirrored")
+
+        # When one is deleted from the cluster
+        with Admin(cluster.bootstrap) as admin:
+            admin.delete_topic("mirrored.gone")
+
+        # Then the child stops mirroring it, as it does when its one parent deletes a topic, and keeps the other
+        wait_for(lambda: mirrored() == {"mirrored.kept"}, message="the deleted topic no longer mirrored")
+    finally:
+        child.stop()

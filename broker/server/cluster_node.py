@@ -149,6 +149,7 @@ class ClusterNode:
         self.registered = False
         self._creating: set[str] = set()
         self._joined = False  # local topics were checked against the cluster's (first registration)
+        self._leftovers: set[str] = set()  # copies of cluster topics the cluster no longer has (said once)
         self._answers: dict[int, Callable[[Any], None]] = {}  # ADMIN requests waiting for the controller
         self.shutdown = ControlledShutdown()
         partitions.propose = self.roles.propose
@@ -213,7 +214,10 @@ class ClusterNode:
         agent's view is loaded when it says ``Registered``, so ``configs`` holds every topic
         the cluster knows; internal logs (``__`` names) follow their topic and are left out.
         A replica of a cluster topic (its ``topic.json`` names a topic id) that the cluster no
-        longer has was deleted while this node was away: it is dropped, not registered.
+        longer has was deleted while this node was away, or etcd lost it: it is neither
+        registered nor served, and its files stay until ``topics delete`` is sent to this node
+        (data is never deleted because a record is missing; only a different topic id under
+        the same name, which etcd holds, drops a copy by itself).
         """
         asked = [topic for topic in sorted(self.host.store.logs) if not topic.startswith("__")]
         return [topic for topic in asked if self._register_local(topic)]
@@ -223,10 +227,15 @@ class ClusterNode:
         log_ = self.host.store.logs.get(topic)
         if log_ is None or topic in self.configs or topic in self._creating:
             return False
-        if log_.config.extra.get(TOPIC_ID):  # a replica of a cluster topic, not a single node's data
-            if self._joined:  # the view is loaded: the cluster deleted it while this node was away
-                log.info("topic %s was deleted from the cluster while this node was away: dropping it", topic)
-                self.drop_topic(topic)
+        if self._cluster_copy(topic):  # a replica of a cluster topic, not a single node's data
+            if self._joined and topic not in self._leftovers:  # the view is loaded: the cluster lacks it
+                self._leftovers.add(topic)
+                log.warning(
+                    "topic %s: this node holds a copy of a cluster topic the cluster no longer has (deleted while "
+                    "this node was away?): not registered; `conveyor topics delete %s --broker <this node>` removes it",
+                    topic,
+                    topic,
+                )
             return False
         epoch = log_.last_epoch + 1
         self._creating.add(topic)
@@ -276,6 +285,7 @@ class ClusterNode:
         goes. ``<topic>.dlq`` is a topic of its own and stays.
         """
         self._creating.discard(topic)
+        self._leftovers.discard(topic)
         store = self.host.store
         if topic in store.logs:
             admin_ops.delete_topic(self.host, topic)
@@ -412,7 +422,7 @@ class ClusterNode:
             or (source != topic and source in self.configs)
             or topic in self.agent.snapshot().topics
             or topic in self._creating
-            or topic in self.host.store.logs
+            or (topic in self.host.store.logs and not self._cluster_copy(topic))
             or is_group_log(topic)
         )
 
@@ -421,11 +431,16 @@ class ClusterNode:
         setting: a dead-letter topic is made whatever ``--auto-create-topics`` says, as on a single node)."""
         if topic in self.configs or topic in self._creating or is_group_log(topic):
             return
-        if topic in self.host.store.logs:
-            self._register_local(topic)
+        if topic in self.host.store.logs and not self._cluster_copy(topic):
+            self._register_local(topic)  # a single node's data: kept, this node leading it
             return
         self._creating.add(topic)
-        self.agent.create_topic(topic, *self.replication(None, None))
+        self.agent.create_topic(topic, *self.replication(None, None))  # a copy left here is dropped for it
+
+    def _cluster_copy(self, topic: str) -> bool:
+        """This node's log of ``topic`` is a replica of a cluster topic (its ``topic.json`` names a topic id)."""
+        log_ = self.host.store.logs.get(topic)
+        return log_ is not None and bool(log_.config.extra.get(TOPIC_ID))
 
     def replication(self, rf: int | None, min_insync: int | None) -> tuple[int | None, int | None]:
         """A new topic's replicas and in-sync minimum: what was asked, else this node's defaults
@@ -471,6 +486,11 @@ class ClusterNode:
         """``topics delete``: the controller removes the topic's records; answered once they are gone
         (this node has dropped its copy by then; the others drop theirs as their watch sees it)."""
         topic = _topic_of(header)
+        if topic not in self.configs and topic in self._leftovers and topic in self.host.store.logs:
+            self._leftovers.discard(topic)
+            self.drop_topic(topic)  # a copy the cluster no longer has: only this node's files
+            answer({"deleted": topic})
+            return
         if topic not in self.configs:
             raise UnknownTopic(f"no topic {topic}", topic=topic)
         request = self.agent.delete_topic(topic)

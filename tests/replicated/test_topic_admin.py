@@ -24,7 +24,7 @@ from conveyor.broker.client.producer import Producer
 from conveyor.cluster_process import ClusterProcess
 from conveyor.errors import ConfigError, UnknownGroup, UnknownTopic
 from conveyor.testing import BrokerProcess
-from tests.helpers import wait_for
+from tests.helpers import stays_false, wait_for
 from tests.mirror.test_hierarchy import health
 
 
@@ -192,9 +192,16 @@ def test_a_node_away_while_a_topic_is_deleted_and_made_again_drops_its_old_copy(
     publish(cluster, "again", [b"new-%03d" % i for i in range(3)])
     cluster.start_node(away)
 
-    # Then it drops the deleted topic instead of registering its copy, and drops its copy of the old "again"
-    wait_for(lambda: not topic_dir(cluster, away, "gone").exists(), message=f"{away} to drop the deleted topic")
+    # Then it drops its copy of the old "again", which etcd holds under another topic id
     wait_for(lambda: not segments(cluster, away, "again"), message=f"{away} to drop the earlier topic's records")
+
+    # And it does not register its copy of the deleted topic (nor delete data because a record is missing),
+    # until `topics delete` sent to it removes the files
+    stays_false(lambda: "gone" in Metadata(cluster.bootstrap).refresh().topics, 1.0, message="gone registered")
+    assert topic_dir(cluster, away, "gone").is_dir()
+    with Admin(cluster.address(away)) as admin:
+        assert admin.delete_topic("gone") == {"deleted": "gone"}
+    assert not topic_dir(cluster, away, "gone").exists()
     assert "gone" not in Metadata(cluster.bootstrap).refresh().topics
 
     # And once it is a replica of the new one again, it holds the new records only, at offsets 0-2

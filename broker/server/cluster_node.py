@@ -230,6 +230,7 @@ class ClusterNode:
         if self._cluster_copy(topic):  # a replica of a cluster topic, not a single node's data
             if self._joined and topic not in self._leftovers:  # the view is loaded: the cluster lacks it
                 self._leftovers.add(topic)
+                log_.set_high_watermark(log_.start_offset)  # a consumer FETCH here reads none of it
                 log.warning(
                     "topic %s: this node holds a copy of a cluster topic the cluster no longer has (deleted while "
                     "this node was away?): not registered; `conveyor topics delete %s --broker <this node>` removes it",

@@ -200,6 +200,7 @@ def test_a_node_away_while_a_topic_is_deleted_and_made_again_drops_its_old_copy(
     stays_false(lambda: "gone" in Metadata(cluster.bootstrap).refresh().topics, 1.0, message="gone registered")
     assert topic_dir(cluster, away, "gone").is_dir()
     with Admin(cluster.address(away)) as admin:
+        assert admin.fetch("gone", 0, 10) == []  # not served
         assert admin.delete_topic("gone") == {"deleted": "gone"}
     assert not topic_dir(cluster, away, "gone").exists()
     assert "gone" not in Metadata(cluster.bootstrap).refresh().topics

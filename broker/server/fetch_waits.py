@@ -11,7 +11,8 @@ A follower's FETCH (it names a ``replica``) is the exception: it is checked
 and recorded by the partition's leader side (``ReplicaFetches``), served up
 to the log's end offset, and woken by an append rather than a sync, so the
 leader's fsync and the follower's overlap. Its answer carries the high
-watermark, and ``diverging`` when the follower's log left this one.
+watermark, and ``diverging`` when the follower's log left this one. One
+with ``report`` is only recorded: its sender's real FETCH is parked here.
 """
 
 from __future__ import annotations
@@ -86,6 +87,8 @@ class FetchWaits:
             if self.replicas is None:
                 raise NotLeader(f"this broker replicates nothing: {topic} has no leader here", topic=topic)
             diverging = self.replicas.on_replica_fetch(frame, log_)
+            if frame.get("report"):
+                return  # a durable end reported while its FETCH is parked here: nothing to answer
             if diverging is not None:
                 self._send(peer, self._fetched(frame, log_, [], offset=0, replica=True, diverging=diverging))
                 return

@@ -318,7 +318,10 @@ class Partitions:
         if found is not None:
             return found
         durable = hfield(frame, "durable", int, 0)
-        leader.on_fetch(hfield(frame, "replica", str), offset, durable, log_.end_offset, self.clock())
+        if frame.get("report"):
+            leader.on_report(hfield(frame, "replica", str), offset, durable)
+        else:
+            leader.on_fetch(hfield(frame, "replica", str), offset, durable, log_.end_offset, self.clock())
         self._hw_moved(topic, leader, log_)
         return None
 

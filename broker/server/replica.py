@@ -5,9 +5,13 @@ A node follows some partitions; their leaders are other nodes. It keeps one
 flight per partition, naming itself, the leader epoch it follows, the epoch
 of its last batch and how far its log is durable. An answer is appended at
 the leader's offsets with the batch's producer id and sequence, so that a
-producer's resend after a failover is still recognised here; the next FETCH
-goes out after the broker's group commit of that pass, so it reports the
-new durable end and the leader's high watermark moves on it. ``diverging``
+producer's resend after a failover is still recognised here. An answer that
+brought this log to the leader's end is followed at once by the next FETCH,
+which waits at the leader while this node syncs (what the leader appends
+meanwhile comes without waiting for the sync); after the broker's group
+commit of that pass a ``report`` FETCH tells the leader the new durable end,
+and its high watermark moves on it. An answer that did not reach the end
+(catching up) is followed by one FETCH after the sync, reporting both. ``diverging``
 in an answer means this log holds batches the leader never had: it is cut
 there and fetched again. The last ``hw`` received is kept: a new leader
 starts from it.
@@ -194,11 +198,14 @@ class Replicas:
             for followed in link.partitions.values():
                 if followed.due:
                     followed.due = False
-                    self._fetch(link, followed)
+                    if followed.rid is None:
+                        self._fetch(link, followed)
+                    else:
+                        self._report(link, followed)  # its FETCH is parked at the leader already
                 elif followed.rid is not None and followed.topic in synced:
                     log_ = self.host.store.logs.get(followed.topic)
                     if log_ is not None and log_.durable_offset > followed.reported_durable:
-                        self._fetch(link, followed)
+                        self._report(link, followed)
 
     # --- fetching -------------------------------------------------------------------------------
 
@@ -226,9 +233,18 @@ class Replicas:
                 followed.due = False
 
     def _fetch(self, link: LeaderLink, followed: Followed) -> None:
+        rid = self._request(link, followed)
+        if rid is not None:
+            followed.rid = rid
+
+    def _report(self, link: LeaderLink, followed: Followed) -> None:
+        """Tell the leader this log's durable end; no answer comes (the FETCH in flight gets one)."""
+        self._request(link, followed, report=True)
+
+    def _request(self, link: LeaderLink, followed: Followed, *, report: bool = False) -> int | None:
         log_ = self.host.store.logs.get(followed.topic)
         if log_ is None or link.fetcher.socket is None:
-            return
+            return None
         request = partial(
             commands.fetch,
             followed.topic,
@@ -240,9 +256,11 @@ class Replicas:
             leader_epoch=followed.epoch,
             last_epoch=log_.last_epoch or None,  # from the log's leader-epoch cache
             durable=log_.durable_offset,
+            report=report or None,
         )
-        followed.rid = link.fetcher.request(request)
+        rid = link.fetcher.request(request)
         followed.reported_durable = log_.durable_offset
+        return rid
 
     def _on_reply(self, leader: str, reply: Frame) -> None:
         link = self.links.get(leader)
@@ -290,7 +308,9 @@ class Replicas:
             return
         if self._apply(followed, log_, reply):
             self.host.appended.add(followed.topic)
-            followed.due = True  # fetch again once the group commit has made it durable
+            followed.due = True  # report (or fetch) again once the group commit has made it durable
+            if log_.end_offset >= int(reply.get("end_offset", 0)):
+                self._fetch(link, followed)  # caught up: the next FETCH waits at the leader during the sync
         else:
             self._fetch(link, followed)
 

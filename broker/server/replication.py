@@ -183,9 +183,19 @@ class PartitionLeader:
             last=state.last_caught_up,
         )
         state.fetch_offset = offset
-        state.durable = min(durable, offset)
         state.last_fetch = now
         state.end_at_last_fetch = leader_end
+        self._durable(state, offset, durable)
+
+    def on_report(self, node: str, offset: int, durable: int) -> None:
+        """Record a follower's durable end, reported while its FETCH is parked (its fetch times stay)."""
+        state = self.followers.get(node)
+        if state is not None:
+            self._durable(state, offset, durable)
+
+    def _durable(self, state: FollowerState, offset: int, durable: int) -> None:
+        state.durable = min(durable, offset)
+        node = state.node
         if node not in self.isr and node in self.rejoin_candidates():
             self._propose(self.isr | {node}, shrink=False)
             self.isr.add(node)  # an expansion counts at once: it can only lower HW

@@ -105,13 +105,16 @@ def fetch(
     leader_epoch: int | None = None,
     last_epoch: int | None = None,
     durable: int | None = None,
+    report: bool | None = None,
     rid: Any = None,
 ) -> list[Any]:
     """Read from ``offset`` without a group; ``wait_ms`` > 0 parks it until data comes (long poll).
 
     A follower fetching from its partition leader also names itself (``replica``, its node id) and
     says which ``leader_epoch`` it follows, the epoch of its last batch (``last_epoch``) and how far
-    its log is durable (``durable``): the leader's high watermark moves on that report.
+    its log is durable (``durable``): the leader's high watermark moves on that report. With
+    ``report`` it reads nothing and gets no answer: a follower whose next FETCH is already parked
+    at the leader says so how far it synced.
     """
     header = {
         "topic": topic,
@@ -120,7 +123,13 @@ def fetch(
         "max_bytes": max_bytes,
         "wait_ms": wait_ms,
     }
-    replica_fields = {"replica": replica, "leader_epoch": leader_epoch, "last_epoch": last_epoch, "durable": durable}
+    replica_fields = {
+        "replica": replica,
+        "leader_epoch": leader_epoch,
+        "last_epoch": last_epoch,
+        "durable": durable,
+        "report": report,
+    }
     return encode(Command.FETCH, _request(rid, _with(header, **replica_fields)))
 
 

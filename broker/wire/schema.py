@@ -166,6 +166,7 @@ COMMANDS: dict[str, dict[str, Field]] = {
             "leader_epoch": EPOCH,  # the leader epoch it follows
             "last_epoch": EPOCH,  # the epoch of its last batch
             "durable": OFFSET,  # its durable end offset
+            "report": BOOL,  # only reports ``durable`` (and ``offset``): not answered, not parked
         },
         "ADMIN": {"op": Field(TEXT, required=True)},
         "METADATA": {"topics": Field(name_list)},  # absent: every topic

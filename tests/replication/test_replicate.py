@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import threading
 from collections.abc import Iterator
 from concurrent.futures import Future
 from pathlib import Path
+from typing import Any
 
 import pytest
 import zmq
@@ -321,3 +323,42 @@ def test_a_leader_not_in_place_yet_is_quiet_for_a_moment_then_warned_about(
         wait_for(lambda: len(answers(logging.DEBUG) + answers(logging.WARNING)) >= 5, message="five answers")
     reconnects = [r.getMessage() for r in caplog.records if "no answer for" in r.getMessage()]
     assert not reconnects
+
+
+def test_a_caught_up_follower_has_its_next_fetch_parked_at_the_leader_while_it_syncs(nodes: dict[str, Node]) -> None:
+    """What the leader appends during a follower's sync goes at once; the sync's report moves HW."""
+    a, b = nodes["a"], nodes["b"]
+    replicate_from_a(nodes)
+    assert request(a.address, commands.publish(TOPIC, batch(b"first"), rid=1)).command is Command.PUBLISHED
+    wait_for(lambda: caught_up(b, 1), message="b holds the first message durably")
+    syncing = threading.Event()
+    go_on = threading.Event()
+    store, sync = b.broker.store, b.broker.store.sync
+
+    def slow_sync(**kw: Any) -> None:  # b's loop waits here once it holds the second message
+        if store.topic(TOPIC).end_offset >= 2 and not go_on.is_set():
+            syncing.set()
+            go_on.wait(30)
+        sync(**kw)
+
+    b.on_loop(lambda: setattr(store, "sync", slow_sync))
+    with contextlib.closing(zmq.Context.instance().socket(zmq.DEALER)) as sock:
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(a.address)
+        sock.send_multipart(commands.publish(TOPIC, batch(b"second"), rid=2))
+        try:
+            assert syncing.wait(30), "b syncs the second message"
+
+            def parked_from_b() -> bool:
+                waits = a.broker.fetches.by_topic.get(TOPIC, [])
+                return any(w.replica and w.frame.get("replica") == "b" and w.offset == 2 for w in waits)
+
+            wait_for(lambda: a.on_loop(parked_from_b), message="b's next FETCH parked at a during b's sync")
+            assert a.on_loop(lambda: a.partitions.hw(TOPIC)) == 1  # b has not reported the second durable
+        finally:
+            go_on.set()
+        assert sock.poll(30_000)
+        answer = decode(sock.recv_multipart())
+        assert answer.command is Command.PUBLISHED and answer.get("rid") == 2
+    b.on_loop(lambda: store.__dict__.pop("sync", None))
+    wait_for(lambda: a.on_loop(lambda: a.partitions.hw(TOPIC)) == 2, message="HW passes the second message")

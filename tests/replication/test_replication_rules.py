@@ -164,6 +164,17 @@ def test_a_followers_durable_end_never_counts_past_its_fetch_offset() -> None:
     assert state.hw == 50
 
 
+def test_a_report_moves_a_followers_durable_end_but_not_its_fetch_times() -> None:
+    state, _ = leader(isr=("a", "b"))
+    state.on_fetch("b", 100, 60, leader_end=100, now=1.0)  # its FETCH, parked while it syncs
+    state.on_report("b", 100, 100)
+    assert state.update_hw(100) and state.hw == 100
+    follower = state.followers["b"]
+    assert (follower.fetch_offset, follower.last_fetch, follower.end_at_last_fetch) == (100, 1.0, 100)
+    state.on_report("b", 90, 100)  # never past where its log ends
+    assert follower.durable == 90
+
+
 def test_a_lagging_follower_is_proposed_out_but_counts_until_the_change_is_written() -> None:
     state, proposed = leader()
     state.on_fetch("b", 100, 100, leader_end=100, now=15.0)

@@ -5,13 +5,13 @@ A node follows some partitions; their leaders are other nodes. It keeps one
 flight per partition, naming itself, the leader epoch it follows, the epoch
 of its last batch and how far its log is durable. An answer is appended at
 the leader's offsets with the batch's producer id and sequence, so that a
-producer's resend after a failover is still recognised here. An answer that
-brought this log to the leader's end is followed at once by the next FETCH,
+producer's resend after a failover is still recognised here. A small answer
+(``EARLY_FETCH_BYTES``) that brought this log to the leader's end is followed at once by the next FETCH,
 which waits at the leader while this node syncs (what the leader appends
 meanwhile comes without waiting for the sync); after the broker's group
 commit of that pass a ``report`` FETCH tells the leader the new durable end,
-and its high watermark moves on it. An answer that did not reach the end
-(catching up) is followed by one FETCH after the sync, reporting both. ``diverging``
+and its high watermark moves on it. Any other answer (catching up, or a
+leader appending fast) is followed by one FETCH after the sync, reporting both. ``diverging``
 in an answer means this log holds batches the leader never had: it is cut
 there and fetched again. The last ``hw`` received is kept: a new leader
 starts from it.
@@ -38,6 +38,10 @@ from conveyor.broker.wire.protocol import Command, Frame, error_from_header
 
 log = logging.getLogger("conveyor.replica")
 
+# An answer at most this big that brought the log to the leader's end is followed by a FETCH at once,
+# before the sync. A bigger one means the leader appends fast: fetching before the sync would only split
+# the same data into more, smaller answers (more FETCHes and fsyncs per message), so it waits for the sync.
+EARLY_FETCH_BYTES = 64 << 10
 RETRY_AFTER = 0.5  # seconds before fetching again after an error answer (the agent may be moving roles)
 # Answers a follower gets while leadership moves (a node restarting or taking over has not applied its
 # own record yet, or has not made the log): expected for a moment, so logged at debug; at warning once
@@ -309,7 +313,7 @@ class Replicas:
         if self._apply(followed, log_, reply):
             self.host.appended.add(followed.topic)
             followed.due = True  # report (or fetch) again once the group commit has made it durable
-            if log_.end_offset >= int(reply.get("end_offset", 0)):
+            if early_fetch(log_.end_offset, int(reply.get("end_offset", 0)), sum(map(len, reply.payload))):
                 self._fetch(link, followed)  # caught up: the next FETCH waits at the leader during the sync
         else:
             self._fetch(link, followed)
@@ -359,3 +363,12 @@ class Replicas:
             tp = f"{followed.topic}/{followed.partition}"
             log.warning("%s: leader starts at %d; this log restarts there", tp, start)
             log_.reset_to(start)
+
+
+def early_fetch(end: int, leader_end: int, answer_bytes: int) -> bool:
+    """Whether to fetch again before the sync: a small answer brought this log (``end``) to the leader's end.
+
+    Catching up, more is waiting and the FETCH after the sync gets it; after a big answer the leader
+    appends fast, and an early FETCH would only split the same data into more, smaller answers.
+    """
+    return end >= leader_end and answer_bytes <= EARLY_FETCH_BYTES

@@ -7,6 +7,7 @@ from conveyor.broker.cluster.keys import PartitionState
 from conveyor.broker.log.epochs import LeaderEpochCache
 from conveyor.broker.server.partition_status import describe_led
 from conveyor.broker.server.partitions import Role, role_for
+from conveyor.broker.server.replica import EARLY_FETCH_BYTES, early_fetch
 from conveyor.broker.server.replication import (
     IsrChange,
     PartitionLeader,
@@ -173,6 +174,12 @@ def test_a_report_moves_a_followers_durable_end_but_not_its_fetch_times() -> Non
     assert (follower.fetch_offset, follower.last_fetch, follower.end_at_last_fetch) == (100, 1.0, 100)
     state.on_report("b", 90, 100)  # never past where its log ends
     assert follower.durable == 90
+
+
+def test_a_follower_fetches_before_its_sync_only_after_a_small_answer_that_reached_the_leaders_end() -> None:
+    assert early_fetch(100, 100, 2_000)  # caught up at 5,000 msg/s: the next batch must not wait for the sync
+    assert not early_fetch(90, 100, 2_000)  # catching up: the FETCH after the sync gets the rest
+    assert not early_fetch(100, 100, EARLY_FETCH_BYTES + 1)  # a fast leader: no splitting into small answers
 
 
 def test_a_lagging_follower_is_proposed_out_but_counts_until_the_change_is_written() -> None:

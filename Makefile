@@ -62,8 +62,12 @@ typecheck: $(STAMP)
 	@for d in broker consumers decorators monitoring pipeline; do ln -s $(CURDIR)/$$d $(TYPECHECK)/conveyor/$$d; done
 	MYPYPATH=$(TYPECHECK) $(VENV)/bin/mypy -p conveyor
 
+## Two workers: most of the suite waits on brokers, etcd and Spark rather than computing, so
+## two pytest processes on two cores take about 60 % of the serial time. TEST_WORKERS=0 runs serially.
+## A folder that shares one session fixture (Spark, the built wheel) stays on one worker (tests/conftest.py).
+TEST_WORKERS ?= 2
 unit: $(STAMP) deps
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --durations=15
 
 ## The long fault runs (kill -9 loops, power-loss cycles, the model-based test): about SOAK_SECONDS in all.
 SOAK_SECONDS ?= 540

@@ -15,3 +15,16 @@ from tests.helpers import FakeClock
 def clock() -> FakeClock:
     """A clock the test moves by hand, for code that takes ``clock=`` (the topic log, consumer groups)."""
     return FakeClock()
+
+
+# Folders whose tests share one expensive session fixture (a Spark JVM, a built wheel): under
+# pytest-xdist (`make test` runs two workers) each folder stays on one worker, so the fixture
+# starts once instead of once per worker. Without xdist the mark does nothing.
+_ONE_WORKER = ("spark", "architecture")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        parts = item.nodeid.split("/")
+        if len(parts) > 2 and parts[0] == "tests" and parts[1] in _ONE_WORKER:
+            item.add_marker(pytest.mark.xdist_group(parts[1]))

@@ -66,7 +66,7 @@ class KeyGate:
         for message in unit:
             key = message.key
             head = self.blocked.get(key, _NO_HEAD)
-            if message.offset == head:
+            if message.ref == head:
                 del self.blocked[key]  # the retried message itself is back
                 run.append(message)
             elif head != _NO_HEAD or key in self.parked:  # behind its head, or behind what waits for it
@@ -79,13 +79,13 @@ class KeyGate:
         """These messages will come again: their keys wait for them."""
         for message in messages:
             head = self.blocked.get(message.key, _NO_HEAD)
-            if head == _NO_HEAD or message.offset < head:
-                self.blocked[message.key] = message.offset
+            if head == _NO_HEAD or message.ref < head:
+                self.blocked[message.key] = message.ref
 
     def forget(self, messages: list[Message]) -> None:
         """These messages will not come again (the broker dead-lettered them): their keys go on."""
         for message in messages:
-            if self.blocked.get(message.key, _NO_HEAD) == message.offset:
+            if self.blocked.get(message.key, _NO_HEAD) == message.ref:
                 del self.blocked[message.key]
 
     def release(self, messages: list[Message]) -> list[Message]:
@@ -103,14 +103,14 @@ class KeyGate:
 
 
 def _offset(message: Message) -> int:
-    return message.offset
+    return message.ref
 
 
 def handle_outcome(
     consumer: Consumer, messages: list[Message], exc: BaseException | None, report: Report, gate: KeyGate
 ) -> None:
     """Turn a handler's result into acks, retries or dead letters."""
-    offsets = [m.offset for m in messages]
+    offsets = [m.ref for m in messages]
     if exc is None:
         report.acked += offsets
         report.ok += len(offsets)
@@ -142,10 +142,10 @@ def _comes_again(consumer: Consumer) -> bool:
 
 def _dead(consumer: Consumer, messages: list[Message], exc: BaseException, reason: str, report: Report) -> None:
     if consumer.policy.dead_letter is False:
-        report.acked += [m.offset for m in messages]  # dropped on purpose, after the hooks
+        report.acked += [m.ref for m in messages]  # dropped on purpose, after the hooks
         report.dropped += len(messages)
     else:
-        report.dead += [(m.offset, reason) for m in messages]
+        report.dead += [(m.ref, reason) for m in messages]
     call_error_handlers(consumer, messages, exc)
 
 
@@ -182,7 +182,7 @@ class Work:
         while self.todo:
             unit = self.todo.popleft()
             if self.stopping.is_set():
-                self.report.released += [m.offset for m in unit]
+                self.report.released += [m.ref for m in unit]
                 continue
             if self.consumer.key_ordered:
                 unit = self.gate.take(unit)
@@ -267,7 +267,7 @@ class ThreadLane:
         acked, durations = report.acked, report.durations
         for i, message in enumerate(chunk):
             if stopping.is_set():
-                report.released += [m.offset for m in chunk[i:]]
+                report.released += [m.ref for m in chunk[i:]]
                 break
             started = clock()
             try:
@@ -277,7 +277,7 @@ class ThreadLane:
                 handle_outcome(self.consumer, [message], error, report, self.gate)
                 continue
             durations.append(clock() - started)
-            acked.append(message.offset)
+            acked.append(message.ref)
         report.ok += len(acked) - report.dropped
         return report
 

@@ -45,7 +45,7 @@ from conveyor.errors import ConfigError
 
 log = logging.getLogger("conveyor.runner")
 
-_OFFSET = operator.attrgetter("offset")
+_OFFSET = operator.attrgetter("ref")  # the offset on partition 0 (Message.ref): what settles it
 
 Lane = ThreadLane | AsyncLane
 UNHEALTHY_AFTER = 30.0  # seconds without the broker before /healthz says UNHEALTHY (--unhealthy-after)
@@ -242,8 +242,8 @@ class Runner:
         if slot.held.isdisjoint(offsets):  # the common case, checked at C speed
             fresh = messages
         else:  # a redelivery of something we still hold is a twin: skip it
-            fresh = [m for m in messages if m.offset not in slot.held]
-            offsets = [m.offset for m in fresh]
+            fresh = [m for m in messages if m.ref not in slot.held]
+            offsets = [m.ref for m in fresh]
         slot.held.update(offsets)
         if slot.consumer.ack_policy is AckPolicy.EARLY:
             slot.subscription.ack(fresh)

@@ -192,6 +192,20 @@ class GroupLimit(ConveyorError):
     name = "GROUP_LIMIT"
 
 
+class UnknownPartition(ConveyorError):
+    """The topic has fewer partitions than the one named (``partitions`` says how many it has)."""
+
+    code = 307
+    name = "UNKNOWN_PARTITION"
+
+
+class PartitionsUnsupported(ConveyorError):
+    """More than one partition asked where it is not built yet (a cluster: placement per partition comes next)."""
+
+    code = 308
+    name = "PARTITIONS_UNSUPPORTED"
+
+
 class BrokerUnavailable(ConveyorError):
     """No answer from the broker in time; safe to retry with idempotence."""
 

@@ -33,3 +33,38 @@ def fit_name(base: str, suffix: str = "") -> str:
 def dead_letter_topic(topic: str, configured: str = "") -> str:
     """The group's dead-letter topic: ``configured``, else ``<topic>.dlq``, shortened if that is too long."""
     return configured or fit_name(topic, ".dlq")
+
+
+# --- partitions -----------------------------------------------------------------------------
+#
+# Partition 0 of topic ``T`` is the log ``T`` (so every single-partition topic and data
+# directory stays as it was); partition k > 0 is the log ``T#k``. ``#`` is not allowed in a
+# topic name, so a partition's log never clashes with a topic (docs/partitions.md).
+
+PARTITION_MARK = "#"
+MAX_PARTITIONS = 1024
+LOG_RE = re.compile(r"[A-Za-z0-9._-]{1,200}(#[1-9][0-9]{0,3})?")
+
+
+def partition_log(topic: str, partition: int) -> str:
+    """The name of the log that holds ``partition`` of ``topic``: ``topic`` itself for partition 0."""
+    return topic if partition == 0 else f"{topic}{PARTITION_MARK}{partition}"
+
+
+def split_log(name: str) -> tuple[str, int]:
+    """``(topic, partition)`` of a log name (``"orders#3"`` -> ``("orders", 3)``; ``"orders"`` -> partition 0)."""
+    topic, mark, number = name.rpartition(PARTITION_MARK)
+    if mark and number.isdigit():
+        return topic, int(number)
+    return name, 0
+
+
+def is_log_name(name: str) -> bool:
+    """A topic name, or a partition log's (``topic#k``, 1 <= k < MAX_PARTITIONS)."""
+    return bool(LOG_RE.fullmatch(name)) and split_log(name)[0] not in (".", "..")
+
+
+def dead_letter_log(log: str, configured: str = "") -> str:
+    """Where dead letters of the log ``log`` go: the same partition of the dead-letter topic."""
+    topic, partition = split_log(log)
+    return partition_log(dead_letter_topic(topic, configured), partition)

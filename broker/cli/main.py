@@ -167,6 +167,9 @@ def _tail_setup(parser: argparse.ArgumentParser) -> None:
         help="earliest, latest, an offset, or an ISO time (2026-11-26T10:00:00)",
     )
     parser.add_argument("--count", type=int, default=0, help="exit after N messages (0: follow forever)")
+    parser.add_argument(
+        "--partition", type=int, metavar="N", help="only this partition (default: every partition, merged by time)"
+    )
     parser.add_argument("--format", choices=["json", "text"], default="text")
     parser.add_argument(
         "--idle-timeout",
@@ -191,28 +194,61 @@ def cmd_tail(args: argparse.Namespace) -> int:
     _check_tail_limits(args)
     printed = 0
     with Admin(opts["broker"]) as admin:
-        offset = _start_offset(admin, args.topic, args.start, wait=args.wait)
+        info = admin.describe_topic(args.topic)
+        parts = _tail_partitions(args.topic, info, args.partition)
+        many = len(info.get("partitions") or [None]) > 1  # text lines then say partition:offset
+        offsets = {
+            p: _start_offset(admin, args.topic, args.start, wait=args.wait, partition=p, info=info) for p in parts
+        }
         last_data = time.monotonic()
+        quiet = False
         while args.count <= 0 or printed < args.count:
             want = 1000 if args.count <= 0 else min(1000, args.count - printed)
-            try:
-                messages, header = admin.fetch_batch(args.topic, offset, want, wait_ms=1000)
-            except OffsetOutOfRange as exc:
-                start = int(exc.fields.get("start_offset", -1))
-                if not offset < start:
-                    raise
-                messages, header = [], {"start_offset": start}
-            if offset < header["start_offset"]:
-                offset = _overtaken(args.topic, offset, header["start_offset"])
-            for message in messages:
-                _print_message(message, args.format)
-            printed += len(messages)
-            if messages:
-                offset = messages[-1].offset + 1
+            # One partition: a long poll, as always. Several: a round over them, waiting only when all were empty.
+            wait_ms = 1000 if len(parts) == 1 else (200 if quiet else 0)
+            found = []
+            for p in parts:
+                found += _tail_fetch(admin, args.topic, p, offsets, want, wait_ms)
+            if len(parts) > 1:
+                found.sort(key=lambda m: m.timestamp)  # merged by broker time for display
+            for message in found[:want]:
+                _print_message(message, args.format, partition=many)
+            printed += min(len(found), want)
+            quiet = not found
+            if found:
                 last_data = time.monotonic()
             elif args.idle_timeout and time.monotonic() - last_data >= args.idle_timeout:
                 break
     return 0
+
+
+def _tail_partitions(topic: str, info: dict[str, Any], asked: int | None) -> list[int]:
+    count = len(info.get("partitions") or [None])
+    if asked is None:
+        return list(range(count))
+    if not 0 <= asked < count:
+        raise ConfigError(
+            f"--partition {asked}: {topic} has {count} partition{'s' if count != 1 else ''} (0 to {count - 1})"
+        )
+    return [asked]
+
+
+def _tail_fetch(admin: Any, topic: str, partition: int, offsets: dict[int, int], want: int, wait_ms: int) -> list[Any]:
+    """The next messages of one partition; ``offsets[partition]`` moves past them."""
+    offset = offsets[partition]
+    try:
+        messages, header = admin.fetch_batch(topic, offset, want, wait_ms=wait_ms, partition=partition)
+    except OffsetOutOfRange as exc:
+        start = int(exc.fields.get("start_offset", -1))
+        if not offset < start:
+            raise
+        messages, header = [], {"start_offset": start}
+    if offset < header["start_offset"]:
+        offset = _overtaken(topic, offset, header["start_offset"])
+    if messages:
+        offset = messages[-1].offset + 1
+    offsets[partition] = offset
+    return messages
 
 
 def _check_tail_limits(args: argparse.Namespace) -> None:
@@ -236,8 +272,12 @@ def _overtaken(topic: str, offset: int, start: int) -> int:
     return start
 
 
-def _start_offset(admin: Any, topic: str, start: str, *, wait: bool = False) -> int:
-    info = admin.describe_topic(topic)
+def _start_offset(
+    admin: Any, topic: str, start: str, *, wait: bool = False, partition: int = 0, info: dict[str, Any] | None = None
+) -> int:
+    info = info or admin.describe_topic(topic)
+    rows = info.get("partitions") or [{"start_offset": info["start_offset"], "end_offset": info["end_offset"]}]
+    info = {**info, "start_offset": rows[partition]["start_offset"], "end_offset": rows[partition]["end_offset"]}
     first, end = int(info["start_offset"]), int(info["end_offset"])
     if start == "earliest":
         return first
@@ -245,7 +285,7 @@ def _start_offset(admin: Any, topic: str, start: str, *, wait: bool = False) -> 
         return end
     if start.lstrip("-").isdigit():
         return _checked_offset(topic, int(start), first, end, wait)
-    return _offset_for_time(admin, topic, _timestamp_ms(start, "--from"), info)
+    return _offset_for_time(admin, topic, _timestamp_ms(start, "--from"), info, partition)
 
 
 def _checked_offset(topic: str, offset: int, first: int, end: int, wait: bool) -> int:
@@ -283,11 +323,11 @@ def _timestamp_ms(text: str, option: str) -> int:
         raise ConfigError(f"{option} {text}: the time is out of range ({exc})") from None
 
 
-def _offset_for_time(admin: Any, topic: str, ts_ms: int, info: dict[str, Any]) -> int:
+def _offset_for_time(admin: Any, topic: str, ts_ms: int, info: dict[str, Any], partition: int = 0) -> int:
     low, high = int(info["start_offset"]), int(info["end_offset"])
     while low < high:  # timestamps grow with offsets: bisect with FETCH
         mid = (low + high) // 2
-        messages = admin.fetch(topic, mid, 1)
+        messages = admin.fetch(topic, mid, 1, partition=partition)
         if not messages or messages[0].timestamp * 1000 >= ts_ms:
             high = mid
         else:
@@ -295,12 +335,14 @@ def _offset_for_time(admin: Any, topic: str, ts_ms: int, info: dict[str, Any]) -
     return low
 
 
-def _print_message(message: Any, fmt: str) -> None:
+def _print_message(message: Any, fmt: str, *, partition: bool = False) -> None:
+    """One line; in text, ``partition:offset`` when the topic has several partitions (json always has both)."""
     if fmt == "json":
         print(json.dumps(message.to_dict(), default=_json_default, ensure_ascii=False), flush=True)
     else:
         data = message.to_dict()
-        print(f"{data['offset']}\t{data['key'] or ''}\t{data['value']}", flush=True)
+        where = f"{data['partition']}:{data['offset']}" if partition else f"{data['offset']}"
+        print(f"{where}\t{data['key'] or ''}\t{data['value']}", flush=True)
 
 
 def _json_default(value: Any) -> Any:
@@ -331,6 +373,13 @@ def _topics_setup(parser: argparse.ArgumentParser) -> None:
         help="a topic setting for create or alter: "
         + ", ".join(f"{name} ({setting.help})" for name, setting in TOPIC_SETTINGS.items())
         + "; sizes take KB/MB/GB or KiB/MiB/GiB, durations ms/s/m/h/d/w",
+    )
+    parser.add_argument(
+        "--partitions",
+        type=int,
+        default=1,
+        metavar="N",
+        help="create: the topic's partitions, each a log of its own (default 1; see docs/partitions.md)",
     )
     parser.add_argument(
         "--replication-factor", type=int, metavar="N", help="create, in a cluster: replicas (default min(3, nodes))"
@@ -372,7 +421,7 @@ def cmd_topics(args: argparse.Namespace) -> int:
                 for name in ("replication_factor", "min_insync_replicas"):
                     if getattr(args, name) is not None:
                         config[name] = getattr(args, name)  # a cluster's controller reads them; one node refuses
-                result = admin.create_topic(args.name, **config)
+                result = admin.create_topic(args.name, partitions=args.partitions, **config)
             elif args.action == "alter":
                 if not config:
                     raise ConfigError("topics alter needs at least one --set K=V")

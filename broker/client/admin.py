@@ -16,6 +16,7 @@ from conveyor.broker.wire import commands
 from conveyor.broker.wire.protocol import Command, Frame, encode
 
 from conveyor.errors import BrokerUnavailable, ConveyorError, NotEnoughReplicas, NotLeader, UnknownTopic
+from conveyor.names import partition_log
 
 
 class Admin:
@@ -99,8 +100,10 @@ class Admin:
     def _admin(self, op: str, **args: Any) -> Any:
         return self._call(partial(commands.admin, op, args), topic=args.get("topic")).get("result")
 
-    def create_topic(self, name: str, **config: Any) -> dict[str, Any]:
-        return self._admin("create_topic", topic=name, config=config)
+    def create_topic(self, name: str, *, partitions: int = 1, **config: Any) -> dict[str, Any]:
+        """A topic with ``partitions`` logs (docs/partitions.md) and the settings in ``config``."""
+        more = {"partitions": partitions} if partitions != 1 else {}
+        return self._admin("create_topic", topic=name, config=config, **more)
 
     def alter_topic(self, name: str, **config: Any) -> dict[str, Any]:
         """Change a topic's settings live (``retention_ms="7d"``, ``read_only=True``, ...); its description after.
@@ -170,20 +173,42 @@ class Admin:
         return self._call(partial(commands.hello, f"conveyor-admin/{os.getpid()}")).header
 
     def fetch(
-        self, topic: str, offset: int, max_messages: int = 1000, *, wait_ms: int = 0, max_bytes: int = 1 << 20
+        self,
+        topic: str,
+        offset: int,
+        max_messages: int = 1000,
+        *,
+        wait_ms: int = 0,
+        max_bytes: int = 1 << 20,
+        partition: int = 0,
     ) -> list[Message]:
-        """Read up to ``max_messages`` from ``offset`` without a group (FETCH)."""
-        return self.fetch_batch(topic, offset, max_messages, wait_ms=wait_ms, max_bytes=max_bytes)[0]
+        """Read up to ``max_messages`` of ``partition`` from ``offset`` without a group (FETCH)."""
+        return self.fetch_batch(topic, offset, max_messages, wait_ms=wait_ms, max_bytes=max_bytes, partition=partition)[
+            0
+        ]
 
     def fetch_batch(
-        self, topic: str, offset: int, max_messages: int = 1000, *, wait_ms: int = 0, max_bytes: int = 1 << 20
+        self,
+        topic: str,
+        offset: int,
+        max_messages: int = 1000,
+        *,
+        wait_ms: int = 0,
+        max_bytes: int = 1 << 20,
+        partition: int = 0,
     ) -> tuple[list[Message], dict[str, Any]]:
-        """Messages and the reply header (``start_offset``, ``end_offset``)."""
+        """Messages and the reply header (``start_offset``, ``end_offset`` of that partition)."""
         request = partial(
-            commands.fetch, topic, offset, max_messages=max_messages, max_bytes=max_bytes, wait_ms=wait_ms
+            commands.fetch,
+            partition_log(topic, partition),
+            offset,
+            max_messages=max_messages,
+            max_bytes=max_bytes,
+            wait_ms=wait_ms,
         )
         reply = self._call(request, timeout=self.timeout + wait_ms / 1000, topic=topic)
-        messages = messages_from_entries(topic, reply.get("entries", []), [bytes(b) for b in reply.payload])
+        entries, bodies = reply.get("entries", []), [bytes(b) for b in reply.payload]
+        messages = messages_from_entries(topic, entries, bodies, partition=partition)
         return messages[:max_messages], reply.header
 
     def close(self) -> None:

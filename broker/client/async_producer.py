@@ -24,6 +24,7 @@ from typing import Any, cast
 import tenacity
 import zmq
 import zmq.asyncio
+from conveyor.broker.client.futures import Offset
 from conveyor.broker.client.leadership import (
     LEADER_POLL,
     LEADERSHIP_ERRORS,
@@ -34,6 +35,7 @@ from conveyor.broker.client.leadership import (
 )
 from conveyor.broker.client.metadata import Metadata
 from conveyor.broker.client.options import RESEND_WINDOW, check_producer_options
+from conveyor.broker.client.partitioner import Partitioner
 from conveyor.broker.net.connection import DEFAULT_HWM, backoff_seconds, new_dealer
 from conveyor.broker.net.security import HandshakeWatch
 from conveyor.broker.wire import commands
@@ -49,6 +51,7 @@ from conveyor.errors import (
     buffer_full,
     delivery_timed_out,
 )
+from conveyor.names import split_log
 
 
 @dataclass(slots=True)
@@ -111,6 +114,8 @@ class AsyncProducer:
         )
         # One address, a comma-separated bootstrap list or a list; CONVEYOR_BROKER when not given.
         self.metadata = Metadata(address, timeout=request_timeout_ms / 1000)
+        # Routes as ``Producer`` does; buffers, sequences and flights are per partition log (``topic#k``).
+        self.partitioner = Partitioner(self.metadata.partition_count)
         self.address = ",".join(self.metadata.bootstrap)
         self.close_timeout = close_timeout_ms / 1000
         self._last_settled = time.monotonic()
@@ -212,11 +217,23 @@ class AsyncProducer:
                         future.set_exception(error)
 
     async def send(
-        self, topic: str, value: Any, *, key: str | bytes | None = None, headers: dict[str, str] | None = None
+        self,
+        topic: str,
+        value: Any,
+        *,
+        key: str | bytes | None = None,
+        headers: dict[str, str] | None = None,
+        partition: int | None = None,
     ) -> asyncio.Future[int]:
-        """Queue one message; the returned future resolves to its offset."""
+        """Queue one message; the returned future resolves to its offset (an ``Offset``, with ``.partition``).
+
+        ``partition``: this one; else the key's (docs/partitions.md); else the current keyless batch's.
+        """
         if not self._started:
             await self.start()
+        if topic not in self.partitioner.counts:  # asked once per topic, off the event loop
+            await asyncio.get_running_loop().run_in_executor(None, self.partitioner.count, topic)
+        topic = self.partitioner.route(topic, key, partition)
         record = make_record(value, key, headers)
         size = len(record[2]) + 16
         if self._held and self._held + size > self.buffer_memory:
@@ -276,6 +293,7 @@ class AsyncProducer:
         batch = self._buffers.pop(topic, None)
         if batch is None or not batch.records:
             return
+        self.partitioner.batch_left(topic)  # sticky batching: the next keyless batch takes the next partition
         batch.seq = self._seqs.get(topic, 0)
         self._seqs[topic] = batch.seq + 1
         batch.body = pack_records(batch.records)
@@ -352,9 +370,10 @@ class AsyncProducer:
                 del self._in_flight[rid]
                 self._settled(batch)
                 base = int(reply.get("base_offset"))
+                partition = split_log(batch.topic)[1]
                 for i, future in enumerate(batch.futures):
                     if not future.done():
-                        future.set_result(base + i)
+                        future.set_result(Offset(base + i, partition))
             elif reply.command is Command.ERROR and batch.address == link.address:  # else: a former leader's
                 self._on_error(rid, batch, error_from_header(reply.header))
 

@@ -24,12 +24,33 @@ from typing import Any
 _CONDITION_LOCK = threading.Lock()  # creates a batch's Condition the first time one is needed
 
 
-class BatchState:
-    __slots__ = ("_condition", "base_offset", "exception", "explain_timeout", "observed", "state")
+class Offset(int):
+    """A message's offset (an ``int``: ``== 3`` and arithmetic work as before) that also says its ``partition``."""
 
-    def __init__(self, explain_timeout: Callable[[float | None], BaseException] | None = None) -> None:
+    partition = 0  # a class default: only an offset in another partition carries its own
+
+    def __new__(cls, value: int, partition: int = 0) -> Offset:
+        offset = super().__new__(cls, value)
+        if partition:
+            offset.partition = partition
+        return offset
+
+    def __repr__(self) -> str:
+        return int.__repr__(self) if not self.partition else f"Offset({int(self)}, partition={self.partition})"
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (Offset, (int(self), self.partition))
+
+
+class BatchState:
+    __slots__ = ("_condition", "base_offset", "exception", "explain_timeout", "observed", "partition", "state")
+
+    def __init__(
+        self, explain_timeout: Callable[[float | None], BaseException] | None = None, partition: int = 0
+    ) -> None:
         self._condition: threading.Condition | None = None  # most batches never need one
         self.state = PENDING
+        self.partition = partition
         self.base_offset = 0
         self.exception: BaseException | None = None
         self.observed: list[OffsetFuture] = []  # futures with waiters or callbacks
@@ -127,7 +148,9 @@ class OffsetFuture(Future[int]):
 
     def _batch_result(self) -> int | None:
         batch = self._batch
-        return batch.base_offset + self._index if batch.state == FINISHED and batch.exception is None else None
+        if batch.state == FINISHED and batch.exception is None:
+            return Offset(batch.base_offset + self._index, batch.partition)
+        return None
 
     @property
     def _condition(self) -> threading.Condition:  # type: ignore[override]

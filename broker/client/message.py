@@ -11,17 +11,27 @@ from conveyor.broker.wire.entry import entries_from_wire
 from conveyor.broker.wire.record import unpack_records
 from conveyor.broker.wire.values import CONTENT_TYPE, decode_value
 
+PARTITION_STRIDE = 1 << 52  # Message.ref: partition k's offsets start at k * 2**52 (an offset stays below it)
+
 
 class _Origin:
-    """What the messages of one delivered batch share: topic, broker time, delivery count, first delivery."""
+    """What the messages of one delivered batch share: topic, partition, broker time, delivery count, first delivery."""
 
-    __slots__ = ("attempt", "first_delivered", "timestamp", "topic")
+    __slots__ = ("attempt", "first_delivered", "partition", "timestamp", "topic")
 
-    def __init__(self, topic: str, timestamp: float, attempt: int, first_delivered: float | None = None) -> None:
+    def __init__(
+        self,
+        topic: str,
+        timestamp: float,
+        attempt: int,
+        first_delivered: float | None = None,
+        partition: int = 0,
+    ) -> None:
         self.topic = topic
         self.timestamp = timestamp
         self.attempt = attempt
         self.first_delivered = first_delivered
+        self.partition = partition
 
 
 class Message:
@@ -56,8 +66,9 @@ class Message:
         headers: dict[str, str],
         body: bytes,
         attempt: int = 1,
+        partition: int = 0,
     ) -> None:
-        self._origin = _Origin(topic, timestamp, attempt)
+        self._origin = _Origin(topic, timestamp, attempt, partition=partition)
         self._record = (key, None, body)
         self._headers = headers
         self.offset = offset
@@ -72,22 +83,33 @@ class Message:
             "timestamp": origin.timestamp,
             "attempt": origin.attempt,
             "first_delivered": origin.first_delivered,
+            "partition": origin.partition,
             name: value,
         }
         self._origin = _Origin(**fields)
 
     if TYPE_CHECKING:
         topic: str
+        partition: int  # the topic's partition that holds it (0 for a single-partition topic)
         timestamp: float  # broker append time, seconds since the epoch
         attempt: int
         first_delivered: float | None  # when the broker first delivered it, seconds since the epoch
     else:  # C-level getters: these are read per message on hot paths
         topic = property(attrgetter("_origin.topic"), lambda self, v: self._set_origin("topic", v))
+        partition = property(attrgetter("_origin.partition"), lambda self, v: self._set_origin("partition", v))
         timestamp = property(attrgetter("_origin.timestamp"), lambda self, v: self._set_origin("timestamp", v))
         attempt = property(attrgetter("_origin.attempt"), lambda self, v: self._set_origin("attempt", v))
         first_delivered = property(
             attrgetter("_origin.first_delivered"), lambda self, v: self._set_origin("first_delivered", v)
         )
+
+    @property
+    def ref(self) -> int:
+        """One int naming the message within its subscription: the offset on partition 0, else
+        ``offset + partition * PARTITION_STRIDE``. ``Subscription.ack`` and the others take it like an
+        offset (so code that settles offsets works unchanged on a partitioned topic)."""
+        partition = self._origin.partition
+        return self.offset + partition * PARTITION_STRIDE if partition else self.offset
 
     # --- from the record ------------------------------------------------------------
 
@@ -131,7 +153,16 @@ class Message:
         )
 
     def __reduce__(self) -> tuple[Any, ...]:
-        args = (self.topic, self.offset, self.timestamp, self.key, self.headers, self.body, self.attempt)
+        args = (
+            self.topic,
+            self.offset,
+            self.timestamp,
+            self.key,
+            self.headers,
+            self.body,
+            self.attempt,
+            self.partition,
+        )
         return (Message, args)
 
     def to_dict(self) -> dict[str, Any]:
@@ -142,6 +173,7 @@ class Message:
         key = self.key.decode("utf-8", errors="replace") if isinstance(self.key, bytes) else self.key
         return {
             "topic": self.topic,
+            "partition": self.partition,
             "offset": self.offset,
             "timestamp": self.timestamp,
             "key": key,
@@ -170,7 +202,7 @@ def _build(records: Any, offsets: Any, origin: _Origin) -> list[Message]:
     return out
 
 
-def messages_from_entries(topic: str, entries: Any, bodies: list[bytes]) -> list[Message]:
+def messages_from_entries(topic: str, entries: Any, bodies: list[bytes], *, partition: int = 0) -> list[Message]:
     """Expand the ``entries`` of a DELIVER/FETCHED/EVENT header into messages, honouring each slice.
 
     A damaged entry is ``MalformedFrame`` (see ``DeliveryEntry.from_wire``).
@@ -180,7 +212,8 @@ def messages_from_entries(topic: str, entries: Any, bodies: list[bytes]) -> list
         records = unpack_records(body)
         base = entry.base_offset
         first_ms = entry.first_delivered_ms
-        origin = _Origin(topic, entry.timestamp_ms / 1000, entry.deliveries or 1, first_ms / 1000 if first_ms else None)
+        first_at = first_ms / 1000 if first_ms else None
+        origin = _Origin(topic, entry.timestamp_ms / 1000, entry.deliveries or 1, first_at, partition)
         picked = entry.offsets
         if picked:
             out += _build([records[offset - base] for offset in picked], picked, origin)

@@ -153,6 +153,15 @@ class Metadata:
         self._stale = False
         self._dead: set[str] = set()  # addresses lost since the last answer: asked last
 
+    def partition_count(self, topic: str) -> int:
+        """How many partitions ``topic`` has (1 for a topic no broker has yet); one METADATA, the cache untouched.
+
+        Safe from any thread: it asks on sockets of its own.
+        """
+        timeout = min(self.timeout, 2.0)
+        view = ask_metadata(self.bootstrap, [topic], context=self._ctx, keys=self._keys, timeout=timeout)
+        return len(view.topics.get(topic) or {0: None})
+
     @property
     def single(self) -> bool:
         """One bootstrap address: no METADATA unless a broker points elsewhere."""

@@ -56,6 +56,7 @@ from conveyor.broker.client.leadership import (
 )
 from conveyor.broker.client.metadata import Metadata
 from conveyor.broker.client.options import RESEND_WINDOW, check_producer_options
+from conveyor.broker.client.partitioner import Partitioner
 from conveyor.broker.net.connection import backoff_seconds, new_dealer
 from conveyor.broker.net.security import HandshakeWatch
 from conveyor.broker.net.transport import NOBLOCK, recv_frames, send_frames
@@ -71,6 +72,7 @@ from conveyor.errors import (
     buffer_full,
     delivery_timed_out,
 )
+from conveyor.names import split_log
 
 __all__ = ["Producer"]
 
@@ -131,10 +133,12 @@ class _Buffer:
 
     __slots__ = ("batch", "body", "count", "opened")
 
-    def __init__(self, opened: float, explain_timeout: Callable[[float | None], BaseException]) -> None:
+    def __init__(
+        self, opened: float, explain_timeout: Callable[[float | None], BaseException], partition: int = 0
+    ) -> None:
         self.body = bytearray()
         self.count = 0
-        self.batch = BatchState(explain_timeout)
+        self.batch = BatchState(explain_timeout, partition)
         self.opened = opened
 
 
@@ -215,6 +219,9 @@ class Producer:
         self.delivery_timeout = delivery_timeout_ms / 1000
         self.retry_wait = retry_wait or tenacity.wait_random_exponential(multiplier=0.05, max=2.0)
         self.producer_id = random.getrandbits(62) or 1
+        # Which partition each message goes to; the buffers, sequences and flights below are per
+        # partition log (``topic`` or ``topic#k``), so the idempotent sequence is per (topic, partition).
+        self.partitioner = Partitioner(self.metadata.partition_count)
         self._ctx = context or zmq.Context.instance()
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)
@@ -242,8 +249,13 @@ class Producer:
         *,
         key: str | bytes | None = None,
         headers: dict[str, str] | None = None,
+        partition: int | None = None,
     ) -> Future[int]:
-        """Queue one message; the future resolves to its offset once durable."""
+        """Queue one message; the future resolves to its offset (an ``Offset``, with ``.partition``) once durable.
+
+        ``partition``: this one; else the key's (docs/partitions.md); else the current keyless batch's.
+        """
+        topic = self.partitioner.route(topic, key, partition)
         if type(value) is bytes and key is None and headers is None:  # the fast path: nothing to encode
             try:
                 record = _RECORD_PREFIX[len(value)] + value
@@ -277,12 +289,15 @@ class Producer:
         *,
         key: str | bytes | None = None,
         headers: dict[str, str] | None = None,
+        partition: int | None = None,
     ) -> list[Future[int]]:
         """Queue many messages at once (same key and headers); one future per message, in order.
 
         The same as calling ``send()`` for each value, at a fraction of the cost
-        per message: encoding and queueing work on the whole list.
+        per message: encoding and queueing work on the whole list. They all go to one
+        partition (``partition``, the key's, or the current keyless one).
         """
+        topic = self.partitioner.route(topic, key, partition)
         if not isinstance(values, list | tuple):
             values = list(values)  # a generator would be used up by the first pass
         if key is None and headers is None and all(type(v) is bytes for v in values):
@@ -341,7 +356,8 @@ class Producer:
             raise RuntimeError("producer is closed")
         if full is not None:
             self._hand_off(topic)
-        buf = self._buffers[topic] = _Buffer(time.monotonic(), functools.partial(self._result_timed_out, topic))
+        explain = functools.partial(self._result_timed_out, topic)
+        buf = self._buffers[topic] = _Buffer(time.monotonic(), explain, split_log(topic)[1])
         if not self._woken:  # the I/O thread starts the linger clock
             self._woken = True
             self._wake()
@@ -350,6 +366,7 @@ class Producer:
     def _hand_off(self, topic: str, *, wake: bool = True) -> None:
         """Under the lock: the topic's buffer goes to the I/O thread; its messages now count as outstanding."""
         buf = self._buffers.pop(topic)
+        self.partitioner.batch_left(topic)  # sticky batching: the next keyless batch takes the next partition
         self._outstanding += buf.count
         self._io.ready.append((topic, buf))
         if wake and not self._woken:

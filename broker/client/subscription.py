@@ -23,7 +23,7 @@ from typing import Any
 
 import zmq
 from conveyor.broker.client.leadership import LEADERSHIP_ERRORS
-from conveyor.broker.client.message import Message, messages_from_entries
+from conveyor.broker.client.message import PARTITION_STRIDE, Message, messages_from_entries
 from conveyor.broker.client.metadata import Metadata
 from conveyor.broker.net.connection import DEFAULT_HWM, new_dealer
 from conveyor.broker.net.security import HandshakeWatch
@@ -33,6 +33,7 @@ from conveyor.broker.wire.protocol import Command, Frame, decode, error_from_hea
 from conveyor.broker.wire.ranges import to_ranges
 
 from conveyor.errors import ConveyorError, NotLeader
+from conveyor.names import partition_log
 
 log = logging.getLogger("conveyor.consumer")
 
@@ -57,6 +58,18 @@ def offset_ranges(messages: Iterable[Message | int]) -> list[list[int]]:
     if last - first + 1 == len(offsets) and offsets == list(range(first, last + 1)):
         return [[first, last + 1]]  # contiguous and in order: the common case
     return [list(r) for r in to_ranges(sorted(set(offsets)))]
+
+
+def by_partition(messages: Iterable[Message | int]) -> dict[int, list[int]]:
+    """Offsets by partition, from messages or ``Message.ref`` ints (``offset + partition * 2**52``)."""
+    out: dict[int, list[int]] = {}
+    for item in messages:
+        if isinstance(item, Message):
+            out.setdefault(item.partition, []).append(item.offset)
+        else:
+            partition, offset = divmod(int(item), PARTITION_STRIDE)
+            out.setdefault(partition, []).append(offset)
+    return out
 
 
 class DeadLettered(Exception):
@@ -115,6 +128,8 @@ class Subscription:
         ):
             if value is not None:
                 self.options[name] = value
+        # A partitioned topic: partition p is subscription p + 1 on this socket (learnt from SUBSCRIBED).
+        self.partitions = 1
         self.reconnects = 0
         self.subscribed = False
         # Since when this subscription has been without its broker (None while subscribed): from the start
@@ -268,10 +283,15 @@ class Subscription:
 
     def _on_frame(self, frame: Frame) -> list[Message]:
         if frame.command is Command.DELIVER:
-            return messages_from_entries(self.topic, frame.get("entries", []), [bytes(b) for b in frame.payload])
+            partition = frame.get("p", 0)
+            bodies = [bytes(b) for b in frame.payload]
+            return messages_from_entries(self.topic, frame.get("entries", []), bodies, partition=partition)
         if frame.command is Command.SUBSCRIBED:
             self.subscribed = True
             self.down_since = None
+            partitions = frame.get("partitions")
+            if frame.get("sub") == 1 and isinstance(partitions, int) and partitions > 1:
+                self._subscribe_partitions(partitions)
         elif frame.command is Command.BYE:
             self._reconnect(str(frame.get("reason") or "broker said goodbye"))
         elif frame.command is Command.EVENT:
@@ -305,8 +325,35 @@ class Subscription:
                 raise exc
         return []
 
+    def _subscribe_partitions(self, partitions: int) -> None:
+        """Partition 0 answered: the topic has ``partitions``. Each has a subscription of its own (its own
+        group state on the broker) with an equal share of the credit, so the total stays ``credit``."""
+        self.partitions = partitions
+        credit, batch_size = self._share()
+        self._send(commands.credit(1, credit, batch_size=batch_size))
+        for partition in range(1, partitions):
+            self._send(
+                commands.subscribe(
+                    partition + 1,
+                    partition_log(self.topic, partition),
+                    self.group,
+                    credit=credit,
+                    batch_size=batch_size,
+                    settings=self.options,
+                    rid=next(self._rids),
+                )
+            )
+
+    def _share(self) -> tuple[int, int]:
+        """Each partition's credit and batch size: ``credit`` split evenly (rounded up), at least 1."""
+        if self.partitions == 1:
+            return self.credit, self.batch_size
+        credit = max(1, -(-self.credit // self.partitions)) if self.credit else 0
+        return credit, max(1, min(self.batch_size, credit))
+
     def _dead_lettered(self, frame: Frame) -> None:
-        messages = messages_from_entries(self.topic, frame.get("entries", []), [bytes(b) for b in frame.payload])
+        bodies = [bytes(b) for b in frame.payload]
+        messages = messages_from_entries(self.topic, frame.get("entries", []), bodies, partition=frame.get("p", 0))
         exc = DeadLettered(
             str(frame.get("reason") or ""), int(frame.get("deliveries", 0)), str(frame.get("dead_letter_topic") or "")
         )
@@ -340,14 +387,20 @@ class Subscription:
 
     def _settle(self, settle: Callable[..., list[Any]], messages: Iterable[Message | int], **extra: Any) -> None:
         """``settle``: the encoder of ACK, NACK, IN_PROGRESS or TERM (``broker/wire/commands.py``)."""
-        ranges = offset_ranges(messages)
-        for start in range(0, len(ranges), MAX_RANGES_PER_FRAME):  # scattered offsets: several frames
-            self._send(settle(1, ranges[start : start + MAX_RANGES_PER_FRAME], **extra))
+        if self.partitions == 1:
+            by_sub = [(1, offset_ranges(messages))]
+        else:
+            by_sub = [(p + 1, offset_ranges(offsets)) for p, offsets in by_partition(messages).items()]
+        for sub, ranges in by_sub:
+            for start in range(0, len(ranges), MAX_RANGES_PER_FRAME):  # scattered offsets: several frames
+                self._send(settle(sub, ranges[start : start + MAX_RANGES_PER_FRAME], **extra))
 
     def set_credit(self, credit: int, batch_size: int | None = None) -> None:
         self.credit = credit
         self.batch_size = batch_size or credit
-        self._send(commands.credit(1, credit, batch_size=self.batch_size))
+        share, batch = self._share()
+        for partition in range(self.partitions):
+            self._send(commands.credit(partition + 1, share, batch_size=batch))
 
     # --- lifecycle ----------------------------------------------------------------------------
 

@@ -40,7 +40,7 @@ from conveyor.errors import (
     TopicExists,
     UnknownTopic,
 )
-from conveyor.names import NAME_RE
+from conveyor.names import NAME_RE, is_log_name, partition_log
 
 TOPIC_FILE = "topic.json"
 DELETED_MARK = "~deleted"  # a topic directory being deleted: '~' is not allowed in topic names
@@ -226,6 +226,13 @@ def check_name(name: str, what: str = "topic") -> str:
     return name
 
 
+def check_log_name(name: str) -> str:
+    """A topic name or a partition log's (``topic#k``): the names the broker itself gives logs."""
+    if not isinstance(name, str) or not is_log_name(name):
+        raise InvalidName(f"topic name must match [A-Za-z0-9._-]{{1,200}}, got {name!r}", name=name)
+    return name
+
+
 class Store:
     def __init__(
         self,
@@ -307,7 +314,7 @@ class Store:
         unfinished creation (no ``topic.json``, no data) is left to be replaced.
         """
         path = directory / TOPIC_FILE
-        if not NAME_RE.fullmatch(name) or name in (".", ".."):
+        if not is_log_name(name):
             log.warning("%s: not a topic name; the directory is left alone", directory)
             return None
         if path.exists():
@@ -477,7 +484,7 @@ class Store:
         **more: Any,
     ) -> TopicLog:
         """A new topic with the broker's defaults and ``settings``; every one is checked before anything is written."""
-        check_name(name)
+        check_log_name(name)
         if name in self.logs:
             raise TopicExists(f"topic {name} exists", topic=name)
         topic_config = self.defaults.with_settings({**(settings or {}), **more}, extra=extra)
@@ -537,6 +544,17 @@ class Store:
     def get_or_create(self, name: str) -> TopicLog:
         log = self.logs.get(name)
         return log if log is not None else self.create_topic(name)
+
+    def partition_count(self, topic: str) -> int:
+        """How many partitions ``topic`` has (``partitions`` in its topic.json's extra; 1 when absent)."""
+        log_ = self.logs.get(topic)
+        count = log_.config.extra.get("partitions", 1) if log_ is not None else 1
+        return count if isinstance(count, int) and count >= 1 else 1
+
+    def partition_logs(self, topic: str) -> list[TopicLog]:
+        """The logs of ``topic``'s partitions that exist, in partition order (partition 0 first)."""
+        found = (self.logs.get(partition_log(topic, p)) for p in range(self.partition_count(topic)))
+        return [log_ for log_ in found if log_ is not None]
 
     def topic(self, name: str) -> TopicLog:
         try:

@@ -12,9 +12,11 @@ from typing import TYPE_CHECKING, Any, Protocol
 from conveyor.broker.log.data_dir import Store, check_name
 from conveyor.broker.server.group_table import GroupTable, resolve_position
 from conveyor.broker.server.metadata import SINGLE_NODE_ID
+from conveyor.broker.server.partition_logs import create_partitioned
 from conveyor.broker.server.partition_status import describe_partitions
 
 from conveyor.errors import ConfigError, InvalidRequest, UnknownGroup
+from conveyor.names import PARTITION_MARK, partition_log
 
 if TYPE_CHECKING:
     from conveyor.broker.config.broker_settings import BrokerSettings
@@ -48,11 +50,17 @@ class AdminHost(Protocol):
 
 
 def describe_topic(host: AdminHost, name: str) -> dict[str, Any]:
+    """The topic; ``end_offset`` is its one partition's, or the sum over its partitions (``partitions``)."""
     log = host.store.topic(name)
+    partitions = [
+        {"partition": number, "start_offset": part.start_offset, "end_offset": part.end_offset}
+        for number, part in enumerate(host.store.partition_logs(name))
+    ]
     return {
         "name": name,
+        "partitions": partitions,
         "start_offset": log.start_offset,
-        "end_offset": log.end_offset,
+        "end_offset": sum(p["end_offset"] for p in partitions),
         "durable_offset": log.durable_offset,
         "visible_offset": log.visible_offset,
         "segments": log.segment_count(),
@@ -64,6 +72,24 @@ def describe_topic(host: AdminHost, name: str) -> dict[str, Any]:
 
 
 def describe_group(host: AdminHost, topic: str, name: str) -> dict[str, Any]:
+    """Partition 0's group as before, plus ``partitions`` (lag of each) and ``lag`` summed over them."""
+    described = _describe_one(host, topic, name)
+    if host.store.partition_count(topic) == 1:
+        return {**described, "partitions": [_partition_lag(0, described)]}
+    rows = [_partition_lag(0, described)]
+    for number in range(1, host.store.partition_count(topic)):
+        log_name = partition_log(topic, number)
+        if host.groups.get((log_name, name)) is not None:
+            rows.append(_partition_lag(number, _describe_one(host, log_name, name)))
+    return {**described, "lag": sum(row["lag"] for row in rows), "partitions": rows}
+
+
+def _partition_lag(number: int, described: dict[str, Any]) -> dict[str, Any]:
+    keys = ("committed_offset", "end_offset", "lag", "in_flight")
+    return {"partition": number, **{key: described[key] for key in keys}}
+
+
+def _describe_one(host: AdminHost, topic: str, name: str) -> dict[str, Any]:
     group = _group(host, topic, name)
     log = host.store.topic(topic)
     committed = group.committed_offset
@@ -95,6 +121,14 @@ def _group(host: AdminHost, topic: str, name: str) -> Group:
 
 
 def reset_offsets(host: AdminHost, topic: str, name: str, to: Any) -> dict[str, Any]:
+    """Applies ``to`` to every partition of the topic (an offset: the same offset in each)."""
+    for number in range(1, host.store.partition_count(topic)):
+        _reset_one(host, partition_log(topic, number), name, to)
+    _reset_one(host, topic, name, to)
+    return describe_group(host, topic, name)
+
+
+def _reset_one(host: AdminHost, topic: str, name: str, to: Any) -> None:
     log = host.store.topic(topic)
     group = host.groups.get((topic, name))
     if group is None:
@@ -104,10 +138,17 @@ def reset_offsets(host: AdminHost, topic: str, name: str, to: Any) -> dict[str, 
     host.store.save_group(topic, name, {**group.settings.to_dict(), "committed_offset": group.next_offset})
     host.store.write_groups()
     host.to_dispatch.add(group)
-    return describe_group(host, topic, name)
 
 
 def delete_group(host: AdminHost, topic: str, name: str) -> dict[str, Any]:
+    _group(host, topic, name)
+    for number in range(1, host.store.partition_count(topic)):
+        if host.groups.get((partition_log(topic, number), name)) is not None:
+            _delete_one(host, partition_log(topic, number), name)
+    return _delete_one(host, topic, name)
+
+
+def _delete_one(host: AdminHost, topic: str, name: str) -> dict[str, Any]:
     group = _group(host, topic, name)
     for member in list(group.members + group.joining):
         host.peers.forget_subscription(member.peer, member.sub_id)
@@ -119,19 +160,32 @@ def delete_group(host: AdminHost, topic: str, name: str) -> dict[str, Any]:
 
 
 def delete_topic(host: AdminHost, name: str) -> dict[str, Any]:
-    for group in host.groups.of_topic(name):
-        delete_group(host, name, group.name)
-    host.store.delete_topic(name)
-    host.topic_deleted(name)
+    """Every partition's log goes (partition 0 last: its topic.json holds the count)."""
+    host.store.topic(name)
+    for number in reversed(range(host.store.partition_count(name))):
+        log_name = partition_log(name, number)
+        if log_name not in host.store.logs:
+            continue
+        for group in host.groups.of_topic(log_name):
+            _delete_one(host, log_name, group.name)
+        host.store.delete_topic(log_name)
+        host.topic_deleted(log_name)
     return {"deleted": name}
 
 
-def create_topic(host: AdminHost, name: str, config: Any) -> dict[str, Any]:
+def create_topic(host: AdminHost, name: str, config: Any, partitions: int = 1) -> dict[str, Any]:
     """Every setting is checked by the topic settings table before the topic's directory is made."""
     if name not in host.store.logs:
         host.check_topic_room(name)  # TOPIC_EXISTS stays the answer for a topic that is there
-    host.store.create_topic(name, config)  # durable when it answers: an operator may restart right after
+        host.store.defaults.with_settings(config)  # a bad setting is refused before any partition is made
+    # durable when it answers: an operator may restart right after
+    create_partitioned(host.store, check_name(name), partitions, config)
     return describe_topic(host, name)
+
+
+def _topics(host: AdminHost) -> list[str]:
+    """The topics (a partition's log ``T#k`` is shown as part of ``T``)."""
+    return sorted(name for name in host.store.logs if PARTITION_MARK not in name)
 
 
 def alter_topic(host: AdminHost, name: str, config: Any) -> dict[str, Any]:
@@ -164,12 +218,16 @@ def _arg(header: dict[str, Any], key: str, kind: type) -> Any:
 
 
 OPS: dict[str, Callable[[AdminHost, dict[str, Any]], Any]] = {
-    "list_topics": lambda b, h: [describe_topic(b, name) for name in sorted(b.store.logs)],
+    "list_topics": lambda b, h: [describe_topic(b, name) for name in _topics(b)],
     "describe_topic": lambda b, h: describe_topic(b, _arg(h, "topic", str)),
-    "create_topic": lambda b, h: create_topic(b, _arg(h, "topic", str), h.get("config") or {}),
+    "create_topic": lambda b, h: create_topic(b, _arg(h, "topic", str), h.get("config") or {}, h.get("partitions", 1)),
     "alter_topic": lambda b, h: alter_topic(b, _arg(h, "topic", str), h.get("config")),
     "delete_topic": lambda b, h: delete_topic(b, _arg(h, "topic", str)),
-    "list_groups": lambda b, h: [describe_group(b, t, g) for (t, g) in sorted(b.groups) if h.get("topic") in (None, t)],
+    "list_groups": lambda b, h: [
+        describe_group(b, t, g)
+        for (t, g) in sorted(b.groups)
+        if h.get("topic") in (None, t) and PARTITION_MARK not in t
+    ],
     "describe_group": lambda b, h: describe_group(b, _arg(h, "topic", str), _arg(h, "group", str)),
     "reset_offsets": lambda b, h: reset_offsets(b, _arg(h, "topic", str), _arg(h, "group", str), h.get("to")),
     "delete_group": lambda b, h: delete_group(b, _arg(h, "topic", str), _arg(h, "group", str)),

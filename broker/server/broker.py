@@ -44,6 +44,7 @@ from conveyor.broker.server.limits import TopicLimits
 from conveyor.broker.server.metadata import MetadataProvider, SingleNodeMetadata, metadata_reply
 from conveyor.broker.server.metrics_state import cluster_snapshot, state_snapshot
 from conveyor.broker.server.mirror import Mirror
+from conveyor.broker.server.partition_logs import log_for
 from conveyor.broker.server.partitions import Partitions
 from conveyor.broker.server.peers import Peers
 from conveyor.broker.server.startup import bind_router, open_mirror, open_store
@@ -170,7 +171,10 @@ class Broker:
         self.groups.load()
         # Who leads what, for METADATA: "me" here; a cluster node replaces it with its etcd view.
         self.metadata: MetadataProvider = SingleNodeMetadata(
-            settings.node, lambda: self.endpoint, lambda: self.store.logs.keys()
+            settings.node,
+            lambda: self.endpoint,
+            lambda: self.store.logs.keys(),
+            lambda t: self.store.partition_count(t),
         )
 
     def _group_defaults(self) -> GroupSettings:
@@ -492,7 +496,7 @@ class Broker:
 
     def _on_publish(self, peer: bytes, frame: Frame) -> None:
         received = self.clock()
-        topic = check_name(hfield(frame, "topic", str))
+        topic = log_for(self.store, frame)  # the partition's log: the topic itself for partition 0
         leader_epoch = None  # a single node writes batches without an epoch (magic 1)
         if self.partitions is not None:
             leader_epoch = self.partitions.check_publish(topic)  # NOT_LEADER, NOT_ENOUGH_REPLICAS: nothing appended
@@ -525,7 +529,7 @@ class Broker:
         self.admission.check_room(topic)
 
     def _on_subscribe(self, peer: bytes, frame: Frame) -> None:
-        topic = check_name(hfield(frame, "topic", str))
+        topic = log_for(self.store, frame)  # a member subscribes to each partition of a topic on its own
         name = check_name(hfield(frame, "group", str), "group")
         sub_id = hfield(frame, "sub", int)
         if self.partitions is not None:
@@ -561,6 +565,7 @@ class Broker:
                 committed_offset=group.committed_offset,
                 end_offset=log_.end_offset,
                 heartbeat_ms=self.settings.heartbeat_ms,
+                partitions=self.store.partition_count(topic) if self.store.partition_count(topic) > 1 else None,
             ),
         )
 

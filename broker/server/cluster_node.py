@@ -58,7 +58,7 @@ from conveyor.broker.server.group_log import group_log_name, is_group_log
 from conveyor.broker.server.metadata import ClusterMetadata, PartitionMetadata
 from conveyor.broker.server.partitions import Partitions
 
-from conveyor.errors import ConfigError, ConveyorError, TopicExists, UnknownTopic
+from conveyor.errors import ConfigError, ConveyorError, PartitionsUnsupported, TopicExists, UnknownTopic
 
 CLUSTER_ADMIN = frozenset({"create_topic", "reassign_topic", "delete_topic", "alter_topic"})
 TOPIC_ID = "cluster_topic_id"  # in a replica's topic.json ``extra``: which topic of that name it holds
@@ -471,6 +471,13 @@ class ClusterNode:
     def create(self, header: Mapping[str, Any], answer: Callable[[Any], None]) -> None:
         """``topics create``: checked here (settings, RF, TOPIC_EXISTS), then made by the controller."""
         topic = _topic_of(header)
+        if header.get("partitions", 1) != 1:
+            raise PartitionsUnsupported(
+                f"topic {topic}: more than one partition is not supported in cluster mode yet "
+                "(a single-node broker has them; see docs/partitions.md)",
+                topic=topic,
+                partitions=header.get("partitions"),
+            )
         config = dict(header.get("config") or {})
         rf = _count(config.pop("replication_factor", None), "replication_factor")
         min_insync = _count(config.pop("min_insync_replicas", None), "min_insync_replicas")

@@ -21,13 +21,14 @@ from conveyor.broker.server.confirms import Send
 from conveyor.broker.server.containment import Containment
 from conveyor.broker.server.group_table import GroupIndex
 from conveyor.broker.server.groups import MAX_ENTRIES, DeadLetter, Group, Pending, entries_for
+from conveyor.broker.server.partition_logs import dead_letter_target
 from conveyor.broker.wire import commands
 from conveyor.broker.wire.ranges import Range
 from conveyor.broker.wire.ranges import count as count_offsets
 from conveyor.broker.wire.record import Batch, pack_records, unpack_records
 
 from conveyor.errors import ConveyorError
-from conveyor.names import dead_letter_topic
+from conveyor.names import dead_letter_log, dead_letter_topic
 
 if TYPE_CHECKING:
     from conveyor.broker.server.group_log import DeliveryGate
@@ -166,7 +167,7 @@ class DeadLetters:
         built = dead_letter_body(source, dead.ranges, group=group.name, deliveries=dead.deliveries, reason=dead.reason)
         if built is None:
             return
-        name = dead_letter_topic(group.topic, group.settings.dead_letter_topic)
+        name = dead_letter_log(group.topic, group.settings.dead_letter_topic)  # partition k: the DLQ's k
         failures = self._metrics.dead_letter_failures
         if self.gate is not None and not self.gate.leads(name):
             # In a cluster the dead-letter topic is a replicated topic: written where it is led. Not
@@ -189,7 +190,8 @@ class DeadLetters:
             self.undead(group, dead, delay=DEAD_LETTER_RETRY_SECONDS)
             return
         try:
-            target = self.store.get_or_create(name)
+            dead_letter_target(self.store, group.topic, name)
+            target = self.store.topic(name)
             result = target.append(built[0], built[1])
         except ConveyorError as exc:
             retriable = exc.retriable

@@ -24,10 +24,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from conveyor.broker.log.data_dir import Store, check_name
+from conveyor.broker.log.data_dir import Store
 from conveyor.broker.log.topic_log import TopicLog
 from conveyor.broker.server.confirms import ReplyError, Send
 from conveyor.broker.server.groups import MAX_ENTRIES
+from conveyor.broker.server.partition_logs import log_for
 from conveyor.broker.wire import commands
 from conveyor.broker.wire.entry import wire_entry
 from conveyor.broker.wire.protocol import Frame
@@ -80,7 +81,7 @@ class FetchWaits:
 
     def fetch(self, peer: bytes, frame: Frame) -> None:
         """Answer a FETCH now, or park it while it asks to wait for offsets not yet durable."""
-        topic = check_name(hfield(frame, "topic", str))
+        topic = log_for(self.store, frame)
         log_ = self.store.topic(topic)
         replica = frame.get("replica") is not None
         if replica:

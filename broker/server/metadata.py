@@ -72,17 +72,25 @@ class SingleNodeMetadata:
     ``topic_names`` lists the topics that exist now.
     """
 
-    def __init__(self, node_id: str, address: Callable[[], str], topic_names: Callable[[], Iterable[str]]) -> None:
+    def __init__(
+        self,
+        node_id: str,
+        address: Callable[[], str],
+        topic_names: Callable[[], Iterable[str]],
+        partition_count: Callable[[str], int] = lambda topic: 1,
+    ) -> None:
         self.node_id = node_id or SINGLE_NODE_ID
         self._address = address
         self._topic_names = topic_names
+        self._partition_count = partition_count
 
     def metadata(self, topics: Sequence[str] | None) -> ClusterMetadata:
         me, address = self.node_id, self._address()
-        known = set(self._topic_names())
+        known = {name for name in self._topic_names() if "#" not in name}  # a partition's log is not a topic
         wanted = sorted(known) if topics is None else [t for t in dict.fromkeys(topics) if t in known]
         partition = PartitionMetadata(me, address, 0, (me,), (me,))
-        return ClusterMetadata(me, me, {me: address}, {name: {0: partition} for name in wanted})
+        every = {name: dict.fromkeys(range(self._partition_count(name)), partition) for name in wanted}
+        return ClusterMetadata(me, me, {me: address}, every)
 
 
 def metadata_reply(rid: Any, view: ClusterMetadata) -> list[Any]:

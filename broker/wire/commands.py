@@ -19,6 +19,7 @@ from typing import Any
 from conveyor.broker.wire.protocol import Command, encode, error_header
 
 from conveyor.errors import ConveyorError
+from conveyor.names import split_log
 
 Body = bytes | memoryview
 WireEntries = list[dict[str, Any]]  # entry maps made by ``DeliveryEntry.to_wire`` or ``entry.wire_entry``
@@ -31,6 +32,17 @@ def _with(header: dict[str, Any], **optional: Any) -> dict[str, Any]:
         if value is not None:
             header[key] = value
     return header
+
+
+def _topic(log: str) -> dict[str, Any]:
+    """The ``topic`` field of a log name, and ``p`` for a partition other than 0 (``"orders#3"``: topic orders, p 3).
+
+    Every encoder here takes the log name (a topic's partition k > 0 is the log ``topic#k``,
+    see conveyor/names.py); on the wire a partition is always the ``p`` field, absent for 0,
+    so a single-partition frame is byte for byte what it was.
+    """
+    topic, partition = split_log(log)
+    return {"topic": topic, "p": partition} if partition else {"topic": topic}
 
 
 def _request(rid: Any, fields: dict[str, Any]) -> dict[str, Any]:
@@ -49,7 +61,7 @@ def hello(client: str | None, *, rid: Any = None) -> list[Any]:
 
 def publish(topic: str, body: Body, *, pid: int | None = None, seq: int | None = None, rid: Any = None) -> list[Any]:
     """One batch body for ``topic``; ``pid`` and ``seq`` make it idempotent."""
-    return encode(Command.PUBLISH, _request(rid, _with({"topic": topic}, pid=pid, seq=seq)), body)
+    return encode(Command.PUBLISH, _request(rid, _with(_topic(topic), pid=pid, seq=seq)), body)
 
 
 def subscribe(
@@ -62,7 +74,7 @@ def subscribe(
     settings: Mapping[str, Any] | None = None,  # start, key_affinity and the group settings, as given
     rid: Any = None,
 ) -> list[Any]:
-    header = _with({"sub": sub, "topic": topic, "group": group}, credit=credit, batch_size=batch_size)
+    header = _with({"sub": sub, **_topic(topic), "group": group}, credit=credit, batch_size=batch_size)
     return encode(Command.SUBSCRIBE, _request(rid, {**header, **(settings or {})}))
 
 
@@ -117,7 +129,7 @@ def fetch(
     at the leader says so how far it synced.
     """
     header = {
-        "topic": topic,
+        **_topic(topic),
         "offset": offset,
         "max_messages": max_messages,
         "max_bytes": max_bytes,
@@ -183,28 +195,37 @@ def welcome(
 
 def published(rid: Any, topic: str, *, base_offset: int, count: int, duplicate: bool) -> list[Any]:
     """The confirm of a PUBLISH: the batch holds ``[base_offset, base_offset + count)``."""
-    header = {"rid": rid, "topic": topic, "base_offset": base_offset, "count": count, "duplicate": duplicate}
+    header = {"rid": rid, **_topic(topic), "base_offset": base_offset, "count": count, "duplicate": duplicate}
     return encode(Command.PUBLISHED, header)
 
 
 def subscribed(
-    rid: Any, sub: int, topic: str, group: str, *, committed_offset: int, end_offset: int, heartbeat_ms: int
+    rid: Any,
+    sub: int,
+    topic: str,
+    group: str,
+    *,
+    committed_offset: int,
+    end_offset: int,
+    heartbeat_ms: int,
+    partitions: int | None = None,
 ) -> list[Any]:
+    """``partitions`` (partition 0's answer, when the topic has more than one): the client subscribes to the others."""
     header = {
         "rid": rid,
         "sub": sub,
-        "topic": topic,
+        **_topic(topic),
         "group": group,
         "committed_offset": committed_offset,
         "end_offset": end_offset,
         "heartbeat_ms": heartbeat_ms,
     }
-    return encode(Command.SUBSCRIBED, header)
+    return encode(Command.SUBSCRIBED, _with(header, partitions=partitions))
 
 
 def deliver(sub: int, topic: str, entries: WireEntries, bodies: Iterable[Body]) -> list[Any]:
     """Batches for a subscription: one body per entry, in the same order."""
-    header = {"sub": sub, "topic": topic, "entries": entries}
+    header = {"sub": sub, **_topic(topic), "entries": entries}
     return encode(Command.DELIVER, header, *bodies)
 
 
@@ -227,7 +248,7 @@ def fetched(
     """
     header = {
         "rid": rid,
-        "topic": topic,
+        **_topic(topic),
         "start_offset": start_offset,
         "end_offset": end_offset,
         "entries": entries,

@@ -124,6 +124,7 @@ OFFSET = Field(integer(0, I64_MAX))
 I64 = Field(integer(I64_MIN, I64_MAX))  # counts and durations the handler clamps to the broker's limits
 FREE_TEXT = Field(TEXT_OR_NIL)
 EPOCH = Field(integer(0, I32_MAX))  # a leader epoch: the batch header's i32
+PARTITION = Field(integer(0, 1023))  # absent: partition 0 (conveyor.names.MAX_PARTITIONS)
 
 # By command name. Broker -> client commands have no entry: their receivers check what they read.
 COMMANDS: dict[str, dict[str, Field]] = {
@@ -134,6 +135,7 @@ COMMANDS: dict[str, dict[str, Field]] = {
         "BYE": {"reason": FREE_TEXT},
         "PUBLISH": {
             "topic": NAME,
+            "p": PARTITION,
             "pid": Field(integer(-1, I64_MAX)),  # the batch header's i64; -1: not idempotent
             "seq": Field(integer(-1, I32_MAX)),  # the batch header's i32
         },
@@ -141,6 +143,7 @@ COMMANDS: dict[str, dict[str, Field]] = {
             "sub": SUB,
             "topic": NAME,
             "group": NAME,
+            "p": PARTITION,
             "credit": Field(integer(0, U32_MAX)),  # and at most --max-credit, checked by the handler
             "batch_size": I64,
             "start": Field(position),
@@ -157,6 +160,7 @@ COMMANDS: dict[str, dict[str, Field]] = {
         "CREDIT": {"sub": SUB, "credit": Field(integer(0, U32_MAX), required=True), "batch_size": I64},
         "FETCH": {
             "topic": NAME,
+            "p": PARTITION,
             "offset": OFFSET,
             "max_messages": I64,
             "max_bytes": I64,
@@ -177,7 +181,7 @@ SETTINGS = Field(settings_map, error=ConfigError)
 ADMIN_OPS: dict[str, dict[str, Field]] = {
     "list_topics": {},
     "describe_topic": {"topic": NAME},
-    "create_topic": {"topic": NAME, "config": SETTINGS},
+    "create_topic": {"topic": NAME, "config": SETTINGS, "partitions": Field(integer(1, 1024))},
     "alter_topic": {"topic": NAME, "config": Field(settings_map, required=True, error=ConfigError)},
     "delete_topic": {"topic": NAME},
     "list_groups": {"topic": FREE_TEXT},

@@ -139,3 +139,47 @@ def test_key_ordered_concurrency_keeps_per_key_order(conveyor_broker, tmp_path):
         assert len(per_key) == 16
     finally:
         runner.kill()
+
+
+def test_key_ordered_runner_over_a_partitioned_topic_keeps_per_key_order(conveyor_broker, tmp_path):
+    with Admin(conveyor_broker.address) as admin:
+        admin.create_topic("keyed", partitions=4)  # before the runner subscribes (it would make one partition)
+    runner = RunnerProcess(conveyor_broker.address, tmp_path)
+    try:
+        keys = [f"k{i % 16}" for i in range(1000)]
+        publish(conveyor_broker.address, "keyed", list(range(1000)), keys=keys)
+        rows = wait_records(tmp_path, "keyed", 1000, timeout=40)
+        assert sorted(int(r[5]) for r in rows) == list(range(1000)), "every message once, from every partition"
+        per_key: dict[str, list[int]] = collections.defaultdict(list)
+        for row in rows:
+            per_key[row[4]].append(int(row[5]))
+        assert all(v == sorted(v) for v in per_key.values()), "each key in the order it was sent"
+        with Admin(conveyor_broker.address) as admin:
+            assert sum(p["end_offset"] > 0 for p in admin.describe_topic("keyed")["partitions"]) > 1
+    finally:
+        runner.kill()
+
+
+def test_dead_letters_of_a_partition_go_to_the_same_partition_of_the_dead_letter_topic(conveyor_broker, tmp_path):
+    address = conveyor_broker.address
+    with Admin(address) as admin:
+        admin.create_topic("doomed", partitions=3)
+    runner = RunnerProcess(address, tmp_path)
+    try:
+        from conveyor import Producer
+
+        with Producer(address) as producer:
+            assert producer.send("doomed", "x", partition=2).result(30) == 0
+        wait_records(tmp_path, "doomed-dead", 1)
+        with Admin(address) as admin:
+            deadline = time.monotonic() + 30
+            letters = []
+            while not letters and time.monotonic() < deadline:
+                try:
+                    letters = admin.fetch("doomed.dlq", 0, 10, partition=2)
+                except Exception:
+                    time.sleep(0.1)
+            assert [(m.partition, m.value) for m in letters] == [(2, "x")]
+            assert len(admin.describe_topic("doomed.dlq")["partitions"]) == 3
+    finally:
+        runner.kill()

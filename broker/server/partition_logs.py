@@ -1,0 +1,76 @@
+"""Partitioned topics on one broker: which log a request names, and making a topic's partition logs.
+
+Partition 0 of ``T`` is the log ``T`` as it always was; partition k > 0 is the
+log ``T#k`` (conveyor/names.py), a log of its own with its own offsets,
+segments, retention, groups.json and idempotence table. Everything below the
+handlers (store, groups, dispatch, dead letters, fetch waits) works on log
+names, so a partition is served by the code that serves a topic; only the
+handlers map ``(topic, p)`` to a log here. The count is ``partitions`` in
+the topic's ``topic.json`` (its ``extra``), absent for one partition, so an
+existing data directory and every single-partition topic.json are unchanged.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from conveyor.broker.log.data_dir import Store, check_name
+from conveyor.broker.log.topic_log import TopicLog
+from conveyor.broker.wire.protocol import Frame
+from conveyor.broker.wire.protocol import field as hfield
+
+from conveyor.errors import TopicExists, UnknownPartition
+from conveyor.names import partition_log, split_log
+
+
+def log_for(store: Store, frame: Frame) -> str:
+    """The log a PUBLISH, SUBSCRIBE or FETCH names: its ``topic`` (checked) and partition ``p`` (default 0)."""
+    topic = check_name(hfield(frame, "topic", str))
+    partition = hfield(frame, "p", int, 0)
+    if partition == 0:
+        return topic
+    count = store.partition_count(topic)
+    if partition >= count:
+        raise UnknownPartition(
+            f"topic {topic} has {count} partition{'s' if count != 1 else ''}, no partition {partition}",
+            topic=topic,
+            partition=partition,
+            partitions=count,
+        )
+    return partition_log(topic, partition)
+
+
+def create_partitioned(
+    store: Store, name: str, partitions: int, config: Mapping[str, Any] | None = None, **more: Any
+) -> TopicLog:
+    """Make ``name`` with ``partitions`` logs (each made durable before this returns, like a topic).
+
+    Partition 0 is made last: its topic.json records the count, so a crash part way leaves
+    partition logs that the next create (or a dead-letter write) finds and keeps.
+    """
+    if name in store.logs:
+        raise TopicExists(f"topic {name} exists", topic=name)
+    extra = {"partitions": partitions} if partitions > 1 else None
+    for number in range(1, partitions):
+        log_name = partition_log(name, number)
+        if log_name not in store.logs:
+            store.create_topic(log_name, config, extra={"partition_of": name}, **more)
+    return store.create_topic(name, config, extra=extra, **more)
+
+
+def dead_letter_target(store: Store, log_name: str, target: str) -> None:
+    """Before dead letters of ``log_name`` go to ``target`` (its partition of the DLQ topic): make that topic.
+
+    The dead-letter topic of a partitioned topic gets as many partitions as its origin, and
+    partition k's dead letters go to its partition k, so the dead letters of one key stay in order.
+    """
+    if target in store.logs:
+        return
+    topic, partition = split_log(log_name)
+    dlq_topic, _ = split_log(target)
+    count = store.partition_count(topic)
+    if dlq_topic not in store.logs:
+        create_partitioned(store, dlq_topic, count)
+    elif partition:
+        store.create_topic(target, extra={"partition_of": dlq_topic})

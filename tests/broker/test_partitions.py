@@ -1,0 +1,211 @@
+"""Partitioned topics on one broker process: routing, per-key order, groups over every partition.
+
+Partition 0 of a topic is the log it always was; partition k > 0 is a log of its
+own (docs/partitions.md). These run a real broker and real clients.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+import time
+import zlib
+from pathlib import Path
+
+import pytest
+from conveyor.broker.client.admin import Admin
+from conveyor.broker.client.async_producer import AsyncProducer
+from conveyor.broker.client.futures import Offset
+from conveyor.broker.client.producer import Producer
+from conveyor.broker.client.subscription import Subscription
+from conveyor.broker.wire.partitioning import partition_for_key
+
+from conveyor.errors import TopicExists, UnknownPartition
+from conveyor.names import dead_letter_log, partition_log, split_log
+from tests.helpers import wait_for
+
+# Known vectors: CRC-32 (IEEE) of the key's UTF-8 bytes, modulo the partition count. A client in
+# another language must give the same partitions (docs/partitions.md has the same table).
+KEY_VECTORS = [
+    ("", 8, 0),  # crc32 0x00000000
+    ("123456789", 8, 0xCBF43926 % 8),  # the CRC-32 check value
+    ("123456789", 1000, 0xCBF43926 % 1000),
+    ("order-1", 8, zlib.crc32(b"order-1") % 8),
+    ("héllo", 7, zlib.crc32("héllo".encode()) % 7),
+]
+
+
+@pytest.mark.parametrize(("key", "partitions", "expected"), KEY_VECTORS)
+def test_a_key_maps_to_crc32_of_its_utf8_bytes_modulo_the_partitions(key, partitions, expected):
+    assert partition_for_key(key, partitions) == expected
+    assert partition_for_key(key.encode(), partitions) == expected
+
+
+def test_the_known_vectors_are_fixed_numbers():
+    assert partition_for_key("123456789", 8) == 6  # 0xCBF43926 = 3421780262
+    assert partition_for_key("order-1", 8) == zlib.crc32(b"order-1") % 8
+    assert partition_for_key("anything", 1) == 0
+
+
+def test_log_names_of_partitions():
+    assert partition_log("orders", 0) == "orders"
+    assert partition_log("orders", 3) == "orders#3"
+    assert split_log("orders#3") == ("orders", 3)
+    assert split_log("orders") == ("orders", 0)
+    assert dead_letter_log("orders#3") == "orders.dlq#3"
+    assert dead_letter_log("orders") == "orders.dlq"
+    assert dead_letter_log("orders#2", "bad") == "bad#2"
+
+
+def test_an_offset_is_an_int_that_carries_its_partition():
+    assert Offset(3) == 3 and Offset(3).partition == 0 and repr(Offset(3)) == "3"
+    five = Offset(5, 2)
+    assert five == 5 and five + 1 == 6 and five.partition == 2
+    assert json.dumps([five]) == "[5]"
+
+
+def receive_all(subs, count, timeout=30.0, ack=True):
+    got = []
+    deadline = time.monotonic() + timeout
+    while len(got) < count and time.monotonic() < deadline:
+        for sub in subs:
+            batch = sub.receive(timeout=0.05)
+            if batch and ack:
+                sub.ack(batch)
+            got += [(sub, m) for m in batch]
+    return got
+
+
+def test_keys_route_to_their_partition_and_keep_their_order_under_concurrency(conveyor_broker):
+    address = conveyor_broker.address
+    with Admin(address) as admin:
+        described = admin.create_topic("orders", partitions=8)
+        assert [p["partition"] for p in described["partitions"]] == list(range(8))
+        with pytest.raises(TopicExists):
+            admin.create_topic("orders", partitions=8)
+    keys = [f"key-{i}" for i in range(1000)]
+    per_key = 5
+    futures: list = []
+    lock = threading.Lock()
+
+    def publish(part: list[str]) -> None:
+        with Producer(address, linger_ms=2) as producer:
+            mine = [(k, n, producer.send("orders", {"k": k, "n": n}, key=k)) for n in range(per_key) for k in part]
+            producer.flush(30)
+        with lock:
+            futures.extend(mine)
+
+    threads = [threading.Thread(target=publish, args=(keys[i::4],)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert len(futures) == len(keys) * per_key
+    for key, _n, future in futures:
+        offset = future.result(30)
+        assert isinstance(offset, int) and offset.partition == partition_for_key(key, 8)
+    with Admin(address) as admin:
+        info = admin.describe_topic("orders")
+        assert info["end_offset"] == len(keys) * per_key == sum(p["end_offset"] for p in info["partitions"])
+        assert all(p["end_offset"] > 0 for p in info["partitions"])
+    sub = Subscription("orders", "ordered", address=address, credit=2000)
+    try:
+        got = receive_all([sub], len(keys) * per_key)
+    finally:
+        sub.close()
+    seen: dict[str, list[int]] = {}
+    for _sub, message in got:
+        assert message.partition == partition_for_key(message.key, 8)
+        seen.setdefault(message.value["k"], []).append(message.value["n"])
+    assert len(got) == len(keys) * per_key
+    assert all(ns == list(range(per_key)) for ns in seen.values()), "per-key order at the consumer"
+
+
+def test_a_group_of_four_receives_every_message_of_every_partition_once(conveyor_broker):
+    address = conveyor_broker.address
+    with Admin(address) as admin:
+        admin.create_topic("work", partitions=8)
+    with Producer(address, linger_ms=2, batch_size=50) as producer:
+        sent = [producer.send("work", i) for i in range(2000)]  # keyless: sticky batches over the partitions
+        producer.flush(30)
+    partitions = {f.result(30).partition for f in sent}
+    assert len(partitions) == 8, "keyless batches rotate over every partition"
+    members = [Subscription("work", "g4", address=address, credit=100) for _ in range(4)]
+    try:
+        got = receive_all(members, 2000)
+        time.sleep(0)  # nothing more may come: checked below against the group's own lag
+        with Admin(address) as admin:
+            wait_for(lambda: admin.describe_group("work", "g4")["lag"] == 0, timeout=30)
+            group = admin.describe_group("work", "g4")
+    finally:
+        for sub in members:
+            sub.close()
+    values = sorted(m.value for _sub, m in got)
+    assert values == list(range(2000)), "every message exactly once"
+    assert len({sub for sub, _m in got}) > 1, "the members share the work"
+    assert [row["partition"] for row in group["partitions"]] == list(range(8))
+    assert all(row["lag"] == 0 for row in group["partitions"])
+
+
+def test_admin_fetch_and_tail_read_each_partition(conveyor_broker):
+    address = conveyor_broker.address
+    with Admin(address) as admin:
+        admin.create_topic("t3", partitions=3)
+        with Producer(address) as producer:
+            for p in range(3):
+                for i in range(2):
+                    assert producer.send("t3", f"p{p}-{i}", partition=p).result(30) == Offset(i, p)
+            with pytest.raises(UnknownPartition):
+                producer.send("t3", "x", partition=3)
+        for p in range(3):
+            fetched = admin.fetch("t3", 0, 10, partition=p)
+            assert [(m.partition, m.offset, m.value) for m in fetched] == [
+                (p, 0, f"p{p}-0".encode()),
+                (p, 1, f"p{p}-1".encode()),
+            ] or [(m.partition, m.offset, m.value) for m in fetched] == [(p, 0, f"p{p}-0"), (p, 1, f"p{p}-1")]
+        with pytest.raises(UnknownPartition):
+            admin.fetch("t3", 0, 10, partition=3)
+        assert [t["name"] for t in admin.list_topics()] == ["t3"]
+    base = [sys.executable, "-m", "conveyor", "tail", "t3", "--broker", address, "--from", "earliest"]
+    out = subprocess.run([*base, "--count", "6", "--format", "json"], capture_output=True, text=True, timeout=60)
+    rows = [json.loads(line) for line in out.stdout.splitlines()]
+    assert sorted((r["partition"], r["offset"]) for r in rows) == [(p, i) for p in range(3) for i in range(2)]
+    out = subprocess.run([*base, "--partition", "2", "--count", "2"], capture_output=True, text=True, timeout=60)
+    assert [line.split("\t")[0] for line in out.stdout.splitlines()] == ["2:0", "2:1"]
+
+
+def test_an_async_producer_routes_by_key_and_resolves_offsets_with_partitions(conveyor_broker):
+    import asyncio
+
+    address = conveyor_broker.address
+    with Admin(address) as admin:
+        admin.create_topic("a4", partitions=4)
+
+    async def main() -> list:
+        producer = AsyncProducer(address)
+        try:
+            futures = [await producer.send("a4", i, key=f"k{i}") for i in range(20)]
+            return [(i, await f) for i, f in enumerate(futures)]
+        finally:
+            await producer.close()
+
+    for i, offset in asyncio.run(main()):
+        assert offset.partition == partition_for_key(f"k{i}", 4)
+
+
+def test_an_existing_single_partition_data_directory_opens_unchanged(conveyor_broker):
+    address = conveyor_broker.address
+    with Producer(address) as producer:
+        assert producer.send("plain", b"x").result(30) == 0
+    topic_json = Path(conveyor_broker.data_dir) / "topics" / "plain" / "topic.json"
+    before = topic_json.read_bytes()
+    assert b"partitions" not in before
+    conveyor_broker.restart()
+    with Admin(address) as admin:
+        info = admin.describe_topic("plain")
+        assert info["end_offset"] == 1 and info["partitions"] == [{"partition": 0, "start_offset": 0, "end_offset": 1}]
+        assert [m.partition for m in admin.fetch("plain", 0, 10)] == [0]
+    assert topic_json.read_bytes() == before
+    assert sorted(p.name for p in (Path(conveyor_broker.data_dir) / "topics").iterdir()) == ["plain"]

@@ -190,8 +190,7 @@ class DeadLetters:
             self.undead(group, dead, delay=DEAD_LETTER_RETRY_SECONDS)
             return
         try:
-            dead_letter_target(self.store, group.topic, name)
-            target = self.store.topic(name)
+            target = dead_letter_target(self.store, group.topic, name)
             result = target.append(built[0], built[1])
         except ConveyorError as exc:
             retriable = exc.retriable

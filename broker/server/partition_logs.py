@@ -59,18 +59,21 @@ def create_partitioned(
     return store.create_topic(name, config, extra=extra, **more)
 
 
-def dead_letter_target(store: Store, log_name: str, target: str) -> None:
-    """Before dead letters of ``log_name`` go to ``target`` (its partition of the DLQ topic): make that topic.
+def dead_letter_target(store: Store, log_name: str, target: str) -> TopicLog:
+    """The log dead letters of ``log_name`` go to (``target``, its partition of the DLQ topic), made if need be.
 
     The dead-letter topic of a partitioned topic gets as many partitions as its origin, and
     partition k's dead letters go to its partition k, so the dead letters of one key stay in order.
+    A single-partition topic's is made as it always was.
     """
-    if target in store.logs:
-        return
     topic, partition = split_log(log_name)
-    dlq_topic, _ = split_log(target)
     count = store.partition_count(topic)
-    if dlq_topic not in store.logs:
-        create_partitioned(store, dlq_topic, count)
-    elif partition:
-        store.create_topic(target, extra={"partition_of": dlq_topic})
+    if count == 1 and not partition:
+        return store.get_or_create(target)
+    if target not in store.logs:
+        dlq_topic, _ = split_log(target)
+        if dlq_topic not in store.logs:
+            create_partitioned(store, dlq_topic, count)
+        if target not in store.logs:  # the DLQ topic was there with fewer partitions
+            store.create_topic(target, extra={"partition_of": dlq_topic})
+    return store.topic(target)

@@ -31,13 +31,19 @@ COMMANDS: dict[Command, tuple[dict[str, Any], dict[str, Spec]]] = {
     Command.BYE: ({"reason": "fuzz"}, {"reason": ("text",)}),
     Command.PUBLISH: (
         {"topic": "fz", "pid": 7, "seq": 0},
-        {"topic": ("name",), "pid": ("int", -1, I64_MAX), "seq": ("int", -1, 2**31 - 1)},
+        {
+            "topic": ("name",),
+            "p": ("int", 0, 1023),
+            "pid": ("int", -1, I64_MAX),
+            "seq": ("int", -1, 2**31 - 1),
+        },
     ),
     Command.SUBSCRIBE: (
         {"sub": 9, "topic": "fz", "group": "g", "credit": 10},
         {
             "sub": ("int", 0, 2**32 - 1, "required"),
             "topic": ("name",),
+            "p": ("int", 0, 1023),
             "group": ("name",),
             "credit": ("int", 0, 2**32 - 1),
             "batch_size": ("int", I64_MIN, I64_MAX),
@@ -80,6 +86,7 @@ COMMANDS: dict[Command, tuple[dict[str, Any], dict[str, Spec]]] = {
         {"topic": "fz", "offset": 0, "max_messages": 1},
         {
             "topic": ("name",),
+            "p": ("int", 0, 1023),
             "offset": ("int", 0, I64_MAX),
             "max_messages": ("int", I64_MIN, I64_MAX),
             "max_bytes": ("int", I64_MIN, I64_MAX),
@@ -89,6 +96,7 @@ COMMANDS: dict[Command, tuple[dict[str, Any], dict[str, Spec]]] = {
             "leader_epoch": ("int", 0, 2**31 - 1),
             "last_epoch": ("int", 0, 2**31 - 1),
             "durable": ("int", 0, I64_MAX),
+            "report": ("bool",),
         },
     ),
     Command.METADATA: ({"topics": ["fz"]}, {"topics": ("names",)}),
@@ -97,7 +105,10 @@ COMMANDS: dict[Command, tuple[dict[str, Any], dict[str, Spec]]] = {
 ADMIN_OPS: dict[str, tuple[dict[str, Any], dict[str, Spec]]] = {
     "list_topics": ({}, {}),
     "describe_topic": ({"topic": "fz"}, {"topic": ("name",)}),
-    "create_topic": ({"topic": "fz-new", "config": {}}, {"topic": ("name",), "config": ("settings",)}),
+    "create_topic": (
+        {"topic": "fz-new", "config": {}},
+        {"topic": ("name",), "config": ("settings",), "partitions": ("int", 1, 1024)},
+    ),
     "alter_topic": (
         {"topic": "fz", "config": {"retention_ms": 60_000}},
         {"topic": ("name",), "config": ("settings", "required")},

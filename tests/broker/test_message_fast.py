@@ -76,6 +76,7 @@ def test_value_decoding_and_to_dict():
     assert m.content_type == "application/msgpack"
     assert m.to_dict() == {
         "topic": "t",
+        "partition": 0,
         "offset": 1,
         "timestamp": 2.0,
         "key": "k",

@@ -58,7 +58,7 @@ def test_futures_resolve_together_with_offsets():
     late = []
     futures[3].add_done_callback(lambda f: late.append(f.result()))  # already done: runs at once
     assert late == [103]
-    assert "finished returned int" in repr(futures[0])
+    assert "finished returned Offset" in repr(futures[0])
 
 
 def test_failure_reaches_every_future_and_waiters():

@@ -209,3 +209,31 @@ def test_an_existing_single_partition_data_directory_opens_unchanged(conveyor_br
         assert [m.partition for m in admin.fetch("plain", 0, 10)] == [0]
     assert topic_json.read_bytes() == before
     assert sorted(p.name for p in (Path(conveyor_broker.data_dir) / "topics").iterdir()) == ["plain"]
+
+
+def test_a_partitioned_topic_made_on_the_command_line_survives_a_restart_resets_and_deletes_whole(conveyor_broker):
+    address = conveyor_broker.address
+    create = [sys.executable, "-m", "conveyor", "topics", "create", "kept", "--partitions", "3", "--broker", address]
+    made = subprocess.run([*create, "--format", "json"], capture_output=True, text=True, timeout=60)
+    assert made.returncode == 0, made.stderr
+    with Producer(address) as producer:
+        for p in range(3):
+            producer.send("kept", f"v{p}", partition=p).result(30)
+    sub = Subscription("kept", "g", address=address)
+    try:
+        assert len(receive_all([sub], 3)) == 3
+    finally:
+        sub.close()
+    conveyor_broker.restart()
+    with Admin(address) as admin:
+        info = admin.describe_topic("kept")
+        assert [(p["partition"], p["end_offset"]) for p in info["partitions"]] == [(0, 1), (1, 1), (2, 1)]
+        wait_for(lambda: admin.describe_group("kept", "g")["lag"] == 0, timeout=30)
+        reset = admin.reset_offsets("kept", "g", "earliest")
+        assert [row["lag"] for row in reset["partitions"]] == [1, 1, 1] and reset["lag"] == 3
+        admin.delete_topic("kept")
+        assert admin.list_topics() == []
+        topics_dir = Path(conveyor_broker.data_dir) / "topics"
+        assert not [p.name for p in topics_dir.iterdir() if p.name.startswith("kept")]
+        again = admin.create_topic("kept", partitions=2)
+        assert [p["end_offset"] for p in again["partitions"]] == [0, 0]

@@ -11,12 +11,23 @@ from typing import Any
 import zmq
 from conveyor.broker.client.message import Message, messages_from_entries
 from conveyor.broker.client.metadata import Metadata
+from conveyor.broker.net.metadata import ClusterView
 from conveyor.broker.net.requester import FramesFor, Requester
 from conveyor.broker.wire import commands
 from conveyor.broker.wire.protocol import Command, Frame, encode
 
 from conveyor.errors import BrokerUnavailable, ConveyorError, NotEnoughReplicas, NotLeader, UnknownTopic
 from conveyor.names import partition_log
+
+
+def leaders_of(view: ClusterView) -> dict[str, set[str]]:
+    """Each leader's address and the topics it leads (offline partitions have none)."""
+    led: dict[str, set[str]] = {}
+    for topic in view.topics:
+        address = view.leader_address(topic)
+        if address is not None:
+            led.setdefault(address, set()).add(topic)
+    return led
 
 
 class Admin:
@@ -136,7 +147,21 @@ class Admin:
         return self._admin("describe_topic", topic=name)
 
     def list_groups(self, topic: str | None = None) -> list[dict[str, Any]]:
-        return self._admin("list_groups", **({"topic": topic} if topic else {}))
+        """Every group (of ``topic``, if given). A topic's groups live on its leader, so with a list of
+        brokers each leader is asked for the groups of the topics it leads."""
+        if topic or self.metadata.single:
+            return self._admin("list_groups", **({"topic": topic} if topic else {}))
+        with self._lock:
+            view = self.metadata.refresh()
+        rows: list[dict[str, Any]] = []
+        for address, topics in sorted(leaders_of(view).items()):
+            answer = self._to_once(address, partial(commands.admin, "list_groups", {}))
+            rows += [row for row in answer if row.get("topic") in topics]
+        return sorted(rows, key=lambda row: (row["topic"], row["group"]))
+
+    def _to_once(self, address: str, frames_for: FramesFor) -> Any:
+        with self._lock:
+            return self._to(address).call(frames_for, timeout=self.timeout).get("result")
 
     def describe_group(self, topic: str, group: str) -> dict[str, Any]:
         return self._admin("describe_group", topic=topic, group=group)

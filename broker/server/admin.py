@@ -217,6 +217,8 @@ def _arg(header: dict[str, Any], key: str, kind: type) -> Any:
     return value
 
 
+GROUP_OPS = frozenset({"describe_group", "reset_offsets", "delete_group"})  # in a cluster: on the topic's leader
+
 OPS: dict[str, Callable[[AdminHost, dict[str, Any]], Any]] = {
     "list_topics": lambda b, h: [describe_topic(b, name) for name in _topics(b)],
     "describe_topic": lambda b, h: describe_topic(b, _arg(h, "topic", str)),

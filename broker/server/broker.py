@@ -45,7 +45,7 @@ from conveyor.broker.server.metadata import MetadataProvider, SingleNodeMetadata
 from conveyor.broker.server.metrics_state import cluster_snapshot, state_snapshot
 from conveyor.broker.server.mirror import Mirror
 from conveyor.broker.server.partition_logs import log_for
-from conveyor.broker.server.partitions import Partitions
+from conveyor.broker.server.partitions import Partitions, check_client_topic
 from conveyor.broker.server.peers import Peers
 from conveyor.broker.server.startup import bind_router, open_mirror, open_store
 from conveyor.broker.server.subscription_fields import check_dead_letter_topic, checked_credit, group_settings
@@ -533,6 +533,7 @@ class Broker:
         name = check_name(hfield(frame, "group", str), "group")
         sub_id = hfield(frame, "sub", int)
         if self.partitions is not None:
+            check_client_topic(topic)
             self.partitions.check_leader(topic)
         credit = checked_credit(hfield(frame, "credit", int, self.settings.default_credit), self.settings.max_credit)
         batch_size = max(1, min(hfield(frame, "batch_size", int, credit), credit))
@@ -623,6 +624,8 @@ class Broker:
 
     def _on_admin(self, peer: bytes, frame: Frame) -> None:
         op, rid = hfield(frame, "op", str), frame.get("rid")
+        if self.partitions is not None and op in admin.GROUP_OPS:
+            self.partitions.check_group_admin(hfield(frame, "topic", str))
         if self.cluster is not None and self.cluster.handles(op):
             self.cluster.admin(op, frame.header, lambda answer: self._admin_answer(peer, rid, answer))
             return

@@ -56,7 +56,7 @@ from conveyor.broker.server.admin import AdminHost
 from conveyor.broker.server.cluster_roles import ClusterRoles
 from conveyor.broker.server.group_log import group_log_name, is_group_log
 from conveyor.broker.server.metadata import ClusterMetadata, PartitionMetadata
-from conveyor.broker.server.partitions import Partitions
+from conveyor.broker.server.partitions import Partitions, check_client_topic
 
 from conveyor.errors import ConfigError, ConveyorError, PartitionsUnsupported, TopicExists, UnknownTopic
 
@@ -471,6 +471,7 @@ class ClusterNode:
     def create(self, header: Mapping[str, Any], answer: Callable[[Any], None]) -> None:
         """``topics create``: checked here (settings, RF, TOPIC_EXISTS), then made by the controller."""
         topic = _topic_of(header)
+        check_client_topic(topic)
         if header.get("partitions", 1) != 1:
             raise PartitionsUnsupported(
                 f"topic {topic}: more than one partition is not supported in cluster mode yet "

@@ -32,7 +32,7 @@ from conveyor.broker.server.replication import IsrChange, PartitionLeader, check
 from conveyor.broker.wire.protocol import Frame
 from conveyor.broker.wire.protocol import field as hfield
 
-from conveyor.errors import ConveyorError, NotLeader
+from conveyor.errors import ConveyorError, InvalidName, NotLeader
 
 log = logging.getLogger("conveyor.partitions")
 
@@ -297,8 +297,18 @@ class Partitions:
             raise self.not_leader(topic, partition)
         return leader
 
+    def check_group_admin(self, topic: str, partition: int = 0) -> None:
+        """A group ADMIN op (describe, reset, delete) on a followed topic: ``NOT_LEADER``.
+
+        A topic's groups live on its leader; a follower that made or changed one
+        of its own would be changing a copy nobody dispatches from, silently.
+        """
+        if (topic, partition) in self.following:
+            raise self.not_leader(topic, partition)
+
     def check_publish(self, topic: str, partition: int = 0) -> int:
         """A PUBLISH goes only to the leader, and only while enough replicas are in sync; the epoch to write."""
+        check_client_topic(topic)
         leader = self.check_leader(topic, partition)
         if self.draining:  # a controlled shutdown: appends stop so a follower can catch up to the end
             raise NotLeader(
@@ -380,3 +390,9 @@ class Partitions:
         if topic not in store.logs:
             store.create_topic(topic, GROUP_LOG_SETTINGS if is_group_log(topic) else None)
         return store.topic(topic)
+
+
+def check_client_topic(topic: str) -> None:
+    """``__groups.<topic>`` is a topic's group log, written by its leader only: ``INVALID_NAME`` to a client."""
+    if is_group_log(topic):
+        raise InvalidName(f"{topic!r}: names starting with '__groups.' are the cluster's group logs", topic=topic)

@@ -22,7 +22,7 @@ from conveyor.broker.client.metadata import Metadata
 from conveyor.broker.client.producer import Producer
 
 from conveyor.cluster_process import ClusterProcess
-from conveyor.errors import ConfigError, UnknownGroup, UnknownTopic
+from conveyor.errors import ConfigError, InvalidName, UnknownGroup, UnknownTopic
 from conveyor.testing import BrokerProcess
 from tests.helpers import stays_false, wait_for
 from tests.mirror.test_hierarchy import health
@@ -248,3 +248,41 @@ def test_more_than_one_partition_is_refused_in_a_cluster_with_its_own_code(clust
         assert refused.value.code == 308 and "cluster mode" in refused.value.message
         with pytest.raises(UnknownTopic):
             admin.describe_topic("split")  # nothing was made
+
+
+def test_groups_list_with_the_bootstrap_list_shows_the_groups_of_topics_every_node_leads(
+    cluster: ClusterProcess,
+) -> None:
+    """A topic's groups live on its leader: a list asked of one node showed only what that node led."""
+    topics = [f"glist-{n}" for n in range(3)]
+    with Admin(cluster.bootstrap) as admin:
+        for topic in topics:
+            admin.create_topic(topic, replication_factor=3)
+        leaders = {topic: in_sync(cluster, topic) for topic in topics}
+        assert len(set(leaders.values())) > 1, leaders  # placement spreads leaders over the nodes
+        for topic in topics:
+            admin.reset_offsets(topic, "billing", "earliest")
+        listed = {(row["topic"], row["group"]) for row in admin.list_groups()}
+    assert {(topic, "billing") for topic in topics} <= listed
+
+
+def test_a_group_log_name_is_refused_to_clients_and_the_group_log_stays_intact(cluster: ClusterProcess) -> None:
+    """``__groups.<topic>`` holds the topic's group records: a client's create or publish there is INVALID_NAME."""
+    publish(cluster, "glog", [b"one"])
+    with Admin(cluster.bootstrap) as admin:
+        admin.reset_offsets("glog", "g", "earliest")
+        with pytest.raises(InvalidName):
+            admin.create_topic("__groups.other", replication_factor=3)
+    with Producer(cluster.bootstrap) as producer, pytest.raises(InvalidName):
+        producer.send("__groups.glog", b"not a group record").result(60)
+
+
+def test_a_group_reset_sent_to_a_follower_reaches_the_leader(cluster: ClusterProcess) -> None:
+    """A follower answered ``groups reset`` with a group of its own, which the leader never saw."""
+    publish(cluster, "greset", [b"a", b"b"])
+    leader = in_sync(cluster, "greset")
+    follower = next(node for node in ("n1", "n2", "n3") if node != leader)
+    with Admin(cluster.address(follower)) as admin:
+        admin.reset_offsets("greset", "ops", 1)
+    with Admin(cluster.address(leader)) as admin:
+        assert admin.describe_group("greset", "ops")["committed_offset"] == 1

@@ -86,10 +86,32 @@ class ClusterProcess:
         wanted = list(nodes if nodes is not None else self.node_ids)
         for node in self.node_ids:
             self.brokers[node] = self._broker(node)
-        for node in wanted:
-            self.brokers[node].start(timeout)
-        self.wait_registered(wanted, timeout)
+        try:
+            for node in wanted:
+                self._first_start(node, timeout)
+            self.wait_registered(wanted, timeout)
+        except BaseException:
+            self.kill()  # a half-started cluster would outlive the test that failed to start it
+            raise
         return self
+
+    def _first_start(self, node: str, timeout: float) -> None:
+        """Start ``node``; a free port another process took since it was probed is swapped for a new one.
+
+        Only a port this class chose may change, and only before anything could have used it: ``start``
+        has not returned, so no client holds the bootstrap list yet.
+        """
+        for _attempt in range(5):
+            broker = self.brokers[node]
+            try:
+                broker.start(timeout)
+                return
+            except RuntimeError:
+                taken = "Address already in use" in "".join(broker.output[-5:])
+                if not taken or node in self.addresses:
+                    raise
+                self.brokers[node] = self._broker(node)
+        raise RuntimeError(f"{node}: no free port could be bound in 5 attempts")
 
     def start_node(self, node: str, timeout: float = 60.0) -> BrokerProcess:
         """Start one node that ``start(nodes=...)`` left down (or a stopped one) and wait until it registers."""

@@ -300,6 +300,32 @@ class ClusterAgent:
             log.warning("cluster agent: etcd: %s; retrying in %.1f s", exc, self._backoff)
             self._backoff = min(RETRY_MAX, self._backoff * 2)
 
+    def check_node_id(self, wait: Callable[[float], None] = time.sleep) -> None:
+        """At start: ``ClusterError`` when another live node holds this node's id.
+
+        A restart finds the key its previous run left (same address, or a lease about
+        to end) and takes it over. A key under another address is waited out for a
+        TTL and etcd's expiry sweep: still there under the same lease, it is a live
+        node's, and registering over it would send its clients here and drop it from
+        its in-sync sets when this node exits. Unreachable etcd: the agent's retries judge.
+        """
+        key = self.keys.node(self.node_id)
+        try:
+            held = self.etcd.get(key)
+            if held is None or k.decode_node(key, self.node_id, held.value).advertise == self.settings.advertise:
+                return
+            wait(self.settings.lease_seconds + 1.0)
+            again = self.etcd.get(key)
+        except (EtcdError, ValueError):
+            return
+        if again is not None and again.lease == held.lease and again.lease:
+            other = k.decode_node(key, self.node_id, again.value).advertise
+            raise ClusterError(
+                f"--node-id {self.node_id} is in use: a live node at {other} is registered under it in etcd; "
+                "give every node its own id",
+                field="node_id",
+            )
+
     def _register(self) -> None:
         if self.lease is None or self.lease.lost.is_set():
             if self.lease is not None:

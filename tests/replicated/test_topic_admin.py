@@ -23,6 +23,7 @@ from conveyor.broker.client.producer import Producer
 
 from conveyor.cluster_process import ClusterProcess
 from conveyor.errors import ConfigError, InvalidName, UnknownGroup, UnknownTopic
+from conveyor.etcd_process import free_port
 from conveyor.testing import BrokerProcess
 from tests.helpers import stays_false, wait_for
 from tests.mirror.test_hierarchy import health
@@ -286,3 +287,16 @@ def test_a_group_reset_sent_to_a_follower_reaches_the_leader(cluster: ClusterPro
         admin.reset_offsets("greset", "ops", 1)
     with Admin(cluster.address(leader)) as admin:
         assert admin.describe_group("greset", "ops")["committed_offset"] == 1
+
+
+def test_a_second_node_with_an_id_in_use_is_refused_and_the_first_keeps_its_key(
+    cluster: ClusterProcess, tmp_path: Path
+) -> None:
+    """A node started under a live node's ``--node-id`` took its key: clients were sent to it, and its
+    exit deleted the key, so the real node's partitions lost it from their in-sync sets."""
+    address = f"tcp://127.0.0.1:{free_port()}"
+    command = [sys.executable, "-m", "conveyor", "--cluster", cluster.etcd_url, "--node-id", "n1"]
+    command += ["--bind", address, "--data-dir", str(tmp_path / "impostor"), "--metrics-port", "0"]
+    refused = subprocess.run(command, capture_output=True, text=True, timeout=60)
+    assert refused.returncode != 0 and "[CLUSTER_ERROR]" in refused.stderr and "in use" in refused.stderr
+    assert Metadata(cluster.bootstrap).refresh().nodes["n1"] == cluster.address("n1")

@@ -404,7 +404,7 @@ def _topics_setup(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--format", choices=["table", "json"], default="table")
 
 
-@command("topics", "list, create, describe, delete or refresh topics", _topics_setup)
+@command("topics", "list, create, alter, describe, delete, refresh or reassign topics", _topics_setup)
 def cmd_topics(args: argparse.Namespace) -> int:
     from conveyor.broker.client.admin import Admin
 

@@ -10,6 +10,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
 from conveyor.broker.log.data_dir import Store, check_name
+from conveyor.broker.server.group_log import is_group_log
 from conveyor.broker.server.group_table import GroupTable, resolve_position
 from conveyor.broker.server.metadata import SINGLE_NODE_ID
 from conveyor.broker.server.partition_logs import create_partitioned
@@ -184,8 +185,18 @@ def create_topic(host: AdminHost, name: str, config: Any, partitions: int = 1) -
 
 
 def _topics(host: AdminHost) -> list[str]:
-    """The topics (a partition's log ``T#k`` is shown as part of ``T``)."""
-    return sorted(name for name in host.store.logs if PARTITION_MARK not in name)
+    """The topics a user made (a partition's log ``T#k`` is shown as part of ``T``).
+
+    In a cluster, a topic's group log ``__groups.<topic>`` is internal, as Kafka's
+    ``__consumer_offsets``: clients may not write it, so it is not listed (``describe_topic``
+    still shows it by name). A single broker has none, and a user topic of that name stays listed.
+    """
+    internal = is_group_log if host.partitions is not None else _never
+    return sorted(name for name in host.store.logs if PARTITION_MARK not in name and not internal(name))
+
+
+def _never(name: str) -> bool:
+    return False
 
 
 def alter_topic(host: AdminHost, name: str, config: Any) -> dict[str, Any]:

@@ -276,6 +276,10 @@ def test_a_group_log_name_is_refused_to_clients_and_the_group_log_stays_intact(c
             admin.create_topic("__groups.other", replication_factor=3)
     with Producer(cluster.bootstrap) as producer, pytest.raises(InvalidName):
         producer.send("__groups.glog", b"not a group record").result(60)
+    for node in cluster.node_ids:  # internal, as Kafka's __consumer_offsets: not in a user's topic list
+        with Admin(cluster.address(node)) as admin:
+            names = {topic["name"] for topic in admin.list_topics()}
+        assert "glog" in names and not any(name.startswith("__groups.") for name in names), (node, names)
 
 
 def test_a_group_reset_sent_to_a_follower_reaches_the_leader(cluster: ClusterProcess) -> None:

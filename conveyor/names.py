@@ -14,10 +14,24 @@ from __future__ import annotations
 import hashlib
 import re
 
+from conveyor.errors import InvalidName
+
 MAX_NAME = 200
 NAME_RE = re.compile(r"[A-Za-z0-9._-]{1,200}")
 _NOT_ALLOWED = re.compile(r"[^A-Za-z0-9._-]")
 DIGEST_CHARS = 16  # 64 bits of SHA-256, hex
+
+
+def check_name(name: str, what: str = "topic") -> str:
+    """``name`` if it is a valid topic (or group) name, else ``InvalidName`` (206).
+
+    Clients check a topic's name before they route it: a partition's log is named
+    ``T#k`` inside the broker, so a name with ``#`` must never reach an encoder
+    that would read it as partition k of ``T``.
+    """
+    if not isinstance(name, str) or not NAME_RE.fullmatch(name) or name in (".", ".."):
+        raise InvalidName(f"{what} name must match [A-Za-z0-9._-]{{1,200}}, got {name!r}", name=name)
+    return name
 
 
 def fit_name(base: str, suffix: str = "") -> str:

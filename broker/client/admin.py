@@ -17,7 +17,7 @@ from conveyor.broker.wire import commands
 from conveyor.broker.wire.protocol import Command, Frame, encode
 
 from conveyor.errors import BrokerUnavailable, ConveyorError, NotEnoughReplicas, NotLeader, UnknownTopic
-from conveyor.names import partition_log
+from conveyor.names import check_name, partition_log
 
 
 def leaders_of(view: ClusterView) -> dict[str, set[str]]:
@@ -225,7 +225,7 @@ class Admin:
         """Messages and the reply header (``start_offset``, ``end_offset`` of that partition)."""
         request = partial(
             commands.fetch,
-            partition_log(topic, partition),
+            partition_log(check_name(topic), partition),  # "T#k" is no alias of a partition: INVALID_NAME
             offset,
             max_messages=max_messages,
             max_bytes=max_bytes,

@@ -47,6 +47,7 @@ from conveyor.errors import (
     ConveyorError,
     NotLeader,
     RequestTimeout,
+    UnknownPartition,
     UnknownTopic,
     buffer_full,
     delivery_timed_out,
@@ -378,6 +379,8 @@ class AsyncProducer:
                 self._on_error(rid, batch, error_from_header(reply.header))
 
     def _on_error(self, rid: int, batch: _Batch, exc: ConveyorError) -> None:
+        if isinstance(exc, UnknownPartition):  # the topic was made again with fewer partitions: ask its count
+            self.partitioner.stale(split_log(batch.topic)[0])
         if isinstance(exc, UnknownTopic) and self.metadata.following:
             self.metadata.stale(batch.topic)  # the next batch asks who has it (a cluster may have made it since)
         if exc.retriable:

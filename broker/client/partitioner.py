@@ -8,49 +8,124 @@ starts a batch on the next partition (a batch is the unit: one frame, one
 append, one partition).
 
 A topic's partition count is asked of the broker (METADATA) the first time
-the producer sends to it, and kept: partitions are fixed at creation. A topic
-the broker does not have yet (auto-created by the first PUBLISH) has one.
+the producer sends to it (at most 2 s), and kept: partitions are fixed at
+creation. A topic the broker does not have yet (auto-created by the first
+PUBLISH) has one. The count is asked again, on a thread of its own so that
+``send()`` never waits for it, when what the producer knew may no longer hold:
+
+- the broker did not answer the first time: the topic is taken as one
+  partition (everything to partition 0) and asked again by the first send
+  after a back-off (1 s, doubling to 30 s while there is still no answer);
+- the broker answered ``UNKNOWN_PARTITION`` (``stale``): the topic was made
+  again with fewer partitions.
+
+The hot path stays one dict lookup: only a topic whose count is a guess is
+in ``_retry_at``, and ``route`` looks there only when that dict is not empty.
+A topic name is checked once, when its count is first asked: ``T#k`` is the
+broker's name of partition k of ``T``, so it is ``INVALID_NAME`` here, as it
+was before partitions.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable
 
 from conveyor.broker.wire.partitioning import partition_for_key
 
 from conveyor.errors import ConveyorError, UnknownPartition
-from conveyor.names import partition_log, split_log
+from conveyor.names import check_name, partition_log, split_log
 
 log = logging.getLogger("conveyor.producer")
 
 CountOf = Callable[[str], int]  # asks the broker how many partitions a topic has
 
+FIRST_RETRY = 1.0  # seconds before a topic taken as single (no answer) is asked again
+MAX_RETRY = 30.0
+
 
 class Partitioner:
-    def __init__(self, count_of: CountOf) -> None:
+    def __init__(self, count_of: CountOf, *, clock: Callable[[], float] = time.monotonic) -> None:
         self._count_of = count_of
+        self._clock = clock
         self.counts: dict[str, int] = {}
         self._sticky: dict[str, int] = {}
+        self._retry_at: dict[str, float] = {}  # topic -> when to ask again (its count is a guess)
+        self._wait: dict[str, float] = {}  # topic -> the back-off after the next failed ask
+        self._asking: set[str] = set()  # topics a thread is asking about now
         self._lock = threading.Lock()
 
     def count(self, topic: str) -> int:
+        """The partition count of ``topic``, asked of the broker the first time (``InvalidName`` for a bad name)."""
         count = self.counts.get(topic)
         if count is None:
-            try:
-                count = max(1, self._count_of(topic))
-            except ConveyorError as exc:  # the broker is away: a topic it would auto-create has one partition
-                log.warning("partitions of %s unknown (%s): sending to partition 0", topic, exc)
+            check_name(topic)
+            count = self._ask(topic)
+            if count is None:
                 count = 1
             self.counts[topic] = count
         return count
 
+    def stale(self, topic: str) -> None:
+        """What the producer knows of ``topic`` may be wrong (``UNKNOWN_PARTITION``): ask again, off this thread."""
+        if topic in self.counts:
+            with self._lock:
+                self._retry_at[topic] = 0.0
+                self._wait.pop(topic, None)
+
+    def guessed(self, topic: str) -> bool:
+        """Whether ``topic``'s count is a guess (no answer yet): an explicit partition then goes as asked."""
+        return topic in self._retry_at
+
+    def _ask(self, topic: str) -> int | None:
+        """The broker's count, or None when it did not answer (then asked again after a back-off)."""
+        try:
+            count = max(1, self._count_of(topic))
+        except ConveyorError as exc:  # the broker is away: a topic it would auto-create has one partition
+            with self._lock:
+                wait = self._wait.get(topic, FIRST_RETRY)
+                self._wait[topic] = min(MAX_RETRY, wait * 2)
+                self._retry_at[topic] = self._clock() + wait
+            log.warning("partitions of %s unknown (%s): partition 0 until the broker answers", topic, exc)
+            return None
+        with self._lock:
+            self._retry_at.pop(topic, None)
+            self._wait.pop(topic, None)
+        return count
+
+    def _maybe_ask_again(self, topic: str) -> None:
+        """A send to a topic whose count is a guess: past its back-off, one thread asks the broker again."""
+        if self._retry_at.get(topic, 0.0) > self._clock():
+            return
+        with self._lock:
+            due = self._retry_at.get(topic)
+            if due is None or due > self._clock() or topic in self._asking:
+                return
+            self._asking.add(topic)
+        threading.Thread(target=self._ask_again, args=(topic,), name=f"partitions-{topic}", daemon=True).start()
+
+    def _ask_again(self, topic: str) -> None:
+        try:
+            count = self._ask(topic)
+            if count is not None and count != self.counts.get(topic):
+                log.info("%s has %d partition(s)", topic, count)
+                self._sticky.pop(topic, None)
+                self.counts[topic] = count
+        except Exception:  # the producer closed its context under the question: nothing to route any more
+            log.debug("asking the partitions of %s again failed", topic, exc_info=True)
+        finally:
+            with self._lock:
+                self._asking.discard(topic)
+
     def route(self, topic: str, key: str | bytes | None, partition: int | None) -> str:
         """The log name (``topic`` or ``topic#k``) this message's batch is for."""
         count = self.counts.get(topic) or self.count(topic)
+        if self._retry_at and topic in self._retry_at:  # a guess or stale (rare): ask again, on a thread, when due
+            self._maybe_ask_again(topic)
         if partition is not None:
-            if not 0 <= partition < count:
+            if not 0 <= partition < count and not (partition >= 0 and self.guessed(topic)):
                 raise UnknownPartition(
                     f"topic {topic} has {count} partition{'s' if count != 1 else ''}, no partition {partition}",
                     topic=topic,

@@ -68,6 +68,7 @@ from conveyor.errors import (
     ConveyorError,
     NotLeader,
     RequestTimeout,
+    UnknownPartition,
     UnknownTopic,
     buffer_full,
     delivery_timed_out,
@@ -722,6 +723,8 @@ class _ProducerIO:
                 self._on_error(flight, error_from_header(reply.header))
 
     def _on_error(self, flight: _InFlight, exc: ConveyorError) -> None:
+        if isinstance(exc, UnknownPartition):  # the topic was made again with fewer partitions: ask its count
+            self.p.partitioner.stale(split_log(flight.topic)[0])
         if isinstance(exc, UnknownTopic) and self.p.metadata.following:
             self.p.metadata.stale(flight.topic)  # the next batch asks who has it (a cluster may have made it since)
         if exc.retriable:

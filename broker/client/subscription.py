@@ -33,7 +33,7 @@ from conveyor.broker.wire.protocol import Command, Frame, decode, error_from_hea
 from conveyor.broker.wire.ranges import to_ranges
 
 from conveyor.errors import ConveyorError, NotLeader
-from conveyor.names import partition_log
+from conveyor.names import check_name, partition_log
 
 log = logging.getLogger("conveyor.consumer")
 
@@ -107,7 +107,7 @@ class Subscription:
         on_event: Callable[[str, int], None] | None = None,
         on_dead_letter: Callable[[list[Message], DeadLettered], None] | None = None,
     ) -> None:
-        self.topic = topic
+        self.topic = check_name(topic)  # "T#k" is the broker's name of a partition, no topic: INVALID_NAME
         self.on_event = on_event
         self.on_dead_letter = on_dead_letter  # EVENT DEAD_LETTERED: messages the broker dead-lettered itself
         self.events: list[tuple[str, int]] = []  # (RESET | READY, offset), as the broker announced them

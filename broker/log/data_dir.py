@@ -41,6 +41,7 @@ from conveyor.errors import (
     UnknownTopic,
 )
 from conveyor.names import NAME_RE, is_log_name, partition_log
+from conveyor.names import check_name as check_name  # where the broker's modules import it from
 
 TOPIC_FILE = "topic.json"
 DELETED_MARK = "~deleted"  # a topic directory being deleted: '~' is not allowed in topic names
@@ -218,12 +219,6 @@ def altered(
                 topic=name,
             )
     return new
-
-
-def check_name(name: str, what: str = "topic") -> str:
-    if not isinstance(name, str) or not NAME_RE.fullmatch(name) or name in (".", ".."):
-        raise InvalidName(f"{what} name must match [A-Za-z0-9._-]{{1,200}}, got {name!r}", name=name)
-    return name
 
 
 def check_log_name(name: str) -> str:

@@ -221,6 +221,11 @@ def partitions_of(host: AdminHost, topic: str | None) -> dict[str, Any]:
     return describe_partitions(partitions, host.store, node, topic)
 
 
+def _topic(header: dict[str, Any]) -> str:
+    """The op's ``topic``: a topic's name, never a partition's log (``T#k`` is ``INVALID_NAME`` as before)."""
+    return check_name(_arg(header, "topic", str))
+
+
 def _arg(header: dict[str, Any], key: str, kind: type) -> Any:
     value = header.get(key)
     if not isinstance(value, kind):
@@ -232,19 +237,19 @@ GROUP_OPS = frozenset({"describe_group", "reset_offsets", "delete_group"})  # in
 
 OPS: dict[str, Callable[[AdminHost, dict[str, Any]], Any]] = {
     "list_topics": lambda b, h: [describe_topic(b, name) for name in _topics(b)],
-    "describe_topic": lambda b, h: describe_topic(b, _arg(h, "topic", str)),
-    "create_topic": lambda b, h: create_topic(b, _arg(h, "topic", str), h.get("config") or {}, h.get("partitions", 1)),
-    "alter_topic": lambda b, h: alter_topic(b, _arg(h, "topic", str), h.get("config")),
-    "delete_topic": lambda b, h: delete_topic(b, _arg(h, "topic", str)),
+    "describe_topic": lambda b, h: describe_topic(b, _topic(h)),
+    "create_topic": lambda b, h: create_topic(b, _topic(h), h.get("config") or {}, h.get("partitions", 1)),
+    "alter_topic": lambda b, h: alter_topic(b, _topic(h), h.get("config")),
+    "delete_topic": lambda b, h: delete_topic(b, _topic(h)),
     "list_groups": lambda b, h: [
         describe_group(b, t, g)
         for (t, g) in sorted(b.groups)
         if h.get("topic") in (None, t) and PARTITION_MARK not in t
     ],
-    "describe_group": lambda b, h: describe_group(b, _arg(h, "topic", str), _arg(h, "group", str)),
-    "reset_offsets": lambda b, h: reset_offsets(b, _arg(h, "topic", str), _arg(h, "group", str), h.get("to")),
-    "delete_group": lambda b, h: delete_group(b, _arg(h, "topic", str), _arg(h, "group", str)),
-    "refresh_topic": lambda b, h: refresh_topic(b, _arg(h, "topic", str)),
+    "describe_group": lambda b, h: describe_group(b, _topic(h), _arg(h, "group", str)),
+    "reset_offsets": lambda b, h: reset_offsets(b, _topic(h), _arg(h, "group", str), h.get("to")),
+    "delete_group": lambda b, h: delete_group(b, _topic(h), _arg(h, "group", str)),
+    "refresh_topic": lambda b, h: refresh_topic(b, _topic(h)),
     "mirror_status": lambda b, h: b.mirror.health() if b.mirror else None,
     "describe_partitions": lambda b, h: partitions_of(b, h.get("topic")),
     "reassign_topic": lambda b, h: _cluster_only("reassign_topic"),

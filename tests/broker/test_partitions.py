@@ -239,3 +239,128 @@ def test_a_partitioned_topic_made_on_the_command_line_survives_a_restart_resets_
         assert not [p.name for p in topics_dir.iterdir() if p.name.startswith("kept")]
         again = admin.create_topic("kept", partitions=2)
         assert [p["end_offset"] for p in again["partitions"]] == [0, 0]
+
+
+# --- a topic name with "#" is refused everywhere, never an alias of a partition's log ----------
+
+
+def test_a_topic_name_with_a_hash_is_an_invalid_name_in_every_client(conveyor_broker):
+    import asyncio
+
+    from conveyor.errors import InvalidName
+
+    address = conveyor_broker.address
+    with Admin(address) as admin:
+        admin.create_topic("hx", partitions=2)
+        with Producer(address) as producer:
+            with pytest.raises(InvalidName):
+                producer.send("hx#1", b"v").result(30)
+            with pytest.raises(InvalidName):
+                producer.send_many("hx#1", [b"v"]).result(30)
+        for call in (
+            lambda: admin.describe_topic("hx#1"),
+            lambda: admin.fetch("hx#1", 0, 10),
+            lambda: admin.create_topic("hy#1"),
+            lambda: admin.alter_topic("hx#1", retention_ms=1000),
+            lambda: admin.describe_group("hx#1", "g"),
+            lambda: admin.reset_offsets("hx#1", "g", "earliest"),
+            lambda: admin.delete_group("hx#1", "g"),
+            lambda: admin.delete_topic("hx#1"),
+        ):
+            with pytest.raises(InvalidName):
+                call()
+
+        async def send_async() -> None:
+            producer = AsyncProducer(address)
+            try:
+                await (await producer.send("hx#1", b"v"))
+            finally:
+                await producer.close()
+
+        with pytest.raises(InvalidName):
+            asyncio.run(send_async())
+        with pytest.raises(InvalidName):
+            sub = Subscription("hx#1", "g", address=address)
+            try:
+                sub.receive(timeout=5)
+            finally:
+                sub.close()
+        tail = [sys.executable, "-m", "conveyor", "tail", "hx#1", "--broker", address, "--count", "1"]
+        out = subprocess.run(tail, capture_output=True, text=True, timeout=60)
+        assert out.returncode != 0 and "name must match" in out.stderr, out.stderr
+        info = admin.describe_topic("hx")
+        assert [p["end_offset"] for p in info["partitions"]] == [0, 0], "nothing reached partition 1"
+        assert "hx#1" not in {t["name"] for t in admin.list_topics()}
+
+
+def test_a_raw_frame_naming_a_partition_log_as_its_topic_is_an_invalid_name(conveyor_broker):
+    import msgpack
+    from conveyor.broker.wire.protocol import Command
+
+    from tests.broker.flood_helpers import RawClient
+
+    address = conveyor_broker.address
+    with Admin(address) as admin:
+        admin.create_topic("rx", partitions=2)
+    body = msgpack.packb([[None, None, b"x"]], use_bin_type=True)
+    raw = RawClient(address)
+    try:
+        raw.send(Command.PUBLISH, {"rid": 1, "topic": "rx#1"}, body)
+        raw.send(Command.SUBSCRIBE, {"rid": 2, "sub": 1, "topic": "rx#1", "group": "g"})
+        raw.send(Command.FETCH, {"rid": 3, "topic": "rx#1", "offset": 0, "max_messages": 10})
+        ops = ["describe_topic", "alter_topic", "delete_topic", "describe_group", "reset_offsets", "delete_group"]
+        for rid, op in enumerate(ops, start=10):
+            args = {"topic": "rx#1", "group": "g", "to": "earliest", "config": {"retention_ms": 1000}}
+            raw.send(Command.ADMIN, {"rid": rid, "op": op, **args})
+        raw.send(Command.ADMIN, {"rid": 30, "op": "create_topic", "topic": "ry#1"})
+        replies = {r.get("rid"): r for r in raw.replies(3 + len(ops) + 1)}
+    finally:
+        raw.close()
+    assert sorted(replies) == [1, 2, 3, *range(10, 10 + len(ops)), 30]
+    for rid, reply in replies.items():
+        assert (reply.command, reply.get("code")) == (Command.ERROR, 206), (rid, reply.header)
+    with Admin(address) as admin:
+        assert [p["end_offset"] for p in admin.describe_topic("rx")["partitions"]] == [0, 0]
+
+
+# --- a producer learns a topic's partitions again when what it knew no longer holds ------------
+
+
+def key_for(partition: int, partitions: int) -> str:
+    return next(k for k in (f"key-{i}" for i in range(1000)) if partition_for_key(k, partitions) == partition)
+
+
+def routed(producer, topic: str, key: str):
+    """Where one message with ``key`` lands (None while it fails with UNKNOWN_PARTITION)."""
+    try:
+        return producer.send(topic, b"v", key=key).result(30).partition
+    except UnknownPartition:
+        return None
+
+
+def test_a_producer_that_found_no_broker_learns_the_partitions_once_one_answers(conveyor_broker):
+    address = conveyor_broker.address
+    with Admin(address) as admin:
+        admin.create_topic("late", partitions=4)
+    conveyor_broker.stop()
+    key = key_for(3, 4)
+    with Producer(address, linger_ms=1) as producer:
+        first = producer.send("late", b"first", key=key)  # no answer: partition 0 for now
+        conveyor_broker.start()
+        assert first.result(30).partition == 0
+        wait_for(lambda: routed(producer, "late", key) == 3, timeout=30, message="routing by the real count")
+
+
+def test_a_producer_asks_again_after_unknown_partition(conveyor_broker):
+    address = conveyor_broker.address
+    with Admin(address) as admin:
+        admin.create_topic("shrunk", partitions=4)
+        key = key_for(3, 4)
+        with Producer(address, linger_ms=1) as producer:
+            assert routed(producer, "shrunk", key) == 3
+            admin.delete_topic("shrunk")
+            admin.create_topic("shrunk", partitions=2)
+            with pytest.raises(UnknownPartition):
+                producer.send("shrunk", b"v", key=key).result(30)
+            wanted = partition_for_key(key, 2)
+            wait_for(lambda: routed(producer, "shrunk", key) == wanted, timeout=30, message="the new count")

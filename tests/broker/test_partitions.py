@@ -256,7 +256,7 @@ def test_a_topic_name_with_a_hash_is_an_invalid_name_in_every_client(conveyor_br
             with pytest.raises(InvalidName):
                 producer.send("hx#1", b"v").result(30)
             with pytest.raises(InvalidName):
-                producer.send_many("hx#1", [b"v"]).result(30)
+                producer.send_many("hx#1", [b"v"])
         for call in (
             lambda: admin.describe_topic("hx#1"),
             lambda: admin.fetch("hx#1", 0, 10),
@@ -364,3 +364,60 @@ def test_a_producer_asks_again_after_unknown_partition(conveyor_broker):
                 producer.send("shrunk", b"v", key=key).result(30)
             wanted = partition_for_key(key, 2)
             wait_for(lambda: routed(producer, "shrunk", key) == wanted, timeout=30, message="the new count")
+
+
+def test_a_partition_shows_in_metrics_as_its_log_name_and_partition_0_as_the_topic(conveyor_broker):
+    """docs/partitions.md, "Metrics": no ``partition`` label on per-topic series; single-partition series unchanged."""
+    address = conveyor_broker.address
+    with Admin(address) as admin:
+        admin.create_topic("m3", partitions=3)
+    with Producer(address) as producer:
+        producer.send("m3", b"a", partition=0).result(30)
+        for future in producer.send_many("m3", [b"b", b"c"], partition=2):
+            future.result(30)
+
+    def published() -> tuple[float, float, float]:
+        name = "conveyor_published_messages_total"
+        return tuple(conveyor_broker.metric(name, f'topic="{log}"') for log in ("m3", "m3#1", "m3#2"))
+
+    wait_for(lambda: published() == (1, 0, 2), timeout=30, message="published per partition log")
+
+
+def test_the_partitioner_asks_a_guessed_count_again_only_after_its_back_off():
+    """Unit test of broker/client/partitioner.py with a stand-in broker: the asks, not the routing speed."""
+    from conveyor.broker.client.partitioner import FIRST_RETRY, Partitioner
+
+    from conveyor.errors import BrokerUnavailable
+    from tests.helpers import FakeClock
+
+    clock, answers, asked = FakeClock(), [BrokerUnavailable("down"), BrokerUnavailable("down"), 4], []
+
+    def count_of(topic: str) -> int:
+        asked.append(topic)
+        answer = answers.pop(0)
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+    partitioner = Partitioner(count_of, clock=clock)
+    key = key_for(3, 4)
+    assert partitioner.route("t", key, None) == "t" and partitioner.guessed("t")
+    assert partitioner.route("t", None, 2) == "t#2", "a guessed count lets an explicit partition through"
+    assert len(asked) == 1, "not asked again before the back-off"
+    clock.advance(FIRST_RETRY)
+    partitioner.route("t", key, None)
+    wait_for(lambda: len(asked) == 2 and not partitioner._asking, timeout=30)
+    assert partitioner.route("t", key, None) == "t", "still no answer: partition 0"
+    clock.advance(FIRST_RETRY)
+    partitioner.route("t", key, None)
+    assert len(asked) == 2, "the back-off doubled"
+    clock.advance(FIRST_RETRY)
+    partitioner.route("t", key, None)
+    wait_for(lambda: partitioner.route("t", key, None) == "t#3", timeout=30, message="the real count")
+    assert not partitioner.guessed("t") and len(asked) == 3
+    partitioner.stale("t")
+    answers.append(2)
+    partitioner.route("t", key, None)
+    wait_for(lambda: partitioner.counts["t"] == 2, timeout=30, message="asked again after UNKNOWN_PARTITION")
+    with pytest.raises(UnknownPartition):
+        partitioner.route("t", None, 3)

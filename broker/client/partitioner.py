@@ -17,10 +17,12 @@ PUBLISH) has one. The count is asked again, on a thread of its own so that
   partition (everything to partition 0) and asked again by the first send
   after a back-off (1 s, doubling to 30 s while there is still no answer);
 - the broker answered ``UNKNOWN_PARTITION`` (``stale``): the topic was made
-  again with fewer partitions.
+  again with fewer partitions;
+- ``MAX_AGE`` (5 minutes, as Kafka's ``metadata.max.age.ms``) after the last
+  answer: the topic may have been made again with more.
 
-The hot path stays one dict lookup: only a topic whose count is a guess is
-in ``_retry_at``, and ``route`` looks there only when that dict is not empty.
+``route`` (per message) looks at nothing of this; ``batch_left`` (per
+batch, the unit) looks up when the topic is due and starts the ask.
 A topic name is checked once, when its count is first asked: ``T#k`` is the
 broker's name of partition k of ``T``, so it is ``INVALID_NAME`` here, as it
 was before partitions.
@@ -44,6 +46,8 @@ CountOf = Callable[[str], int]  # asks the broker how many partitions a topic ha
 
 FIRST_RETRY = 1.0  # seconds before a topic taken as single (no answer) is asked again
 MAX_RETRY = 30.0
+MAX_AGE = 300.0  # seconds after an answer before a batch asks the count again
+MAX_AGE_NEVER = float("inf")
 
 
 class Partitioner:
@@ -52,7 +56,8 @@ class Partitioner:
         self._clock = clock
         self.counts: dict[str, int] = {}
         self._sticky: dict[str, int] = {}
-        self._retry_at: dict[str, float] = {}  # topic -> when to ask again (its count is a guess)
+        self._retry_at: dict[str, float] = {}  # topic -> when a batch asks its count again
+        self._guessed: set[str] = set()  # topics whose count is a guess (the broker did not answer)
         self._wait: dict[str, float] = {}  # topic -> the back-off after the next failed ask
         self._asking: set[str] = set()  # topics a thread is asking about now
         self._lock = threading.Lock()
@@ -77,7 +82,7 @@ class Partitioner:
 
     def guessed(self, topic: str) -> bool:
         """Whether ``topic``'s count is a guess (no answer yet): an explicit partition then goes as asked."""
-        return topic in self._retry_at
+        return topic in self._guessed
 
     def _ask(self, topic: str) -> int | None:
         """The broker's count, or None when it did not answer (then asked again after a back-off)."""
@@ -88,17 +93,17 @@ class Partitioner:
                 wait = self._wait.get(topic, FIRST_RETRY)
                 self._wait[topic] = min(MAX_RETRY, wait * 2)
                 self._retry_at[topic] = self._clock() + wait
+                self._guessed.add(topic)
             log.warning("partitions of %s unknown (%s): partition 0 until the broker answers", topic, exc)
             return None
         with self._lock:
-            self._retry_at.pop(topic, None)
+            self._retry_at[topic] = self._clock() + MAX_AGE
+            self._guessed.discard(topic)
             self._wait.pop(topic, None)
         return count
 
     def _maybe_ask_again(self, topic: str) -> None:
-        """A send to a topic whose count is a guess: past its back-off, one thread asks the broker again."""
-        if self._retry_at.get(topic, 0.0) > self._clock():
-            return
+        """A batch of ``topic`` left and its count is due: one thread asks the broker again."""
         with self._lock:
             due = self._retry_at.get(topic)
             if due is None or due > self._clock() or topic in self._asking:
@@ -122,8 +127,6 @@ class Partitioner:
     def route(self, topic: str, key: str | bytes | None, partition: int | None) -> str:
         """The log name (``topic`` or ``topic#k``) this message's batch is for."""
         count = self.counts.get(topic) or self.count(topic)
-        if self._retry_at and topic in self._retry_at:  # a guess or stale (rare): ask again, on a thread, when due
-            self._maybe_ask_again(topic)
         if partition is not None:
             if not 0 <= partition < count and not (partition >= 0 and self.guessed(topic)):
                 raise UnknownPartition(
@@ -143,8 +146,14 @@ class Partitioner:
         return partition_log(topic, sticky)
 
     def batch_left(self, log_name: str) -> None:
-        """A batch went to the broker: if it was the sticky one, the next keyless batch takes the next partition."""
+        """A batch went to the broker: if it was the sticky one, the next keyless batch takes the next partition.
+
+        And if the topic's count is due to be asked again (a guess past its back-off, after
+        ``UNKNOWN_PARTITION``, or ``MAX_AGE`` old), a thread asks it: once per batch, never per message.
+        """
         topic, partition = split_log(log_name)
+        if self._retry_at.get(topic, MAX_AGE_NEVER) <= self._clock():
+            self._maybe_ask_again(topic)
         sticky = self._sticky.get(topic)
         if sticky == partition:
             self._sticky[topic] = (partition + 1) % self.counts.get(topic, 1)

@@ -383,9 +383,9 @@ def test_a_partition_shows_in_metrics_as_its_log_name_and_partition_0_as_the_top
     wait_for(lambda: published() == (1, 0, 2), timeout=30, message="published per partition log")
 
 
-def test_the_partitioner_asks_a_guessed_count_again_only_after_its_back_off():
-    """Unit test of broker/client/partitioner.py with a stand-in broker: the asks, not the routing speed."""
-    from conveyor.broker.client.partitioner import FIRST_RETRY, Partitioner
+def test_the_partitioner_asks_a_count_again_after_its_back_off_its_age_or_unknown_partition():
+    """Unit test of broker/client/partitioner.py with a stand-in broker: when it asks, once per batch at most."""
+    from conveyor.broker.client.partitioner import FIRST_RETRY, MAX_AGE, Partitioner
 
     from conveyor.errors import BrokerUnavailable
     from tests.helpers import FakeClock
@@ -399,25 +399,35 @@ def test_the_partitioner_asks_a_guessed_count_again_only_after_its_back_off():
             raise answer
         return answer
 
+    def batch_left_and_asked(count: int) -> None:
+        partitioner.batch_left(partitioner.route("t", key, None))
+        wait_for(lambda: len(asked) == count and not partitioner._asking, timeout=30, message=f"ask {count}")
+
     partitioner = Partitioner(count_of, clock=clock)
     key = key_for(3, 4)
     assert partitioner.route("t", key, None) == "t" and partitioner.guessed("t")
     assert partitioner.route("t", None, 2) == "t#2", "a guessed count lets an explicit partition through"
+    partitioner.batch_left("t")
     assert len(asked) == 1, "not asked again before the back-off"
     clock.advance(FIRST_RETRY)
-    partitioner.route("t", key, None)
-    wait_for(lambda: len(asked) == 2 and not partitioner._asking, timeout=30)
+    batch_left_and_asked(2)
     assert partitioner.route("t", key, None) == "t", "still no answer: partition 0"
     clock.advance(FIRST_RETRY)
-    partitioner.route("t", key, None)
+    partitioner.batch_left("t")
     assert len(asked) == 2, "the back-off doubled"
     clock.advance(FIRST_RETRY)
-    partitioner.route("t", key, None)
-    wait_for(lambda: partitioner.route("t", key, None) == "t#3", timeout=30, message="the real count")
-    assert not partitioner.guessed("t") and len(asked) == 3
+    batch_left_and_asked(3)
+    assert partitioner.route("t", key, None) == "t#3" and not partitioner.guessed("t")
+    for _ in range(100):
+        partitioner.batch_left(partitioner.route("t", key, None))
+    assert len(asked) == 3, "a known count is not asked per batch"
     partitioner.stale("t")
     answers.append(2)
-    partitioner.route("t", key, None)
-    wait_for(lambda: partitioner.counts["t"] == 2, timeout=30, message="asked again after UNKNOWN_PARTITION")
+    batch_left_and_asked(4)
+    assert partitioner.counts["t"] == 2, "asked again after UNKNOWN_PARTITION"
     with pytest.raises(UnknownPartition):
         partitioner.route("t", None, 3)
+    answers.append(8)
+    clock.advance(MAX_AGE)
+    batch_left_and_asked(5)
+    assert partitioner.counts["t"] == 8, "asked again when the answer is MAX_AGE old"

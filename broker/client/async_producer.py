@@ -170,10 +170,14 @@ class AsyncProducer:
             link.tasks = [asyncio.create_task(self._reader(link)), asyncio.create_task(self._handshakes(link))]
         return link
 
-    async def _close_link(self, link: _Link) -> None:
+    def _forget_link(self, link: _Link) -> None:
+        """The next batch to ``link.address`` gets a new socket (its silent handshakes still count)."""
         self._silent = link.watch.silent
         if self._links.get(link.address) is link:
             del self._links[link.address]
+
+    async def _close_link(self, link: _Link) -> None:
+        self._forget_link(link)
         for task in link.tasks:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -188,8 +192,14 @@ class AsyncProducer:
             silent, disconnects = link.watch.silent, link.watch.disconnects
             link.watch.on_event(frames)
             if link.watch.failure is not None:
+                # Fail what is in flight there, and drop the socket: a refusal known before a batch is sent
+                # (start() connects at once) would otherwise leave that batch on a socket that does not
+                # try again, until request_timeout. The next batch gets a new socket and handshake.
                 self._refused(link.watch.failure, link.address)
-            elif (link.watch.disconnects > disconnects or link.watch.silent > silent) and self.metadata.following:
+                self._forget_link(link)  # now: a batch sent before the close below would be lost with it
+                self._tasks.append(asyncio.create_task(self._close_link(link)))
+                return
+            if (link.watch.disconnects > disconnects or link.watch.silent > silent) and self.metadata.following:
                 # A leader this producer follows hung up (kill -9), or was killed mid-handshake (which ends it
                 # without a reason): resend now, not after request_timeout.
                 self._tasks.append(asyncio.create_task(self._leader_gone(link)))

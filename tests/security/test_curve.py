@@ -221,6 +221,11 @@ def test_producers_and_subscriptions_of_a_refused_client_get_auth_failed(secure_
         async with AsyncProducer(secure_broker.address, request_timeout_ms=SLOW) as aio:
             with pytest.raises(AuthFailed):
                 await asyncio.wait_for(await aio.send("secret", b"x"), 60)
+            # The refusal is known before the next send: that batch fails too, at once rather than at
+            # request_timeout (SLOW, 30 s), which is past this wait.
+            await asyncio.sleep(0.5)
+            with pytest.raises(AuthFailed):
+                await asyncio.wait_for(await aio.send("secret", b"y"), SLOW / 1000 * 2 / 3)
 
     asyncio.run(publish())
     sub = Subscription("secret", "g", address=secure_broker.address)

@@ -35,9 +35,9 @@ import threading
 import time
 from collections.abc import Callable
 
-from conveyor.broker.wire.partitioning import partition_for_key
+from conveyor.broker.wire.partitioning import partition_for_key, unknown_partition
 
-from conveyor.errors import ConveyorError, UnknownPartition
+from conveyor.errors import ConveyorError
 from conveyor.names import check_name, partition_log, split_log
 
 log = logging.getLogger("conveyor.producer")
@@ -129,12 +129,7 @@ class Partitioner:
         count = self.counts.get(topic) or self.count(topic)
         if partition is not None:
             if not 0 <= partition < count and not (partition >= 0 and self.guessed(topic)):
-                raise UnknownPartition(
-                    f"topic {topic} has {count} partition{'s' if count != 1 else ''}, no partition {partition}",
-                    topic=topic,
-                    partition=partition,
-                    partitions=count,
-                )
+                raise unknown_partition(topic, partition, count)
             return partition_log(topic, partition)
         if count == 1:
             return topic

@@ -101,7 +101,12 @@ def replay(log_: TopicLog) -> GroupStates | None:
     if log_.end_offset <= log_.start_offset:
         return None
     states: GroupStates = {}
-    offset = max(log_.start_offset, latest_snapshot(log_))
+    apply_from(log_, states, max(log_.start_offset, latest_snapshot(log_)))
+    return states
+
+
+def apply_from(log_: TopicLog, states: GroupStates, offset: int) -> None:
+    """Apply to ``states`` every record of ``log_`` from ``offset`` to its end (what this node holds)."""
     while offset < log_.end_offset:
         batches = log_.read(offset, max_bytes=REPLAY_BYTES)
         if not batches:
@@ -110,7 +115,6 @@ def replay(log_: TopicLog) -> GroupStates | None:
             if batch.next_offset > offset:
                 apply_record(states, batch.body)
                 offset = batch.next_offset
-    return states
 
 
 def latest_snapshot(log_: TopicLog) -> int:

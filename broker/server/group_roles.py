@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 from conveyor.broker.server.group_log import (
     DeliveryGate,
     GroupStates,
-    apply_record,
+    apply_from,
     group_log_name,
     is_group_log,
     replay,
@@ -88,15 +88,7 @@ class GroupRoles:
                 states = replay(log_) or {}
             else:
                 states = dict(store.groups.get(topic, {}))
-                offset = applied
-                while offset < log_.end_offset:
-                    batches = log_.read(offset, max_bytes=1 << 20)
-                    if not batches:
-                        break
-                    for batch in batches:
-                        if batch.next_offset > offset:
-                            apply_record(states, batch.body)
-                            offset = batch.next_offset
+                apply_from(log_, states, applied)
             self._store(topic, states)
             self.applied[name] = log_.end_offset
 

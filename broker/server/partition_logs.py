@@ -17,10 +17,11 @@ from typing import Any
 
 from conveyor.broker.log.data_dir import Store, check_name
 from conveyor.broker.log.topic_log import TopicLog
+from conveyor.broker.wire.partitioning import unknown_partition
 from conveyor.broker.wire.protocol import Frame
 from conveyor.broker.wire.protocol import field as hfield
 
-from conveyor.errors import TopicExists, UnknownPartition
+from conveyor.errors import TopicExists
 from conveyor.names import partition_log, split_log
 
 
@@ -32,12 +33,7 @@ def log_for(store: Store, frame: Frame) -> str:
         return topic
     count = store.partition_count(topic)
     if partition >= count:
-        raise UnknownPartition(
-            f"topic {topic} has {count} partition{'s' if count != 1 else ''}, no partition {partition}",
-            topic=topic,
-            partition=partition,
-            partitions=count,
-        )
+        raise unknown_partition(topic, partition, count)
     return partition_log(topic, partition)
 
 

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import zlib
 
+from conveyor.errors import UnknownPartition
+
 
 def key_bytes(key: str | bytes) -> bytes:
     return key.encode("utf-8", "surrogatepass") if isinstance(key, str) else bytes(key)
@@ -24,3 +26,13 @@ def partition_for_key(key: str | bytes, partitions: int) -> int:
     if partitions <= 1:
         return 0
     return zlib.crc32(key_bytes(key)) % partitions
+
+
+def unknown_partition(topic: str, partition: int, partitions: int) -> UnknownPartition:
+    """The error for ``partition`` of a topic that has ``partitions``: the same words from client and broker."""
+    return UnknownPartition(
+        f"topic {topic} has {partitions} partition{'s' if partitions != 1 else ''}, no partition {partition}",
+        topic=topic,
+        partition=partition,
+        partitions=partitions,
+    )

@@ -17,14 +17,17 @@ def clock() -> FakeClock:
     return FakeClock()
 
 
-# Folders whose tests share one expensive session fixture (a Spark JVM, a built wheel): under
-# pytest-xdist (`make test` runs two workers) each folder stays on one worker, so the fixture
-# starts once instead of once per worker. Without xdist the mark does nothing.
+# Under pytest-xdist (`make test` runs two workers) each test file stays on one worker: its
+# module fixtures start once, and a file whose last test checks what the earlier ones did (the
+# protocol fuzzer's counters) sees all of them. Folders whose tests share one expensive session
+# fixture (a Spark JVM, a built wheel) stay on one worker as a whole. Without xdist the marks do
+# nothing.
 _ONE_WORKER = ("spark", "architecture")
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
-        parts = item.nodeid.split("/")
-        if len(parts) > 2 and parts[0] == "tests" and parts[1] in _ONE_WORKER:
-            item.add_marker(pytest.mark.xdist_group(parts[1]))
+        path = item.nodeid.split("::")[0]
+        parts = path.split("/")
+        group = parts[1] if len(parts) > 2 and parts[0] == "tests" and parts[1] in _ONE_WORKER else path
+        item.add_marker(pytest.mark.xdist_group(group))

@@ -377,9 +377,9 @@ def _topics_setup(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--partitions",
         type=int,
-        default=1,
         metavar="N",
-        help="create: the topic's partitions, each a log of its own (default 1; see docs/partitions.md)",
+        help="create: the topic's partitions, each a log of its own (default 1); alter: add partitions up to "
+        "N in all (only up; most keys then map to another partition; see docs/partitions.md)",
     )
     parser.add_argument(
         "--replication-factor", type=int, metavar="N", help="create, in a cluster: replicas (default min(3, nodes))"
@@ -421,11 +421,16 @@ def cmd_topics(args: argparse.Namespace) -> int:
                 for name in ("replication_factor", "min_insync_replicas"):
                     if getattr(args, name) is not None:
                         config[name] = getattr(args, name)  # a cluster's controller reads them; one node refuses
-                result = admin.create_topic(args.name, partitions=args.partitions, **config)
+                result = admin.create_topic(
+                    args.name, partitions=1 if args.partitions is None else args.partitions, **config
+                )
             elif args.action == "alter":
-                if not config:
-                    raise ConfigError("topics alter needs at least one --set K=V")
-                result = admin.alter_topic(args.name, **config)
+                if not config and args.partitions is None:
+                    raise ConfigError("topics alter needs at least one --set K=V, or --partitions N")
+                if args.partitions is not None:
+                    result = admin.add_partitions(args.name, args.partitions)
+                if config:
+                    result = admin.alter_topic(args.name, **config)
             elif args.action == "describe":
                 result = admin.describe_topic(args.name)
             elif args.action == "refresh":

@@ -123,6 +123,15 @@ class Admin:
         """
         return self._admin("alter_topic", topic=name, config=config)
 
+    def add_partitions(self, name: str, partitions: int) -> dict[str, Any]:
+        """Grow ``name`` to ``partitions`` in all (the new total, as Kafka's CreatePartitions); its description after.
+
+        Only up, to at most 1024: anything else is ``INVALID_REQUEST`` and nothing changes. Keys map
+        by ``crc32(key) % partitions``, so most keys move to another partition from now on
+        (docs/partitions.md, "How to add partitions"). Refused in a cluster for now (``PARTITIONS_UNSUPPORTED``).
+        """
+        return self._admin("add_partitions", topic=name, partitions=partitions)
+
     def reassign_topic(
         self, name: str, replicas: list[str] | tuple[str, ...], *, min_insync_replicas: int | None = None
     ) -> dict[str, Any]:

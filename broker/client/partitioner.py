@@ -8,8 +8,9 @@ starts a batch on the next partition (a batch is the unit: one frame, one
 append, one partition).
 
 A topic's partition count is asked of the broker (METADATA) the first time
-the producer sends to it (at most 2 s), and kept: partitions are fixed at
-creation. A topic the broker does not have yet (auto-created by the first
+the producer sends to it (at most 2 s), and kept: partitions change only
+when an operator adds some (``Admin.add_partitions``), and a producer learns
+of that at its next ask, at most ``MAX_AGE`` later. A topic the broker does not have yet (auto-created by the first
 PUBLISH) has one. The count is asked again, on a thread of its own so that
 ``send()`` never waits for it, when what the producer knew may no longer hold:
 
@@ -19,7 +20,7 @@ PUBLISH) has one. The count is asked again, on a thread of its own so that
 - the broker answered ``UNKNOWN_PARTITION`` (``stale``): the topic was made
   again with fewer partitions;
 - ``MAX_AGE`` (5 minutes, as Kafka's ``metadata.max.age.ms``) after the last
-  answer: the topic may have been made again with more.
+  answer: the topic may have been made again with more, or had some added.
 
 ``route`` (per message) looks at nothing of this; ``batch_left`` (per
 batch, the unit) looks up when the topic is due and starts the ask.

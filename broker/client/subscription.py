@@ -110,7 +110,7 @@ class Subscription:
         self.topic = check_name(topic)  # "T#k" is the broker's name of a partition, no topic: INVALID_NAME
         self.on_event = on_event
         self.on_dead_letter = on_dead_letter  # EVENT DEAD_LETTERED: messages the broker dead-lettered itself
-        self.events: list[tuple[str, int]] = []  # (RESET | READY, offset), as the broker announced them
+        self.events: list[tuple[str, int]] = []  # (RESET | READY | PARTITIONS, offset), as the broker announced them
         self.group = group
         self.heartbeat = heartbeat_ms / 1000
         self.liveness = liveness
@@ -299,6 +299,8 @@ class Subscription:
             if event[0] == "DEAD_LETTERED":  # may be frequent: handed on, not kept in ``events``
                 self._dead_lettered(frame)
                 return []
+            if event[0] == "PARTITIONS" and frame.get("sub") == 1 and isinstance(frame.get("partitions"), int):
+                self._subscribe_partitions(frame.get("partitions"), first=self.partitions)
             self.events.append(event)
             log.info("consumer %s/%s: %s at offset %d", self.topic, self.group, *event)
             if self.on_event is not None:
@@ -325,13 +327,20 @@ class Subscription:
                 raise exc
         return []
 
-    def _subscribe_partitions(self, partitions: int) -> None:
+    def _subscribe_partitions(self, partitions: int, first: int = 1) -> None:
         """Partition 0 answered: the topic has ``partitions``. Each has a subscription of its own (its own
-        group state on the broker) with an equal share of the credit, so the total stays ``credit``."""
+        group state on the broker) with an equal share of the credit, so the total stays ``credit``.
+
+        ``first``: the partitions below it are subscribed on this socket already (EVENT ``PARTITIONS``,
+        partitions were added): only the new ones are, and the others' shares shrink to make room.
+        """
+        if partitions <= first:
+            return
         self.partitions = partitions
         credit, batch_size = self._share()
-        self._send(commands.credit(1, credit, batch_size=batch_size))
-        for partition in range(1, partitions):
+        for partition in range(first):
+            self._send(commands.credit(partition + 1, credit, batch_size=batch_size))
+        for partition in range(first, partitions):
             self._send(
                 commands.subscribe(
                     partition + 1,

@@ -13,11 +13,11 @@ from conveyor.broker.log.data_dir import Store, check_name
 from conveyor.broker.server.group_log import is_group_log
 from conveyor.broker.server.group_table import GroupTable, resolve_position
 from conveyor.broker.server.metadata import SINGLE_NODE_ID
-from conveyor.broker.server.partition_logs import create_partitioned
+from conveyor.broker.server.partition_logs import add_partition_logs, create_partitioned, set_partition_count
 from conveyor.broker.server.partition_status import describe_partitions
 
-from conveyor.errors import ConfigError, InvalidRequest, UnknownGroup
-from conveyor.names import PARTITION_MARK, partition_log
+from conveyor.errors import ConfigError, InvalidRequest, PartitionsUnsupported, UnknownGroup
+from conveyor.names import PARTITION_MARK, dead_letter_topic, partition_log
 
 if TYPE_CHECKING:
     from conveyor.broker.config.broker_settings import BrokerSettings
@@ -48,6 +48,7 @@ class AdminHost(Protocol):
     def check_topic_room(self, topic: str) -> None: ...  # TOPIC_LIMIT
     def topic_deleted(self, topic: str) -> None: ...  # answer what waited on it, forget its metrics
     def group_deleted(self, topic: str, name: str) -> None: ...
+    def announce(self, topic: str, event: str, offset: int, *, partitions: int | None = None) -> None: ...
 
 
 def describe_topic(host: AdminHost, name: str) -> dict[str, Any]:
@@ -184,6 +185,51 @@ def create_topic(host: AdminHost, name: str, config: Any, partitions: int = 1) -
     return describe_topic(host, name)
 
 
+def add_partitions(host: AdminHost, name: str, partitions: int) -> dict[str, Any]:
+    """Grow ``name`` to ``partitions`` (the new total; only up); its description after (docs/partitions.md).
+
+    The dead-letter topics of its groups that exist grow with it first, so partition k's dead
+    letters keep going to partition k. Refused in a cluster for now (``PARTITIONS_UNSUPPORTED``)
+    and on a child broker's mirrored topic (the mirror follows its parent's count).
+    """
+    if host.partitions is not None:
+        raise PartitionsUnsupported(
+            f"topic {name}: adding partitions is not supported in cluster mode yet (a single broker does it)",
+            topic=name,
+            partitions=partitions,
+        )
+    log_ = host.store.topic(name)
+    if log_.config.extra.get("mirror_of"):
+        raise InvalidRequest(f"topic {name} is mirrored: add partitions on the parent; this broker follows", topic=name)
+    for group in host.groups.of_topic(name):
+        target = dead_letter_topic(name, group.settings.dead_letter_topic)
+        if target in host.store.logs and host.store.partition_count(target) < partitions:
+            grow_topic(host, target, partitions)
+    grow_topic(host, name, partitions)
+    return describe_topic(host, name)
+
+
+def grow_topic(host: AdminHost, name: str, partitions: int) -> None:
+    """New partition logs, then the groups of partition 0 on each (at its start), then the count, then the news.
+
+    Each step is durable before the next, so a crash leaves either the old count or the new one
+    with every group in place. A group starts a new partition at its earliest offset: whatever
+    a producer writes there before the group's members subscribe to it is delivered, never
+    skipped (a consumer's ``start`` applies to a group it makes, not to partitions added later).
+    Partition 0's subscribers get EVENT ``PARTITIONS``; the client then subscribes to the new ones.
+    """
+    made = add_partition_logs(host.store, name, partitions)
+    for group in host.groups.of_topic(name):
+        for log_name in made:
+            if host.groups.get((log_name, group.name)) is None:
+                state = {**group.settings.to_dict(), "committed_offset": host.store.topic(log_name).start_offset}
+                host.groups.make(log_name, group.name, state)
+                host.store.save_group(log_name, group.name, state)
+    host.store.write_groups()
+    set_partition_count(host.store, name, partitions)
+    host.announce(name, "PARTITIONS", 0, partitions=partitions)
+
+
 def _topics(host: AdminHost) -> list[str]:
     """The topics a user made (a partition's log ``T#k`` is shown as part of ``T``).
 
@@ -240,6 +286,7 @@ OPS: dict[str, Callable[[AdminHost, dict[str, Any]], Any]] = {
     "describe_topic": lambda b, h: describe_topic(b, _topic(h)),
     "create_topic": lambda b, h: create_topic(b, _topic(h), h.get("config") or {}, h.get("partitions", 1)),
     "alter_topic": lambda b, h: alter_topic(b, _topic(h), h.get("config")),
+    "add_partitions": lambda b, h: add_partitions(b, _topic(h), _arg(h, "partitions", int)),
     "delete_topic": lambda b, h: delete_topic(b, _topic(h)),
     "list_groups": lambda b, h: [
         describe_group(b, t, g)

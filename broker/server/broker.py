@@ -683,12 +683,12 @@ class Broker:
         if event:
             self.announce(topic, event, offset)
 
-    def announce(self, topic: str, event: str, offset: int) -> None:
-        """Tell every subscriber of ``topic`` (an EVENT: RESET or READY)."""
+    def announce(self, topic: str, event: str, offset: int, *, partitions: int | None = None) -> None:
+        """Tell every subscriber of ``topic`` (an EVENT: RESET or READY; PARTITIONS with the new count)."""
         for group in self.groups.of_topic(topic):
             for member in group.members + group.joining:
-                self._send(member.peer, commands.event(member.sub_id, topic, event, offset))
-        log.info("topic %s: %s at offset %d", topic, event, offset)
+                self._send(member.peer, commands.event(member.sub_id, topic, event, offset, partitions=partitions))
+        log.info("topic %s: %s at offset %d%s", topic, event, offset, f" ({partitions} partitions)" * bool(partitions))
 
     # --- liveness and time ----------------------------------------------------------------
 

@@ -21,8 +21,8 @@ from conveyor.broker.wire.partitioning import unknown_partition
 from conveyor.broker.wire.protocol import Frame
 from conveyor.broker.wire.protocol import field as hfield
 
-from conveyor.errors import TopicExists
-from conveyor.names import partition_log, split_log
+from conveyor.errors import InvalidRequest, TopicExists
+from conveyor.names import MAX_PARTITIONS, partition_log, split_log
 
 
 def log_for(store: Store, frame: Frame) -> str:
@@ -53,6 +53,44 @@ def create_partitioned(
         if log_name not in store.logs:
             store.create_topic(log_name, config, extra={"partition_of": name}, **more)
     return store.create_topic(name, config, extra=extra, **more)
+
+
+def check_growth(topic: str, current: int, wanted: int) -> None:
+    """``INVALID_REQUEST`` unless ``wanted`` is more partitions than ``current`` and at most ``MAX_PARTITIONS``.
+
+    Partitions are only added: removing one would drop its messages and its groups' offsets.
+    """
+    if not current < wanted <= MAX_PARTITIONS:
+        raise InvalidRequest(
+            f"topic {topic} has {current} partition{'s' if current != 1 else ''}: add_partitions takes the new "
+            f"total, more than {current} and at most {MAX_PARTITIONS} (partitions are only added), not {wanted}",
+            field="partitions",
+            topic=topic,
+            partitions=current,
+        )
+
+
+def add_partition_logs(store: Store, name: str, partitions: int) -> list[str]:
+    """Make the logs of ``name``'s partitions from its count up to ``partitions`` (durable when this returns).
+
+    Each gets partition 0's settings. The count in partition 0's topic.json is not changed here:
+    the caller does that last (``set_partition_count``), once whatever else the new logs need is
+    durable too, so a crash part way leaves logs past the count, which no request can reach
+    (``p`` past the count is ``UNKNOWN_PARTITION``) and the next add (or create) finds and keeps.
+    """
+    current = store.partition_count(name)
+    check_growth(name, current, partitions)
+    settings = store.topic(name).config.settings()
+    made = [partition_log(name, number) for number in range(current, partitions)]
+    for log_name in made:
+        if log_name not in store.logs:
+            store.create_topic(log_name, settings, extra={"partition_of": name})
+    return made
+
+
+def set_partition_count(store: Store, name: str, partitions: int) -> None:
+    """Record ``partitions`` in ``name``'s topic.json (replaced atomically): from now on requests may name them."""
+    store.alter_topic(name, extra={"partitions": partitions})
 
 
 def dead_letter_target(store: Store, log_name: str, target: str) -> TopicLog:

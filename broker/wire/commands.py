@@ -281,9 +281,10 @@ def error(exc: ConveyorError, rid: Any = None) -> list[Any]:
     return encode(Command.ERROR, error_header(exc, rid))
 
 
-def event(sub: int, topic: str, event: str, offset: int) -> list[Any]:
-    """An EVENT without messages: ``RESET`` or ``READY`` of a mirrored topic."""
-    return encode(Command.EVENT, {"sub": sub, "topic": topic, "event": event, "offset": offset})
+def event(sub: int, topic: str, event: str, offset: int, *, partitions: int | None = None) -> list[Any]:
+    """An EVENT without messages: ``RESET`` or ``READY`` of a mirrored topic, ``PARTITIONS`` (the new count)."""
+    header = {"sub": sub, "topic": topic, "event": event, "offset": offset}
+    return encode(Command.EVENT, _with(header, partitions=partitions))
 
 
 def dead_lettered(

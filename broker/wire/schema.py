@@ -184,6 +184,7 @@ ADMIN_OPS: dict[str, dict[str, Field]] = {
     "create_topic": {"topic": NAME, "config": SETTINGS, "partitions": Field(integer(1, 1024))},
     "alter_topic": {"topic": NAME, "config": Field(settings_map, required=True, error=ConfigError)},
     "delete_topic": {"topic": NAME},
+    "add_partitions": {"topic": NAME, "partitions": Field(integer(1, 1024), required=True)},  # the new total
     "list_groups": {"topic": FREE_TEXT},
     "describe_group": {"topic": NAME, "group": NAME},
     "reset_offsets": {"topic": NAME, "group": NAME, "to": Field(position, required=True)},

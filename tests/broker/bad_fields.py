@@ -114,6 +114,10 @@ ADMIN_OPS: dict[str, tuple[dict[str, Any], dict[str, Spec]]] = {
         {"topic": ("name",), "config": ("settings", "required")},
     ),
     "delete_topic": ({"topic": "fz-gone"}, {"topic": ("name",)}),
+    "add_partitions": (
+        {"topic": "fz", "partitions": 2},
+        {"topic": ("name",), "partitions": ("int", 1, 1024, "required")},
+    ),
     "list_groups": ({"topic": "fz"}, {"topic": ("text",)}),
     "describe_group": ({"topic": "fz", "group": "g"}, {"topic": ("name",), "group": ("name",)}),
     "reset_offsets": (

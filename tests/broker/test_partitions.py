@@ -431,3 +431,65 @@ def test_the_partitioner_asks_a_count_again_after_its_back_off_its_age_or_unknow
     clock.advance(MAX_AGE)
     batch_left_and_asked(5)
     assert partitioner.counts["t"] == 8, "asked again when the answer is MAX_AGE old"
+
+
+# --- adding partitions to a topic (docs/partitions.md, "How to add partitions") ----------------
+
+
+def test_added_partitions_reach_a_running_group_from_their_start_and_survive_a_restart(conveyor_broker):
+    """A member subscribes to the new partitions without restarting (EVENT PARTITIONS); an existing group
+    reads them from offset 0 even if it asked to start at ``latest``; only increases are accepted."""
+    from conveyor.errors import InvalidRequest
+
+    address = conveyor_broker.address
+    with Admin(address) as admin:
+        admin.create_topic("grow", partitions=2)
+        sub = Subscription("grow", "g", address=address, credit=10)
+        try:
+            with Producer(address) as producer:
+                for p in range(2):
+                    producer.send("grow", f"old-{p}", partition=p).result(30)
+                assert sorted(m.partition for _s, m in receive_all([sub], 2)) == [0, 1]
+                admin.reset_offsets("grow", "late", "latest")  # a group with no member now, past "old-*"
+                grown = admin.add_partitions("grow", 4)
+                assert [p["partition"] for p in grown["partitions"]] == [0, 1, 2, 3]
+            with Producer(address) as producer:  # a new producer asks the count: 4
+                for p in range(4):
+                    producer.send("grow", f"new-{p}", partition=p).result(30)
+            got = receive_all([sub], 4)
+            assert sorted((m.partition, m.value) for _s, m in got) == [(p, f"new-{p}") for p in range(4)]
+            assert sub.partitions == 4 and ("PARTITIONS", 0) in sub.events
+            wait_for(lambda: admin.describe_group("grow", "g")["lag"] == 0, timeout=30)
+        finally:
+            sub.close()
+        for wanted in (4, 3, 1025):
+            with pytest.raises(InvalidRequest) as refused:
+                admin.add_partitions("grow", wanted)
+            assert refused.value.code == 207
+        assert len(admin.describe_topic("grow")["partitions"]) == 4
+    conveyor_broker.restart()
+    with Admin(address) as admin:
+        assert [p["end_offset"] for p in admin.describe_topic("grow")["partitions"]] == [2, 2, 1, 1]
+        late = admin.describe_group("grow", "late")["partitions"]
+        assert [(row["committed_offset"], row["lag"]) for row in late[2:]] == [(0, 1), (0, 1)], late
+    late_sub = Subscription("grow", "late", address=address, start="latest")
+    try:
+        got = receive_all([late_sub], 4)
+        assert sorted((m.partition, m.value) for _s, m in got) == [(p, f"new-{p}") for p in range(4)]
+    finally:
+        late_sub.close()
+
+
+def test_topics_alter_partitions_on_the_command_line_adds_and_refuses_a_decrease(conveyor_broker):
+    address = conveyor_broker.address
+    alter = [sys.executable, "-m", "conveyor", "topics", "alter", "cli-grow", "--broker", address, "--format", "json"]
+    with Admin(address) as admin:
+        admin.create_topic("cli-grow", partitions=2, retention_ms=3_600_000)
+        done = subprocess.run([*alter, "--partitions", "3"], capture_output=True, text=True, timeout=60)
+        assert done.returncode == 0, done.stderr
+        assert len(json.loads(done.stdout)["partitions"]) == 3
+        refused = subprocess.run([*alter, "--partitions", "2"], capture_output=True, text=True, timeout=60)
+        assert refused.returncode != 0 and "INVALID_REQUEST" in refused.stderr, refused.stderr
+        topic_json = Path(conveyor_broker.data_dir) / "topics" / "cli-grow#2" / "topic.json"
+        stored = json.loads(topic_json.read_text())
+        assert stored["retention_ms"] == 3_600_000 and stored["extra"] == {"partition_of": "cli-grow"}

@@ -91,7 +91,7 @@ clean:
 	rm -rf $(VENV) conveyor-data conveyor-cluster .pytest_cache .mypy_cache .ruff_cache $(TYPECHECK)
 
 ## `conveyor bench` peers: Redis (redis-server + the redis client) always; `bench-peers` adds NATS and RabbitMQ.
-.PHONY: bench-deps bench-peers bench bench-cluster
+.PHONY: bench-deps bench-peers bench bench-cluster bench-scale-out
 bench-deps: $(STAMP)
 	@command -v redis-server >/dev/null || (apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends redis-server)
 	$(PY) -m pip install --quiet 'redis>=5' 'py-spy>=0.3'
@@ -109,3 +109,8 @@ bench-cluster: $(STAMP)
 	@command -v nats-server >/dev/null || (apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends nats-server)
 	$(PY) -m pip install --quiet 'nats-py>=2.6'
 	$(VENV)/bin/conveyor bench --config benchmarks/cluster.json --report bench-cluster.html --json bench-cluster.json
+
+## Scale-out: 1, 2 and 4 partitions on as many brokers; CPU per stored message per broker, and a projection
+## for 8 and 32 cores (benchmarks/README.md). Run it on a quiet machine: other processes' CPU is in the numbers.
+bench-scale-out: $(STAMP) etcd
+	$(VENV)/bin/conveyor bench --scale-out --repeat 3 --report bench-scale-out.html --json bench-scale-out.json

@@ -12,11 +12,16 @@ from typing import Any
 from conveyor.errors import ConfigError
 
 DEFAULT_CONFIG = Path(__file__).with_name("default.json")
+SCALE_OUT_CONFIG = Path(__file__).with_name("scaleout.json")
 
 
 def _setup(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", default="", metavar="JSON", help="scenarios (default: benchmarks/default.json)")
     parser.add_argument(
-        "--config", default=str(DEFAULT_CONFIG), metavar="JSON", help="scenarios (default: benchmarks/default.json)"
+        "--scale-out",
+        action="store_true",
+        help="the scale-out run: 1, 2 and 4 partitions on as many brokers, CPU per stored message per broker "
+        "and a projection for 8 and 32 cores (benchmarks/scaleout.json; needs etcd)",
     )
     parser.add_argument("--report", metavar="HTML", help="write the HTML report here")
     parser.add_argument("--json", metavar="PATH", help="write every number as JSON here")
@@ -62,6 +67,12 @@ def run(args: argparse.Namespace) -> int:
     if args.repeat < 1:
         print("conveyor bench: --repeat must be at least 1", file=sys.stderr)
         return 2
+    if args.scale_out and args.config:
+        print(
+            "conveyor bench: --scale-out runs benchmarks/scaleout.json; give it or --config, not both", file=sys.stderr
+        )
+        return 2
+    args.config = args.config or str(SCALE_OUT_CONFIG if args.scale_out else DEFAULT_CONFIG)
     try:
         config = load_config(args.config, quick=args.quick)
     except (OSError, ValueError, TypeError) as exc:  # a wrong scenario file is a CONFIG_ERROR, not a traceback

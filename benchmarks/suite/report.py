@@ -5,6 +5,7 @@ from __future__ import annotations
 from html import escape
 from typing import Any
 
+from conveyor.benchmarks.suite import scaleout
 from conveyor.benchmarks.suite.summary import (
     by_scenario,
     check_targets,
@@ -268,6 +269,8 @@ def render_html(report: dict[str, Any]) -> str:
             + "</p>"
         )
     parts.append(targets_table(report))
+    if report.get("scale_out"):
+        parts.append(scaleout.html(report["scale_out"]))
     parts.append("<h2>Observations</h2><ul class=obs>")
     parts += [f"<li>{escape(o)}</li>" for o in observations(report)]
     parts.append("</ul>")

@@ -23,6 +23,7 @@ from typing import Any
 from conveyor.benchmarks.suite import stats
 from conveyor.benchmarks.suite.procstat import cpu_seconds, machine_busy_seconds, tree_cpu_seconds
 from conveyor.benchmarks.suite.profile import start_profilers, stop_profilers
+from conveyor.benchmarks.suite.scaleout import scale_out
 from conveyor.benchmarks.suite.scenario import Config, Scenario
 from conveyor.benchmarks.suite.summary import process_cpu
 from conveyor.benchmarks.suite.systems import NAMES, System, system
@@ -260,6 +261,8 @@ def run_one(
         end_wall = time.time()
         server_cpu = tree_cpu_seconds(server_pids) - server_cpu0
         procs_cpu = {k: tree_cpu_seconds(v) - procs_cpu0[k] for k, v in server_procs.items()}
+        stored = _stored(server, endpoint)
+        background = server.background(endpoint)
         sampler_stop.set()
         sampler.join(2)
         leaders.finish()
@@ -299,8 +302,48 @@ def run_one(
     clients_cpu = sum(v for k, v in result["cpu"].items() if k != "server")
     result["other_cpu"] = round(max(0.0, busy - own - clients_cpu - server_cpu), 3)
     add_process_cpu(result, procs_cpu)
+    add_stored_cpu(result, procs_cpu, stored, background)
     result.update(leaders.result())
     return result
+
+
+def _stored(server: Server, endpoint: dict[str, Any]) -> dict[str, int] | None:
+    try:
+        return server.stored(endpoint)
+    except Exception as exc:  # a metrics scrape that failed: no per-stored figures, the run still counts
+        sys.stderr.write(f"\ncould not read what each server stored: {exc}\n")
+        return None
+
+
+def add_stored_cpu(
+    result: dict[str, Any],
+    server_procs: dict[str, float],
+    stored: dict[str, int] | None,
+    background: dict[str, float] | None = None,
+) -> None:
+    """CPU µs per message each server process stored (its CPU over its own messages), and the highest of them.
+
+    With partitions on several brokers each stores only its share: dividing its
+    CPU by the run's total would make every broker look cheaper as brokers are
+    added. ``max_server_us_per_stored_message`` is what the scale-out targets compare.
+    With ``background`` (CPU s per s at rest), the same less what the process
+    would have used at rest over the run's wall time: a broker's fixed cost per
+    second weighs more per message the fewer messages it stores.
+    """
+    if not stored:
+        return
+    result["stored"] = dict(stored)
+    per = {name: round(server_procs[name] * 1e6 / n, 3) for name, n in stored.items() if n and name in server_procs}
+    result["cpu_us_per_stored_message"] = per
+    if per:
+        result["max_server_us_per_stored_message"] = max(per.values())
+    if background:
+        wall = float(result.get("wall_seconds") or 0.0)
+        result["background_cpu_per_s"] = dict(background)
+        result["cpu_us_per_stored_message_less_background"] = {
+            name: round(max(0.0, server_procs[name] - background.get(name, 0.0) * wall) * 1e6 / stored[name], 3)
+            for name in per
+        }
 
 
 class LeaderWatch:
@@ -589,6 +632,8 @@ def run_bench(
                             reused[key] = sys_obj.start(variant, Path(tmp))
                         server = reused[key]
                     else:
+                        if variant.explicit:  # a cluster: etcd and several brokers take seconds to start
+                            progress.message(f"starting {variant.id}: {variant.durability}")
                         server = sys_obj.start(variant, rundir)
                 except Exception as exc:
                     result = _failed(scenario, variant, f"server did not start: {exc}")
@@ -616,7 +661,7 @@ def run_bench(
                 if close is not None:
                     with contextlib.suppress(Exception):
                         close()
-    return {
+    report: dict[str, Any] = {
         "generated": time.strftime("%Y-%m-%d %H:%M:%S %z", time.localtime(began)),
         "duration_seconds": round(time.time() - began, 1),
         "config": config.source,
@@ -632,6 +677,10 @@ def run_bench(
         "repeat": max(1, repeat),
         "results": median_runs(results),
     }
+    section = scale_out(report)
+    if section is not None:
+        report["scale_out"] = section
+    return report
 
 
 def _quiet(fn: Callable[[], str]) -> str:

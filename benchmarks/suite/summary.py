@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections import defaultdict
 from typing import Any
 
+from conveyor.benchmarks.suite import scaleout
+
 Result = dict[str, Any]
 
 
@@ -31,8 +33,9 @@ def check_targets(report: dict[str, Any]) -> list[dict[str, Any]]:
     """The targets in the config's settings, each with what was measured and whether it was met.
 
     A target is ``{"scenario", "system", "metric", "vs" (another variant) and "min_ratio"}``
-    (``system`` at least ``min_ratio`` times ``vs``), ``{... "vs", "lower": true}`` (``system``
-    below ``vs``), or an absolute ``"min"`` / ``"max"`` bound.
+    (``system`` at least ``min_ratio`` times ``vs``), ``{... "vs", "max_ratio"}`` (at most
+    ``max_ratio`` times ``vs``), ``{... "vs", "lower": true}`` (``system`` below ``vs``), or an
+    absolute ``"min"`` / ``"max"`` bound.
     """
     checks = []
     for t in report.get("settings", {}).get("targets", []):
@@ -54,6 +57,9 @@ def check_targets(report: dict[str, Any]) -> list[dict[str, Any]]:
             elif t.get("lower"):
                 check["ratio"] = round(peer_value / value, 2) if value else None
                 check["met"] = value < peer_value
+            elif "max_ratio" in t:
+                check["ratio"] = round(value / peer_value, 3) if peer_value else None
+                check["met"] = check["ratio"] is not None and check["ratio"] <= t["max_ratio"]
             else:
                 check["ratio"] = round(value / peer_value, 2) if peer_value else None
                 check["met"] = check["ratio"] is not None and check["ratio"] >= t["min_ratio"]
@@ -74,7 +80,11 @@ def skip_reason(report: dict[str, Any], scenario: str, variant: str) -> str:
     return f"not run: {reason}" if reason else ""
 
 
-METRIC_NAMES = {"e2e_msg_per_s": "end-to-end msg/s", "leader_changes": "leader changes"}
+METRIC_NAMES = {
+    "e2e_msg_per_s": "end-to-end msg/s",
+    "leader_changes": "leader changes",
+    "max_server_us_per_stored_message": "CPU µs per stored message of its busiest broker",
+}
 
 
 def describe_target(t: dict[str, Any]) -> str:
@@ -82,6 +92,8 @@ def describe_target(t: dict[str, Any]) -> str:
     if "vs" in t:
         if t.get("lower"):
             return f"{t['scenario']}: {t['system']} {what} below {t['vs']}"
+        if "max_ratio" in t:
+            return f"{t['scenario']}: {t['system']} {what} <= {t['max_ratio']}x {t['vs']}"
         return f"{t['scenario']}: {t['system']} {what} >= {t['min_ratio']}x {t['vs']}"
     bounds = []
     if "min" in t:
@@ -94,7 +106,10 @@ def describe_target(t: dict[str, Any]) -> str:
 def target_cell(t: dict[str, Any]) -> str:
     if t.get("measured") is None:
         return t.get("note", "not run")
-    fmt = "{:,.0f}" if t["metric"].endswith("per_s") or t["metric"] == "leader_changes" else "{:.2f} ms"
+    if t["metric"].endswith("per_s") or t["metric"] == "leader_changes":
+        fmt = "{:,.0f}"
+    else:
+        fmt = "{:.3f} µs" if "_us_" in t["metric"] else "{:.2f} ms"
     text = fmt.format(t["measured"])
     if t.get("peer_measured") is not None:
         text += f" vs {fmt.format(t['peer_measured'])}"
@@ -144,6 +159,8 @@ def markdown_table(report: dict[str, Any]) -> str:
         for t in checks:
             met = {True: "yes", False: "**no**", None: "n/a"}[t["met"]]
             out.append(f"| {describe_target(t)} | {target_cell(t)} | {met} |")
+    if report.get("scale_out"):
+        out += ["", scaleout.markdown(report["scale_out"])]
     return "\n".join(out)
 
 

@@ -73,6 +73,23 @@ class Server(abc.ABC):
         """
         return {"server": self.cpu_pids()}
 
+    def stored(self, endpoint: dict[str, Any]) -> dict[str, int] | None:
+        """How many of the run's messages each server process stored (``{"broker n1": 150000, ...}``); None: unknown.
+
+        Asked once after the run. A server that answers gets CPU per *stored*
+        message for each process (its CPU over what it stored, not over the
+        run's total): the scale-out benchmark compares that across partition counts.
+        """
+        return None
+
+    def background(self, endpoint: dict[str, Any]) -> dict[str, float] | None:
+        """CPU seconds per second each server process used while idle (measured in ``prepare``); None: not measured.
+
+        A broker spends some CPU whatever the load (lease renewals, timers). Where
+        it is known, the run also reports CPU per stored message without it.
+        """
+        return None
+
     def leaders(self, endpoint: dict[str, Any]) -> dict[str, str] | None:
         """Who leads each replicated part of this run right now, e.g. ``{"stream": "nats-2"}``; None: no leaders.
 

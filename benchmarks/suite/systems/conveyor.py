@@ -8,12 +8,13 @@ it as a range).
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from conveyor.benchmarks.suite.procstat import tree
+from conveyor.benchmarks.suite.procstat import runtime_seconds, tree
 from conveyor.benchmarks.suite.scenario import Scenario
 from conveyor.benchmarks.suite.systems import base
 
@@ -166,6 +167,75 @@ class ConveyorClusterServer(ConveyorServer):
         self.cluster.stop()
 
 
+def stored_per_broker(scrape: Any, topic: str) -> int:
+    """Messages a broker appended to ``topic``'s partition logs (``T`` and every ``T#k``), from its metrics text."""
+    total = 0
+    for line in scrape.splitlines():
+        if not line.startswith("conveyor_published_messages_total{"):
+            continue
+        labels, _, value = line.rpartition(" ")
+        found = re.search(r'topic="([^"]*)"', labels)
+        if found and (found.group(1) == topic or found.group(1).startswith(f"{topic}#")):
+            total += int(float(value))
+    return total
+
+
+class ConveyorPartitionedServer(ConveyorClusterServer):
+    """``nodes`` brokers in cluster mode and etcd, and a topic of ``partitions`` partitions with replication factor 1.
+
+    The scale-out benchmark (``benchmarks/scaleout.json``): the controller spreads
+    the partitions' leaders over the nodes, one per node when there are as many
+    partitions as nodes, so each broker process serves one partition. ``prepare``
+    waits until every partition has a leader (the run's ``leaders`` say where);
+    ``stored`` reads from each broker's metrics how many of the run's messages it
+    appended, which is what its CPU is divided by. Before the run each process's
+    CPU at rest is measured (``idle_seconds``, 2 s): ``background``.
+    """
+
+    def __init__(self, workdir: Path, fsync: str, settings: dict[str, Any]) -> None:
+        super().__init__(workdir, fsync, {"nodes": settings.get("partitions", 1), **settings})
+        self._background: dict[str, float] = {}
+
+    def prepare(self, run: str, scenario: Scenario) -> dict[str, Any]:
+        from conveyor.broker.client.metadata import Metadata
+
+        topic = f"bench.{run}"
+        partitions = int(self.settings.get("partitions", 1))
+        self.admin().create_topic(
+            topic, partitions=partitions, replication_factor=int(self.settings.get("replication_factor", 1))
+        )
+        deadline = time.monotonic() + 60
+        while True:
+            found = Metadata(self.address).refresh([topic]).topics.get(topic, {})
+            leaders = {number: info.leader for number, info in found.items() if info.leader and not info.offline}
+            if len(leaders) == partitions:
+                break
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"Conveyor cluster: {topic} has leaders for {sorted(leaders)} of {partitions}")
+            time.sleep(0.05)
+        self._background = self._idle_rates(float(self.settings.get("idle_seconds", 2.0)))
+        return {"address": self.address, "topic": topic, "groups": [f"g{i}" for i in range(scenario.groups)]}
+
+    def _idle_rates(self, seconds: float) -> dict[str, float]:
+        """Each process's CPU seconds per second over ``seconds`` of no load (the topic made, no client yet)."""
+        named = self.processes()
+        before = {name: runtime_seconds(pids) for name, pids in named.items()}
+        time.sleep(seconds)  # a measuring window, not a wait for a condition
+        return {name: round((runtime_seconds(pids) - before[name]) / seconds, 5) for name, pids in named.items()}
+
+    def background(self, endpoint: dict[str, Any]) -> dict[str, float]:
+        return dict(self._background)
+
+    def stored(self, endpoint: dict[str, Any]) -> dict[str, int]:
+        import urllib.request
+
+        out = {}
+        for node, broker in self.cluster.brokers.items():
+            text = urllib.request.urlopen(broker.metrics_url, timeout=30).read().decode()
+            out[f"broker {node}"] = stored_per_broker(text, endpoint["topic"])
+        return out
+
+
 class System(base.System):
     name = "conveyor"
     title = TITLE
@@ -192,10 +262,25 @@ class System(base.System):
             explicit=True,
             fsync=scenario.fsync,
         )
-        return [base.Variant("conveyor", scenario.fsync, TITLE, durability), replicated]
+        return [base.Variant("conveyor", scenario.fsync, TITLE, durability), replicated, *self._scale_out(scenario)]
+
+    def _scale_out(self, scenario: Scenario) -> list[base.Variant]:
+        """One explicit variant per ``conveyor:<mode>`` of the config that sets ``partitions`` (``conveyor:p2``)."""
+        out = []
+        for variant_id, settings in self.variant_settings.items():
+            if "partitions" not in settings:
+                continue
+            k, nodes = int(settings["partitions"]), int(settings.get("nodes", settings["partitions"]))
+            durability = (
+                f"{nodes} broker{'s' if nodes > 1 else ''} and etcd, {k} partition{'s' if k > 1 else ''}, "
+                f"replication factor {settings.get('replication_factor', 1)}, fsync={scenario.fsync}"
+            )
+            mode = variant_id.split(":", 1)[1]
+            out.append(base.Variant("conveyor", mode, TITLE, durability, explicit=True, fsync=scenario.fsync))
+        return out
 
     def why_not(self, variant: str) -> str | None:
-        if variant != "conveyor:r3":
+        if variant != "conveyor:r3" and "partitions" not in self.variant_settings.get(variant, {}):
             return None
         import importlib.util
         import shutil
@@ -213,6 +298,8 @@ class System(base.System):
             return self._external
         if variant.mode == "r3":
             return ConveyorClusterServer(workdir, variant.fsync or "batch", self.settings_for("r3"))
+        if "partitions" in self.settings_for(variant.mode):
+            return ConveyorPartitionedServer(workdir, variant.fsync or "batch", self.settings_for(variant.mode))
         return ConveyorServer(workdir, variant.mode)
 
     def version(self) -> str:

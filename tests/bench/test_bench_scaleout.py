@@ -1,0 +1,217 @@
+"""The scale-out benchmark (``conveyor bench --scale-out``): CPU per stored message per broker, 1/2/4 partitions.
+
+The pure parts (what each broker stored, read from its metrics; CPU per stored
+message; the section's ratios, checks and projection; the ``max_ratio``
+target) are tested on made-up numbers. One smoke test runs the real thing on
+tiny counts: etcd and k brokers in cluster mode, a topic of k partitions, a
+producer and two consumers as processes.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conveyor.benchmarks.cli import SCALE_OUT_CONFIG
+from conveyor.benchmarks.suite.report import render_html
+from conveyor.benchmarks.suite.runner import add_stored_cpu
+from conveyor.benchmarks.suite.scaleout import markdown, projection, scale_out
+from conveyor.benchmarks.suite.scenario import Scenario, load_config
+from conveyor.benchmarks.suite.summary import check_targets, markdown_table
+from conveyor.benchmarks.suite.systems import system
+from conveyor.benchmarks.suite.systems.conveyor import stored_per_broker
+
+ROOT = Path(__file__).resolve().parents[2]
+SCENARIO = "scaleout-1p-2c-100B-batch"
+# The partition counts the smoke test runs on real clusters: 1 until a cluster accepts topics of several
+# partitions (today it refuses them with PARTITIONS_UNSUPPORTED), then 1 and 2.
+SMOKE_VARIANTS = ("conveyor:p1",)
+
+
+def test_the_config_runs_1_2_and_4_partitions_one_broker_each_with_the_targets() -> None:
+    config = load_config(SCALE_OUT_CONFIG)
+    variants = config.settings["variants"]
+    assert {v: (s["nodes"], s["partitions"], s["replication_factor"]) for v, s in variants.items()} == {
+        "conveyor:p1": (1, 1, 1),
+        "conveyor:p2": (2, 2, 1),
+        "conveyor:p4": (4, 4, 1),
+    }
+    (scenario,) = config.scenarios
+    assert scenario.name == SCENARIO and scenario.rate == "max" and set(scenario.systems) == set(variants)
+    targets = {(t["system"], t["metric"]): t for t in config.settings["targets"]}
+    assert targets[("conveyor:p2", "max_server_us_per_stored_message")]["max_ratio"] == 1.1
+    assert targets[("conveyor:p4", "max_server_us_per_stored_message")]["max_ratio"] == 1.1
+    assert targets[("conveyor:p2", "e2e_msg_per_s")]["min_ratio"] == 1.0
+    assert config.settings["scale_out"]["cores"] == [8, 32]
+    conveyor = system("conveyor")
+    conveyor.configure(variants)
+    ids = [v.id for v in conveyor.variants(scenario)]
+    assert {"conveyor:p1", "conveyor:p2", "conveyor:p4"} <= set(ids)
+    assert [v.id for v in conveyor.variants(Scenario("plain"))] == ["conveyor:batch", "conveyor:r3", *ids[2:]]
+    assert all(v.explicit for v in conveyor.variants(scenario) if v.mode.startswith("p"))  # never run unasked
+
+
+def test_a_broker_counts_the_messages_of_every_partition_log_of_the_topic_and_no_other() -> None:
+    text = "\n".join(
+        [
+            "# TYPE conveyor_published_messages_total counter",
+            'conveyor_published_messages_total{topic="bench.t"} 1500.0',
+            'conveyor_published_messages_total{topic="bench.t#3"} 2500.0',
+            'conveyor_published_messages_total{topic="bench.t2"} 99.0',  # another topic with the same prefix
+            'conveyor_published_messages_created{topic="bench.t"} 1.7e+09',
+            'conveyor_published_bytes_total{topic="bench.t"} 150000.0',
+        ]
+    )
+    assert stored_per_broker(text, "bench.t") == 4000
+    assert stored_per_broker(text, "absent") == 0
+
+
+def test_cpu_per_stored_message_divides_each_brokers_cpu_by_what_it_stored() -> None:
+    result: dict[str, Any] = {"wall_seconds": 10.0}
+    procs = {"broker n1": 1.5, "broker n2": 1.0, "etcd": 0.2}
+    add_stored_cpu(result, procs, {"broker n1": 1_000_000, "broker n2": 500_000}, {"broker n1": 0.01, "etcd": 0.005})
+    assert result["cpu_us_per_stored_message"] == {"broker n1": 1.5, "broker n2": 2.0}
+    assert result["max_server_us_per_stored_message"] == 2.0
+    # 1.5 s less 0.01 s/s over the 10 s run is 1.4 s for 1,000,000 messages
+    assert result["cpu_us_per_stored_message_less_background"] == {"broker n1": 1.4, "broker n2": 2.0}
+    nothing: dict[str, Any] = {}
+    add_stored_cpu(nothing, procs, None)
+    assert nothing == {}
+
+
+def _run(variant: str, e2e: float, brokers: dict[str, tuple[int, float]]) -> dict[str, Any]:
+    """A made-up scale-out result: ``brokers`` maps each broker to (messages stored, CPU seconds)."""
+    from tests.bench.test_bench_smoke import _result
+
+    unique = sum(n for n, _ in brokers.values())
+    result: dict[str, Any] = {
+        **_result(SCENARIO, variant, e2e, 100.0),
+        "unique": unique,
+        "cpu": {
+            "server": 0.0,
+            "producer 1": unique * 2e-6,
+            "consumer 1": unique * 0.5e-6,
+            "consumer 2": unique * 0.5e-6,
+        },
+        "server_cpu": {**{name: cpu for name, (_n, cpu) in brokers.items()}, "etcd": unique * 0.1e-6},
+        "wall_seconds": 5.0,
+        "leaders": {
+            "start": {"controller": "n1", **{f"t/{i}": f"{name.split()[1]}@1" for i, name in enumerate(brokers)}}
+        },
+    }
+    add_stored_cpu(result, result["server_cpu"], {name: n for name, (n, _cpu) in brokers.items()})
+    return result
+
+
+def _report(results: list[dict[str, Any]]) -> dict[str, Any]:
+    config = load_config(SCALE_OUT_CONFIG)
+    return {
+        "results": results,
+        "settings": config.settings,
+        "scenarios": [{**s.to_dict(), "label": s.label(), "participants": s.participants} for s in config.scenarios],
+        "machine": {"cpus": 2},
+        "generated": "now",
+        "config": str(SCALE_OUT_CONFIG),
+        "duration_seconds": 1.0,
+        "systems": {},
+    }
+
+
+def test_the_section_compares_each_broker_with_the_single_one_and_projects_from_the_busiest() -> None:
+    report = _report(
+        [
+            _run("conveyor:p1", 300_000, {"broker n1": (1_000_000, 1.00)}),
+            _run("conveyor:p2", 310_000, {"broker n1": (500_000, 0.52), "broker n2": (500_000, 0.50)}),
+            _run("conveyor:p4", 290_000, {f"broker n{i}": (250_000, 0.25 + 0.01 * i) for i in range(1, 5)}),
+        ]
+    )
+    section = scale_out(report)
+    assert section is not None
+    (s,) = section["scenarios"]
+    rows = {row["partitions"]: row for row in s["rows"]}
+    assert rows[2]["brokers"]["broker n1"]["ratio"] == 1.04 and rows[2]["max_ratio"] == 1.04
+    assert rows[4]["max_ratio"] == pytest.approx(1.16) and not rows[4]["within"]  # n4: 0.29 s / 250,000 = 1.16 µs
+    assert rows[2]["e2e_ratio"] == pytest.approx(1.033, abs=1e-3)
+    assert rows[2]["clients_us_per_message"] == 3.0 and rows[2]["etcd_us_per_message"] == 0.1
+    checks = {c["claim"].split()[0]: c["met"] for c in s["checks"]}
+    assert checks == {"each": False, "end-to-end": True, "one": True}
+    p = s["projection"]
+    assert p["basis"] == {
+        "variant": "conveyor:p4",
+        "broker_us_per_message": 1.16,
+        "clients_us_per_message": 3.0,
+        "etcd_us_per_message": 0.1,
+    }
+    eight, thirty_two = p["machines"]
+    assert eight == {
+        "cores": 8,
+        "brokers_only_msg_per_s": round(8e6 / 1.16),
+        "with_clients_msg_per_s": round(8e6 / 4.26),
+    }
+    assert thirty_two["brokers_only_msg_per_s"] == round(32e6 / 1.16)
+    assert p["this_machine"]["cores"] == 2 and p["this_machine"]["measured_e2e_msg_per_s"] == 310_000
+    text = markdown(section)
+    assert "Projection (not a measurement)" in text and "| 32 |" in text and "1.160" in text
+    # The generic targets read the same numbers.
+    report["scale_out"] = section
+    met = {(t["system"], t["metric"]): t["met"] for t in check_targets(report)}
+    assert met[("conveyor:p2", "max_server_us_per_stored_message")] is True
+    assert met[("conveyor:p4", "max_server_us_per_stored_message")] is False
+    assert met[("conveyor:p2", "e2e_msg_per_s")] is True
+    table = markdown_table(report)
+    assert "<= 1.1x conveyor:p1" in table and "### Scale-out" in table
+    page = render_html(report)
+    assert "id='scale-out'" in page and page.count("<svg") >= 3
+
+
+def test_no_section_without_the_setting_and_two_partitions_on_one_broker_is_flagged() -> None:
+    report = _report([_run("conveyor:p1", 300_000, {"broker n1": (1000, 0.001)})])
+    assert scale_out({**report, "settings": {}}) is None
+    crowded = _run("conveyor:p2", 300_000, {"broker n1": (1000, 0.001), "broker n2": (1000, 0.001)})
+    crowded["leaders"]["start"] = {"t/0": "n1@1", "t/1": "n1@1"}
+    (s,) = scale_out(_report([crowded]))["scenarios"]  # type: ignore[index]
+    assert {c["claim"].split()[0]: c["met"] for c in s["checks"]}["one"] is False
+    assert projection([], [8]) == {}
+
+
+def test_scale_out_and_config_are_one_or_the_other(tmp_path: Path) -> None:
+    cmd = [sys.executable, "-m", "conveyor", "bench", "--scale-out", "--config", str(SCALE_OUT_CONFIG)]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "not both" in proc.stderr
+
+
+@pytest.mark.skipif(shutil.which("etcd") is None, reason="etcd is not installed (make test installs etcd-server)")
+@pytest.mark.timeout(150)
+def test_scale_out_runs_on_real_clusters(tmp_path: Path) -> None:
+    """The real thing on tiny counts: for each k, etcd and k brokers, a topic of k partitions, one leader each."""
+    raw = json.loads(SCALE_OUT_CONFIG.read_text())
+    for settings in raw["settings"]["variants"].values():
+        settings["idle_seconds"] = 0.3
+    raw["scenarios"][0]["quick"] = {"messages": 4000, "batch_size": 200, "duration": 10}
+    raw["defaults"]["credit"] = 800
+    path = tmp_path / "scaleout.json"
+    path.write_text(json.dumps(raw))
+    out, page = tmp_path / "out.json", tmp_path / "report.html"
+    cmd = [sys.executable, "-m", "conveyor", "bench", "--config", str(path), "--quick", "--no-progress"]
+    cmd += ["--systems", ",".join(SMOKE_VARIANTS), "--json", str(out), "--report", str(page)]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=140)
+    report = json.loads(out.read_text())
+    by_variant = {r["variant"]: r for r in report["results"]}
+    assert set(by_variant) == set(SMOKE_VARIANTS), proc.stderr
+    for variant, r in by_variant.items():
+        assert r["ok"] and r["exactly_once"] and r["unique"] == 4000, (variant, r["errors"], proc.stderr[-3000:])
+        k = report["settings"]["variants"][variant]["partitions"]
+        assert set(r["stored"]) == {f"broker n{i}" for i in range(1, k + 1)}
+        assert sum(r["stored"].values()) == 4000  # replication factor 1: each message stored once, by its leader
+        assert set(r["cpu_us_per_stored_message"]) == set(r["stored"]) and r["leader_changes"] == 0
+        assert set(r["background_cpu_per_s"]) == {*r["stored"], "etcd"}
+    (s,) = report["scale_out"]["scenarios"]
+    assert [row["partitions"] for row in s["rows"]] == [int(v[-1]) for v in SMOKE_VARIANTS]
+    assert all(row["one_partition_per_broker"] for row in s["rows"]), [row["leaders"] for row in s["rows"]]
+    assert [m["cores"] for m in s["projection"]["machines"]] == [8, 32]
+    assert "### Scale-out" in proc.stdout and "id='scale-out'" in page.read_text()

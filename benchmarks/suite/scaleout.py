@@ -64,7 +64,17 @@ def _row(r: dict[str, Any], k: int) -> Row:
         "other_cpu": r.get("other_cpu"),
         "e2e_seconds": r.get("e2e_seconds"),
         "repeats": (r.get("repeats") or {}).get("values"),
+        "repeated_us_per_message": _spread((r.get("repeats") or {}).get("cpu_us_per_stored_message")),
     }
+
+
+def _spread(runs: list[dict[str, float] | None] | None) -> dict[str, list[float]]:
+    """Each broker's CPU µs per stored message in every repetition of a run (the row shows the median run's)."""
+    out: dict[str, list[float]] = {}
+    for per in runs or []:
+        for name, us in (per or {}).items():
+            out.setdefault(name, []).append(us)
+    return out
 
 
 def scale_out(report: dict[str, Any]) -> dict[str, Any] | None:
@@ -229,6 +239,15 @@ def markdown(section: dict[str, Any]) -> str:
                     f"| {_f(row['clients_us_per_message']) if first else ''} "
                     f"| {_f(row['etcd_us_per_message']) if first else ''} |"
                 )
+        spread = [
+            f"{row['partitions']}: "
+            + ", ".join(f"{name} {'/'.join(f'{v:.3f}' for v in values)}" for name, values in sorted(spread.items()))
+            for row in s["rows"]
+            if (spread := row.get("repeated_us_per_message"))
+        ]
+        if spread:
+            out += ["", "CPU µs per stored message in each repetition (the table shows the median run's): "]
+            out[-1] += "; ".join(spread) + "."
         out += ["", "| claim | measured | met |", "|---|---|---|"]
         out += [f"| {c['claim']} | {c['measured']} | {_met(c['met'])} |" for c in s["checks"]]
         p = s["projection"]

@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 from conveyor.benchmarks.cli import SCALE_OUT_CONFIG
 from conveyor.benchmarks.suite.report import render_html
-from conveyor.benchmarks.suite.runner import add_stored_cpu
+from conveyor.benchmarks.suite.runner import add_stored_cpu, median_runs
 from conveyor.benchmarks.suite.scaleout import markdown, projection, scale_out
 from conveyor.benchmarks.suite.scenario import Scenario, load_config
 from conveyor.benchmarks.suite.summary import check_targets, markdown_table
@@ -130,6 +130,12 @@ def test_the_section_compares_each_broker_with_the_single_one_and_projects_from_
             _run("conveyor:p4", 290_000, {f"broker n{i}": (250_000, 0.25 + 0.01 * i) for i in range(1, 5)}),
         ]
     )
+    spread = [{"broker n1": 0.99}, {"broker n1": 1.0}, {"broker n1": 1.02}]
+    report["results"][0]["repeats"] = {
+        "metric": "end-to-end msg/s",
+        "values": [1, 2, 3],
+        "cpu_us_per_stored_message": spread,
+    }
     section = scale_out(report)
     assert section is not None
     (s,) = section["scenarios"]
@@ -157,6 +163,7 @@ def test_the_section_compares_each_broker_with_the_single_one_and_projects_from_
     assert p["this_machine"]["cores"] == 2 and p["this_machine"]["measured_e2e_msg_per_s"] == 310_000
     text = markdown(section)
     assert "Projection (not a measurement)" in text and "| 32 |" in text and "1.160" in text
+    assert "1: broker n1 0.990/1.000/1.020" in text  # every repetition's figure, not only the median run's
     # The generic targets read the same numbers.
     report["scale_out"] = section
     met = {(t["system"], t["metric"]): t["met"] for t in check_targets(report)}
@@ -167,6 +174,16 @@ def test_the_section_compares_each_broker_with_the_single_one_and_projects_from_
     assert "<= 1.1x conveyor:p1" in table and "### Scale-out" in table
     page = render_html(report)
     assert "id='scale-out'" in page and page.count("<svg") >= 3
+
+
+def test_repeated_runs_keep_every_repetitions_cpu_per_stored_message() -> None:
+    runs = [
+        _run("conveyor:p2", e2e, {"broker n1": (1000, cpu), "broker n2": (1000, 0.001)})
+        for e2e, cpu in [(3.0, 0.0011), (1.0, 0.0012), (2.0, 0.0013)]
+    ]
+    (pick,) = median_runs(runs)
+    assert pick["e2e_msg_per_s"] == 2.0  # the median by throughput, as for every scenario
+    assert [per["broker n1"] for per in pick["repeats"]["cpu_us_per_stored_message"]] == [1.1, 1.2, 1.3]
 
 
 def test_no_section_without_the_setting_and_two_partitions_on_one_broker_is_flagged() -> None:

@@ -683,6 +683,10 @@ class Broker:
         if event:
             self.announce(topic, event, offset)
 
+    def grow_topic(self, topic: str, partitions: int) -> None:
+        """A mirrored topic has more partitions upstream: the same here (logs, groups, count, EVENT)."""
+        admin.grow_topic(self, topic, partitions)
+
     def announce(self, topic: str, event: str, offset: int, *, partitions: int | None = None) -> None:
         """Tell every subscriber of ``topic`` (an EVENT: RESET or READY; PARTITIONS with the new count)."""
         for group in self.groups.of_topic(topic):

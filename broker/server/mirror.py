@@ -8,6 +8,13 @@ it fetches again from its durable end, so no offset is skipped or stored
 twice. Mirrored topics are read-only for local producers. Several levels
 chain: a child is a parent for the next level.
 
+A partitioned topic is mirrored whole: each partition's log (``T#k``) is a
+mirrored log of its own, fetched (``p`` = k) and appended at the parent's
+offsets like a topic. Discovery reads each topic's partition count from the
+parent's ``list_topics``; a count that grew (a new topic, or partitions added
+upstream) grows the child's topic the way ``add_partitions`` does, so its
+groups and subscribers get the new partitions too.
+
 The parent may be a cluster: ``--upstream`` is then its bootstrap list
 (``tcp://a:1,tcp://b:2``). The link asks METADATA with each topic
 discovery (on the link itself: the loop never waits for it) and moves to
@@ -41,6 +48,7 @@ from conveyor.broker.wire.record import Batch, pack_records, unpack_records
 from conveyor.monitoring.health import DEGRADED, HEALTHY, UNHEALTHY
 
 from conveyor.errors import ConveyorError
+from conveyor.names import partition_log
 
 log = logging.getLogger("conveyor.mirror")
 
@@ -64,7 +72,8 @@ class MirrorHost(Protocol):
     def max_batch_bytes(self) -> int: ...
 
     def reset_topic(self, topic: str, offset: int, *, event: str | None = None) -> None: ...
-    def announce(self, topic: str, event: str, offset: int) -> None: ...
+    def announce(self, topic: str, event: str, offset: int, *, partitions: int | None = None) -> None: ...
+    def grow_topic(self, topic: str, partitions: int) -> None: ...  # as ADMIN add_partitions, without its checks
 
 
 @dataclass(frozen=True)
@@ -296,9 +305,17 @@ class Mirror:
     def _discover(self, described: list[dict[str, Any]]) -> None:
         for info in described:
             name = str(info.get("name", ""))
-            if name in self.topics or not any(fnmatch.fnmatchcase(name, p) for p in self.settings.patterns):
+            if not any(fnmatch.fnmatchcase(name, p) for p in self.settings.patterns):
                 continue
-            self._adopt(name, int(info.get("start_offset", 0)), int(info.get("end_offset", 0)))
+            parts = _partitions(info)
+            if name not in self.topics:
+                self._adopt(name, *parts[0])
+            if len(parts) > self.host.store.partition_count(name):
+                log.info("topic %s has %d partitions upstream; mirroring each", name, len(parts))
+                self.host.grow_topic(name, len(parts))
+            for number, (start, end) in enumerate(parts[1:], 1):
+                if partition_log(name, number) not in self.topics:
+                    self._adopt(partition_log(name, number), start, end)
 
     def _adopt(self, name: str, parent_start: int, parent_end: int) -> None:
         store = self.host.store
@@ -308,7 +325,7 @@ class Mirror:
         if not log_.config.read_only:
             store.alter_topic(name, read_only=True, extra={"mirror_of": self.settings.upstream})
         if log_.end_offset == 0 and parent_start > 0:
-            log_.reset_to(parent_start)  # the parent's retention already moved its start
+            self.host.reset_topic(name, parent_start)  # the parent's retention already moved its start
         mirror = TopicMirror(name, parent_end=parent_end, parent_start=parent_start)
         self.topics[name] = mirror
         log.info("mirroring topic %s from offset %d (parent end %d)", name, log_.end_offset, parent_end)
@@ -399,7 +416,7 @@ class Mirror:
             mirror.unknown_at = mirror.unknown_at if mirror.unknown_at is not None else now
             mirror.retry_at = now + NOT_LEADER_RETRY
             self._next_discovery = now
-        elif exc.name == "UNKNOWN_TOPIC":
+        elif exc.name in ("UNKNOWN_TOPIC", "UNKNOWN_PARTITION"):  # the topic was made again with fewer
             self._stop_gone(mirror)
         else:
             log.error("FETCH %s failed upstream: %s", mirror.topic, exc)
@@ -419,10 +436,18 @@ class Mirror:
     # --- refresh (RESET / READY) -----------------------------------------------------------
 
     def refresh(self, topic: str) -> dict[str, Any]:
-        """Drop the local copy and mirror the topic again from the parent's start."""
-        mirror = self.topics.get(topic)
-        if mirror is None:
+        """Drop the local copy and mirror the topic again from the parent's start (each partition's).
+
+        A partitioned topic's answer is partition 0's, with each partition's under ``partitions``.
+        """
+        if topic not in self.topics:
             raise ConveyorError(f"{topic} is not a mirrored topic here", topic=topic)
+        logs = (partition_log(topic, number) for number in range(self.host.store.partition_count(topic)))
+        answers = [self._refresh_log(name) for name in logs if name in self.topics]
+        return answers[0] if len(answers) == 1 else {**answers[0], "partitions": answers}
+
+    def _refresh_log(self, topic: str) -> dict[str, Any]:
+        mirror = self.topics[topic]
         mirror.stopped = ""
         mirror.refresh_target = max(mirror.parent_end, mirror.parent_start)
         self.host.reset_topic(topic, mirror.parent_start, event="RESET")
@@ -470,6 +495,14 @@ class Mirror:
                 for name, m in list(self.topics.items())
             },
         }
+
+
+def _partitions(info: dict[str, Any]) -> list[tuple[int, int]]:
+    """``(start_offset, end_offset)`` of each partition of a topic the parent described (one: its own)."""
+    rows = info.get("partitions")
+    if not isinstance(rows, list) or not rows:  # a parent from before partitions
+        return [(int(info.get("start_offset", 0)), int(info.get("end_offset", 0)))]
+    return [(int(row.get("start_offset", 0)), int(row.get("end_offset", 0))) for row in rows]
 
 
 def _from(batch: Batch, offset: int) -> Batch | None:

@@ -15,7 +15,7 @@ import pytest
 from conveyor.broker.client.subscription import Subscription
 
 from conveyor import Admin, Producer
-from conveyor.errors import ReadOnlyTopic
+from conveyor.errors import ConveyorError, ReadOnlyTopic
 from conveyor.testing import BrokerProcess
 from tests.helpers import publish, wait_for
 
@@ -242,3 +242,68 @@ def test_a_childs_segments_are_byte_identical_to_its_parents_for_an_idempotent_p
     assert parent_files[0].read_bytes()[32:40] != b"\xff" * 8, "the parent's batches carry a producer id"
     for parent, copy in zip(parent_files, child_files, strict=True):
         assert copy.read_bytes() == parent.read_bytes(), parent.name
+
+
+def partition_contents(address: str, topic: str, partitions: int) -> list[list[tuple]]:
+    """Each partition's (offset, timestamp ms, key, value), as a consumer's FETCH reads it."""
+    with Admin(address) as admin:
+        try:
+            return [
+                [(m.offset, int(m.timestamp * 1000), m.key, m.value) for m in admin.fetch(topic, 0, 5000, partition=p)]
+                for p in range(partitions)
+            ]
+        except ConveyorError:  # not mirrored (or not grown) yet
+            return []
+
+
+def receive_acked(sub: Subscription, got: list, count: int) -> None:
+    deadline = time.monotonic() + 30
+    while len(got) < count and time.monotonic() < deadline:
+        batch = sub.receive(timeout=0.1)
+        sub.ack(batch)
+        got += batch
+
+
+def test_a_partitioned_topic_is_mirrored_partition_by_partition_with_identical_offsets(tmp_path):
+    """Every partition of a topic made after the mirror started, and partitions added upstream later, reach the
+    child with the parent's offsets; a group on the child reads them all, the added ones without a restart."""
+    root = BrokerProcess(tmp_path / "root").start()
+    child = BrokerProcess(tmp_path / "child", extra=["--upstream", root.address, "--mirror", "keyed"]).start()
+    sub = None
+    try:
+        with Admin(root.address) as admin:
+            admin.create_topic("keyed", partitions=4)
+        with Producer(root.address, linger_ms=2) as producer:
+            for future in [producer.send("keyed", f"{k}-{n}", key=f"k{k}") for n in range(5) for k in range(40)]:
+                future.result(30)
+        at_root = partition_contents(root.address, "keyed", 4)
+        assert all(at_root) and sum(map(len, at_root)) == 200
+        wait_for(lambda: partition_contents(child.address, "keyed", 4) == at_root, timeout=30, message="4 copied")
+        sub = Subscription("keyed", "g", address=child.address)
+        got: list = []
+        receive_acked(sub, got, 200)
+        with Admin(root.address) as admin:
+            admin.add_partitions("keyed", 6)
+        with Producer(root.address) as producer:
+            for p in range(6):
+                producer.send("keyed", f"added-{p}", key=f"p{p}", partition=p).result(30)
+        at_root = partition_contents(root.address, "keyed", 6)
+        wait_for(lambda: partition_contents(child.address, "keyed", 6) == at_root, timeout=30, message="6 copied")
+        receive_acked(sub, got, 206)
+        assert sorted((m.partition, m.offset) for m in got) == sorted(
+            (p, offset) for p, rows in enumerate(at_root) for offset, *_ in rows
+        ), "the child's group got every message of every partition once"
+        with Admin(child.address) as admin:
+            assert [t["name"] for t in admin.list_topics()] == ["keyed"]
+            assert len(admin.describe_topic("keyed")["partitions"]) == 6
+            assert sorted(admin.mirror_status()["topics"]) == ["keyed", *(f"keyed#{p}" for p in range(1, 6))]
+            refreshed = admin.refresh_topic("keyed")
+            assert [(r["topic"], r["until"]) for r in refreshed["partitions"]] == [
+                ("keyed" if p == 0 else f"keyed#{p}", len(rows)) for p, rows in enumerate(at_root)
+            ]
+        wait_for(lambda: partition_contents(child.address, "keyed", 6) == at_root, timeout=30, message="refreshed")
+    finally:
+        if sub is not None:
+            sub.close()
+        child.stop()
+        root.stop()

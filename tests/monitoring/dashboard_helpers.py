@@ -36,7 +36,9 @@ _RANGES = re.compile(r"\[[^\]]*\]")
 _LABEL_LISTS = re.compile(r"\b(?:by|without|on|ignoring|group_left|group_right)\s*\([^)]*\)")
 _NUMBERS = re.compile(r"(?<![\w.])\d+(?:\.\d+)?(?:[eE][+-]?\d+)?")
 _IDENT = re.compile(r"[A-Za-z_:][A-Za-z0-9_:]*")
-_VARIABLE = re.compile(r"\$(?:\{(\w+)(?::\w+)?\}|(\w+))")
+# A variable's name starts with a letter or "_": ``$1`` in a ``label_replace`` is PromQL's, which Grafana leaves
+# as it is (it names no variable).
+_VARIABLE = re.compile(r"\$(?:\{([A-Za-z_]\w*)(?::\w+)?\}|([A-Za-z_]\w*))")
 _LABEL_VALUES = re.compile(r"^label_values\((?:(.+),\s*)?(\w+)\)$")
 
 
@@ -72,6 +74,16 @@ def variables(dashboard: dict[str, Any]) -> list[dict[str, Any]]:
     return list(dashboard.get("templating", {}).get("list", []))
 
 
+def listed_values(variable: dict[str, Any], values: list[str]) -> list[str]:
+    """The values a query variable offers, as Grafana filters them by its ``regex`` (``/.../``, if any)."""
+    pattern = str(variable.get("regex") or "")
+    if not pattern:
+        return values
+    body = re.fullmatch(r"/(.*)/", pattern)
+    assert body is not None, f"${variable['name']}: regex {pattern!r} is not /.../"
+    return [value for value in values if re.search(body.group(1), value)]
+
+
 def variable_query(variable: dict[str, Any]) -> str:
     query = variable.get("query", "")
     return str(query.get("query", "") if isinstance(query, dict) else query)
@@ -89,6 +101,11 @@ def all_queries() -> list[Query]:
 
 def variables_used(text: str) -> set[str]:
     return {a or b for a, b in _VARIABLE.findall(text)}
+
+
+def without_strings(expr: str) -> str:
+    """``expr`` with every string literal emptied (a regex matcher's ``[0-9]`` is no range)."""
+    return _STRING.sub('""', expr)
 
 
 def metric_names(expr: str) -> set[str]:

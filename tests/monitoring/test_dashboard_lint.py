@@ -27,6 +27,7 @@ from tests.monitoring.dashboard_helpers import (
     variable_query,
     variables,
     variables_used,
+    without_strings,
 )
 from tests.monitoring.monitoring_helpers import exposed_names
 
@@ -133,7 +134,7 @@ def test_panels_have_unique_ids_and_do_not_overlap(name: str) -> None:
 @pytest.mark.parametrize("name", IDS)
 def test_every_rate_uses_rate_interval(name: str) -> None:
     for query in queries(name, DASHBOARDS[name]):
-        ranges = re.findall(r"\[([^\]]*)\]", query.expr)
+        ranges = re.findall(r"\[([^\]]*)\]", without_strings(query.expr))
         assert all(r == "$__rate_interval" for r in ranges), f"a range other than $__rate_interval: {query}"
         for match in RATE_FUNCTIONS.finditer(query.expr):
             argument = _call_argument(query.expr, match.end() - 1)

@@ -1,11 +1,13 @@
 """Every query of every shipped dashboard returns data from a real Prometheus.
 
 A real broker (whose log had a torn tail when it opened) and real `conveyor run` processes carry a few
-thousand messages, with retries, dead letters, a runner killed mid-traffic, a malformed request and a
-resent batch, while a child broker mirrors every topic from it (`--upstream`, after reconnecting once
-while its parent was down) and Prometheus scrapes the three every second. Then each panel query and
-each template variable query is evaluated through Prometheus' HTTP API, with the variables substituted
-as Grafana would, and must return at least one series.
+thousand messages (`payments` has three partitions, its logs `payments`, `payments#1`, `payments#2`),
+with retries, dead letters, a runner killed mid-traffic, a malformed request and a resent batch, while
+a child broker mirrors every topic from it (`--upstream`, after reconnecting once while its parent was
+down) and Prometheus scrapes the three every second. Then each panel query and each template variable
+query is evaluated through Prometheus' HTTP API, with the variables substituted as Grafana would, and
+must return at least one series. The `topic` variable lists topics, never a partition's log, and a
+per-topic panel adds a topic's partitions up.
 """
 
 from __future__ import annotations
@@ -14,17 +16,20 @@ import time
 from pathlib import Path
 from typing import Any
 
+import pytest
 import zmq
 from conveyor.broker.wire.protocol import Command, Frame, decode, encode
 from conveyor.broker.wire.record import pack_records
 from conveyor.broker.wire.values import make_record
 
-from conveyor import Producer
+from conveyor import Admin, Producer
 from conveyor.testing import BrokerProcess
 from tests.helpers import publish, sample_value, scrape, wait_for
 from tests.monitoring.dashboard_helpers import (
+    Query,
     all_queries,
     label_values_query,
+    listed_values,
     load_dashboards,
     substitute,
     variable_query,
@@ -33,6 +38,7 @@ from tests.monitoring.dashboard_helpers import (
 from tests.monitoring.monitoring_helpers import PrometheusServer, runner_metrics_url
 
 TRAFFIC_SECONDS = 8.0
+PAYMENT_PARTITIONS = 3
 VALUES = {
     "__rate_interval": "15s",  # Grafana: max(4 x scrape interval, ...) with a 1 s scrape
     "topic": "orders|payments|doomed",
@@ -124,6 +130,8 @@ def test_every_dashboard_query_returns_data(tmp_path: Path, runner_factory: Any)
     try:
         # Given a broker that recovered a torn tail at startup
         broker.start()
+        with Admin(broker.address) as admin:
+            admin.create_topic("payments", partitions=PAYMENT_PARTITIONS)
         publish(broker.address, "orders", range(10))
         broker.stop()
         # And a child broker mirroring every topic, started while its parent was down: it reconnected once
@@ -160,6 +168,8 @@ def test_every_dashboard_query_returns_data(tmp_path: Path, runner_factory: Any)
             if not result:
                 problems.append(f"no data: {query}")
         assert not problems, f"{len(problems)} queries without data after {sent} messages:\n" + "\n".join(problems)
+        # And a per-topic panel adds a partitioned topic's partitions up; the per-partition panel shows each
+        check_partitions(prometheus, queries)
         # And the numbers are the traffic's, not just present
         parent = f'instance="{parent_target}"'
         truncated = prometheus.query(f'sum(conveyor_log_truncated_bytes_total{{{parent}, topic="orders"}})')
@@ -180,6 +190,24 @@ def test_every_dashboard_query_returns_data(tmp_path: Path, runner_factory: Any)
         broker.stop()
 
 
+def panel_query(queries: list[Query], title: str) -> str:
+    return substitute(next(q.expr for q in queries if q.panel == title), VALUES)
+
+
+def check_partitions(prometheus: PrometheusServer, queries: list[Query]) -> None:
+    at = str(time.time())  # one evaluation time: both sides see the same samples
+    per_topic = prometheus.api("query", query=panel_query(queries, "Messages published / s, by topic"), time=at)
+    rates = {row["metric"]["topic"]: float(row["value"][1]) for row in per_topic["result"]}
+    assert set(rates) == {"orders", "payments", "doomed"}, rates
+    logs = f'rate(conveyor_published_messages_total{{topic=~"payments(#[0-9]+)?"}}[{VALUES["__rate_interval"]}])'
+    by_log = prometheus.api("query", query=f"sum by (topic) ({logs})", time=at)["result"]
+    assert len(by_log) == PAYMENT_PARTITIONS, by_log
+    assert rates["payments"] == pytest.approx(sum(float(row["value"][1]) for row in by_log))
+    lags = prometheus.query(panel_query(queries, "Lag (messages), by partition"))
+    shown = {row["metric"]["topic"] for row in lags if row["metric"]["group"] == "ledger"}
+    assert shown == {"payments", *(f"payments#{k}" for k in range(1, PAYMENT_PARTITIONS))}, shown
+
+
 def check_variables(prometheus: PrometheusServer) -> list[str]:
     problems = []
     for name, dashboard in load_dashboards().items():
@@ -189,8 +217,10 @@ def check_variables(prometheus: PrometheusServer) -> list[str]:
             if variable["type"] != "query":
                 continue
             selector, label = label_values_query(substitute(variable_query(variable), VALUES))
-            values = prometheus.label_values(label, selector)
+            values = listed_values(variable, prometheus.label_values(label, selector))
             expected = set(VALUES[label].split("|"))
             if not expected <= set(values):
                 problems.append(f"{name}: ${variable['name']} lists {values}, not all of {sorted(expected)}")
+            if label == "topic" and any("#" in value for value in values):
+                problems.append(f"{name}: $topic lists a partition's log: {values}")
     return problems

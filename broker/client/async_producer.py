@@ -378,6 +378,7 @@ class AsyncProducer:
                 continue
             if reply.command is Command.PUBLISHED:
                 self._probing.discard(batch.topic)  # a leader confirmed: the topic's batches may overlap again
+                self.partitioner.confirmed(batch.topic, reply.get("partitions"))  # partitions added?
                 del self._in_flight[rid]
                 self._settled(batch)
                 base = int(reply.get("base_offset"))

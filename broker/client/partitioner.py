@@ -9,9 +9,11 @@ append, one partition).
 
 A topic's partition count is asked of the broker (METADATA) the first time
 the producer sends to it (at most 2 s), and kept: partitions change only
-when an operator adds some (``Admin.add_partitions``), and a producer learns
-of that at its next ask, at most ``MAX_AGE`` later. A topic the broker does not have yet (auto-created by the first
-PUBLISH) has one. The count is asked again, on a thread of its own so that
+when an operator adds some (``Admin.add_partitions``), and the broker's
+confirm of a partitioned topic's batch carries its count, so a producer
+learns of added partitions from its next confirm (``confirmed``). A topic
+the broker does not have yet (auto-created by the first PUBLISH) has one.
+The count is asked again, on a thread of its own so that
 ``send()`` never waits for it, when what the producer knew may no longer hold:
 
 - the broker did not answer the first time: the topic is taken as one
@@ -20,7 +22,9 @@ PUBLISH) has one. The count is asked again, on a thread of its own so that
 - the broker answered ``UNKNOWN_PARTITION`` (``stale``): the topic was made
   again with fewer partitions;
 - ``MAX_AGE`` (5 minutes, as Kafka's ``metadata.max.age.ms``) after the last
-  answer: the topic may have been made again with more, or had some added.
+  answer: the topic may have been made again with more, or had some added
+  (the next confirm already says so; this is the net for a broker that does
+  not).
 
 ``route`` (per message) looks at nothing of this; ``batch_left`` (per
 batch, the unit) looks up when the topic is due and starts the ask.
@@ -140,6 +144,23 @@ class Partitioner:
         if sticky is None:
             sticky = self._sticky[topic] = hash(topic) % count
         return partition_log(topic, sticky)
+
+    def confirmed(self, log_name: str, partitions: object) -> None:
+        """A confirm of a batch of ``log_name`` said its topic has ``partitions`` (absent: says nothing).
+
+        More than the producer routes by: partitions were added; the new count is taken at once
+        (no waiting for ``MAX_AGE``). Fewer is never taken from a confirm: only a topic made again
+        has fewer, and ``UNKNOWN_PARTITION`` asks the broker then. One lookup per batch.
+        """
+        if type(partitions) is not int or partitions <= self.counts.get(topic := split_log(log_name)[0], 1):
+            return
+        with self._lock:
+            self._retry_at[topic] = self._clock() + MAX_AGE
+            self._guessed.discard(topic)
+            self._wait.pop(topic, None)
+        log.info("%s has %d partition(s) now", topic, partitions)
+        self._sticky.pop(topic, None)
+        self.counts[topic] = partitions
 
     def batch_left(self, log_name: str) -> None:
         """A batch went to the broker: if it was the sticky one, the next keyless batch takes the next partition.

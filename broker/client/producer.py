@@ -717,6 +717,7 @@ class _ProducerIO:
                 continue  # an answer to a batch already settled (a resend's twin)
             if reply.command is Command.PUBLISHED:
                 self.probing.discard(flight.topic)  # a leader confirmed: the topic's batches may overlap again
+                self.p.partitioner.confirmed(flight.topic, reply.get("partitions"))  # partitions added?
                 self._finish(flight)
                 flight.futures.resolve(int(reply.get("base_offset")))
             elif reply.command is Command.ERROR and flight.address == link.address:  # else: a former leader's

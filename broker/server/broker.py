@@ -66,6 +66,7 @@ from conveyor.monitoring.metrics import (
 from prometheus_client import CollectorRegistry
 
 from conveyor.errors import ConveyorError, InvalidRequest, TooManyOpenFiles
+from conveyor.names import split_log
 from conveyor.version import __version__
 
 if TYPE_CHECKING:
@@ -524,7 +525,8 @@ class Broker:
             counters.published_batches.inc()
             self.appended.add(topic)
         rid = frame.get("rid")
-        self.confirms.add(Confirm(peer, rid, log_, result.base_offset, count, result.duplicate, received))
+        partitions = self.store.partition_count(split_log(topic)[0])  # told in the confirm: producers learn added ones
+        self.confirms.add(Confirm(peer, rid, log_, result.base_offset, count, result.duplicate, received, partitions))
 
     def check_topic_room(self, topic: str) -> None:
         self.admission.check_room(topic)

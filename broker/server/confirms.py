@@ -30,6 +30,7 @@ class Confirm:
     count: int
     duplicate: bool
     received: float
+    partitions: int = 1  # the topic's count when the batch came: a confirm says it when more than one
 
 
 class Confirms:
@@ -68,6 +69,7 @@ class Confirms:
                     base_offset=confirm.base_offset,
                     count=confirm.count,
                     duplicate=confirm.duplicate,
+                    partitions=confirm.partitions if confirm.partitions > 1 else None,
                 ),
             )
         self.waiting = waiting

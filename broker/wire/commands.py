@@ -193,10 +193,15 @@ def welcome(
     )
 
 
-def published(rid: Any, topic: str, *, base_offset: int, count: int, duplicate: bool) -> list[Any]:
-    """The confirm of a PUBLISH: the batch holds ``[base_offset, base_offset + count)``."""
+def published(
+    rid: Any, topic: str, *, base_offset: int, count: int, duplicate: bool, partitions: int | None = None
+) -> list[Any]:
+    """The confirm of a PUBLISH: the batch holds ``[base_offset, base_offset + count)``.
+
+    ``partitions``: the topic's count, when it has more than one (a producer learns added partitions).
+    """
     header = {"rid": rid, **_topic(topic), "base_offset": base_offset, "count": count, "duplicate": duplicate}
-    return encode(Command.PUBLISHED, header)
+    return encode(Command.PUBLISHED, _with(header, partitions=partitions))
 
 
 def subscribed(

@@ -187,12 +187,18 @@ def test_an_async_producer_routes_by_key_and_resolves_offsets_with_partitions(co
         producer = AsyncProducer(address)
         try:
             futures = [await producer.send("a4", i, key=f"k{i}") for i in range(20)]
-            return [(i, await f) for i, f in enumerate(futures)]
+            routed = [(i, await f) for i, f in enumerate(futures)]
+            admin.add_partitions("a4", 6)
+            await (await producer.send("a4", "told", partition=0))  # its confirm says 6
+            key = next(k for k in (f"key-{i}" for i in range(1000)) if partition_for_key(k, 6) == 5)
+            assert (await (await producer.send("a4", "added", key=key))).partition == 5
+            return routed
         finally:
             await producer.close()
 
-    for i, offset in asyncio.run(main()):
-        assert offset.partition == partition_for_key(f"k{i}", 4)
+    with Admin(address) as admin:
+        for i, offset in asyncio.run(main()):
+            assert offset.partition == partition_for_key(f"k{i}", 4)
 
 
 def test_an_existing_single_partition_data_directory_opens_unchanged(conveyor_broker):
@@ -493,3 +499,14 @@ def test_topics_alter_partitions_on_the_command_line_adds_and_refuses_a_decrease
         topic_json = Path(conveyor_broker.data_dir) / "topics" / "cli-grow#2" / "topic.json"
         stored = json.loads(topic_json.read_text())
         assert stored["retention_ms"] == 3_600_000 and stored["extra"] == {"partition_of": "cli-grow"}
+
+
+def test_a_running_producer_routes_by_the_added_partitions_from_its_next_confirm(conveyor_broker):
+    """The confirm of a partitioned topic's batch carries its count: no waiting for the 5-minute refresh."""
+    address = conveyor_broker.address
+    with Admin(address) as admin, Producer(address, linger_ms=1) as producer:
+        admin.create_topic("widen")
+        assert producer.send("widen", b"before").result(30) == Offset(0, 0)
+        admin.add_partitions("widen", 4)
+        assert producer.send("widen", b"told", partition=0).result(30) == Offset(1, 0)  # its confirm says 4
+        assert routed(producer, "widen", key_for(3, 4)) == 3

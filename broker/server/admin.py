@@ -201,6 +201,7 @@ def add_partitions(host: AdminHost, name: str, partitions: int) -> dict[str, Any
     log_ = host.store.topic(name)
     if log_.config.extra.get("mirror_of"):
         raise InvalidRequest(f"topic {name} is mirrored: add partitions on the parent; this broker follows", topic=name)
+    host.check_topic_room(name)  # TOPIC_LIMIT, as for a create: each partition is a log
     for group in host.groups.of_topic(name):
         target = dead_letter_topic(name, group.settings.dead_letter_topic)
         if target in host.store.logs and host.store.partition_count(target) < partitions:

@@ -510,3 +510,22 @@ def test_a_running_producer_routes_by_the_added_partitions_from_its_next_confirm
         admin.add_partitions("widen", 4)
         assert producer.send("widen", b"told", partition=0).result(30) == Offset(1, 0)  # its confirm says 4
         assert routed(producer, "widen", key_for(3, 4)) == 3
+
+
+def test_adding_partitions_grows_the_dead_letter_topic_first(conveyor_broker):
+    """Partition k's dead letters go to partition k of the dead-letter topic, so it grows with its origin."""
+    address = conveyor_broker.address
+    with Admin(address) as admin:
+        admin.create_topic("dl", partitions=2)
+        with Producer(address) as producer:
+            producer.send("dl", b"poison", partition=1).result(30)
+        sub = Subscription("dl", "g", address=address)
+        try:
+            (_sub, message), *_ = receive_all([sub], 1, ack=False)
+            sub.term([message], reason="cannot")
+            wait_for(lambda: "dl.dlq" in {t["name"] for t in admin.list_topics()}, timeout=30, message="a DLQ")
+        finally:
+            sub.close()
+        assert len(admin.describe_topic("dl.dlq")["partitions"]) == 2
+        admin.add_partitions("dl", 4)
+        assert [p["end_offset"] for p in admin.describe_topic("dl.dlq")["partitions"]] == [0, 1, 0, 0]

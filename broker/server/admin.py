@@ -247,11 +247,15 @@ def _never(name: str) -> bool:
 
 
 def alter_topic(host: AdminHost, name: str, config: Any) -> dict[str, Any]:
-    """Change settings live (retention at its next pass, segment size at the next roll)."""
+    """Change settings live (retention at its next pass, segment size at the next roll), on every partition.
+
+    Partition 0 first: a refused setting is refused there, before any other partition changes.
+    """
     host.store.topic(name)
     if not config:
         raise ConfigError(f"alter_topic {name}: no settings given (config is a map of setting to value)", topic=name)
-    host.store.alter_topic(name, config)
+    for log_ in host.store.partition_logs(name):
+        host.store.alter_topic(log_.name, config)
     return describe_topic(host, name)
 
 

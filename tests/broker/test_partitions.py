@@ -529,3 +529,13 @@ def test_adding_partitions_grows_the_dead_letter_topic_first(conveyor_broker):
         assert len(admin.describe_topic("dl.dlq")["partitions"]) == 2
         admin.add_partitions("dl", 4)
         assert [p["end_offset"] for p in admin.describe_topic("dl.dlq")["partitions"]] == [0, 1, 0, 0]
+
+
+def test_altering_a_partitioned_topic_changes_every_partition(conveyor_broker):
+    """A setting is the topic's: ``topics alter`` applied it to partition 0 alone, and partitions added later copy it."""
+    with Admin(conveyor_broker.address) as admin:
+        admin.create_topic("al", partitions=3)
+        assert admin.alter_topic("al", retention_ms=60_000)["config"]["retention_ms"] == 60_000
+    for log in ("al", "al#1", "al#2"):
+        stored = json.loads((Path(conveyor_broker.data_dir) / "topics" / log / "topic.json").read_text())
+        assert stored["retention_ms"] == 60_000, log

@@ -532,7 +532,7 @@ def test_adding_partitions_grows_the_dead_letter_topic_first(conveyor_broker):
 
 
 def test_altering_a_partitioned_topic_changes_every_partition(conveyor_broker):
-    """A setting is the topic's: ``topics alter`` applied it to partition 0 alone, and partitions added later copy it."""
+    """A setting is the topic's: `topics alter` applied it to partition 0 alone; partitions added later copy it."""
     with Admin(conveyor_broker.address) as admin:
         admin.create_topic("al", partitions=3)
         assert admin.alter_topic("al", retention_ms=60_000)["config"]["retention_ms"] == 60_000

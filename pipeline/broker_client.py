@@ -3,7 +3,8 @@
 * ``Connection``: request/reply by ``rid`` over one DEALER (``conveyor.broker.net.requester``),
   with the reader's or writer's own CURVE keys, reconnecting and resending
   while the broker is away (restarts, kill -9) up to a deadline.
-* ``topic_bounds``: what a reader may read (log start, durable end).
+* ``topic_bounds``: what a reader may read (log start, durable end);
+  ``partition_bounds`` the same for each partition of a topic.
 * ``offset_for_timestamp``: the first offset appended at or after a time,
   by bisecting FETCH (the broker has no such lookup yet).
 
@@ -33,9 +34,11 @@ from conveyor.errors import (
     FencedLeaderEpoch,
     NotEnoughReplicas,
     NotLeader,
+    OffsetOutOfRange,
     UnknownLeaderEpoch,
     UnknownTopic,
 )
+from conveyor.names import partition_log
 
 __all__ = [
     "CURVE_OPTIONS",
@@ -43,8 +46,11 @@ __all__ = [
     "DataLoss",
     "TopicBounds",
     "batch_timestamp_at",
+    "describe_topic",
     "fetch_request",
     "offset_for_timestamp",
+    "partition_bounds",
+    "partition_count",
     "topic_bounds",
 ]
 
@@ -80,8 +86,9 @@ class Connection(Requester):
     restarted broker ahead of the lost messages. The publisher needs that.
 
     ``address`` may be a bootstrap list (``tcp://a:5555,tcp://b:5555``): the
-    connection then goes to ``topic``'s leader, and each reconnect goes to
-    the leader of the moment (``conveyor.broker.client.metadata``).
+    connection then goes to the leader of ``partition`` of ``topic``, and each
+    reconnect goes to the leader of the moment (``conveyor.broker.client.metadata``,
+    which every client routes by). ``use_partition`` moves it to another partition's.
     """
 
     def __init__(
@@ -89,6 +96,7 @@ class Connection(Requester):
         address: str | Sequence[str],
         *,
         topic: str | None = None,
+        partition: int = 0,
         request_timeout: float = 10.0,
         retry_for: float = 120.0,
         auto_reconnect: bool = True,
@@ -96,6 +104,7 @@ class Connection(Requester):
         context: zmq.Context[Any] | None = None,
     ) -> None:
         self.topic = topic
+        self.partition = partition
         self.metadata = Metadata(address, context=context, keys=keys, timeout=request_timeout)
         super().__init__(
             self._leader(),
@@ -111,10 +120,20 @@ class Connection(Requester):
     def request_timeout(self) -> float:
         return self.timeout
 
+    def use_partition(self, partition: int) -> None:
+        """Send what follows to ``partition``'s leader (the same socket when that is where it goes already)."""
+        if partition == self.partition:
+            return
+        self.partition = partition
+        if self._leader() != self.address:
+            self.reconnect()
+
     def _leader(self) -> str:
-        """The topic's leader (any broker without a topic); with one address, that address."""
+        """The partition's leader (any broker without a topic); with one address, that address."""
         try:
-            return self.metadata.leader_for(self.topic) if self.topic else self.metadata.any_address()
+            if self.topic:
+                return self.metadata.leader_for(self.topic, self.partition)
+            return self.metadata.any_address()
         except ConveyorError as exc:
             if not exc.retriable:
                 raise
@@ -125,9 +144,9 @@ class Connection(Requester):
         if error is None or isinstance(error, BrokerUnavailable):
             self.metadata.lost(self.address)
         elif isinstance(error, NotLeader) and self.topic:
-            self.metadata.not_leader(self.topic, 0, error)
+            self.metadata.not_leader(self.topic, self.partition, error)
         elif isinstance(error, _LEADERSHIP) or (isinstance(error, UnknownTopic) and self.metadata.following):
-            self.metadata.stale(self.topic)
+            self.metadata.stale(self.topic, self.partition)
 
     def wait_for(self, rid: int, timeout: float | None = None) -> Frame:
         try:
@@ -164,21 +183,73 @@ class TopicBounds:
     end: int
 
 
-def topic_bounds(conn: Connection, topic: str) -> TopicBounds:
-    """Log start and durable end of ``topic`` (an unknown topic reads as empty)."""
+def describe_topic(conn: Connection, topic: str) -> dict[str, Any] | None:
+    """``describe_topic`` of ``topic`` (None: no such topic), asked of its partition 0's leader."""
 
-    def describe() -> TopicBounds:
+    def describe() -> dict[str, Any] | None:
+        conn.use_partition(0)
         try:
             described = conn.wait_for(conn.send_built(partial(commands.admin, "describe_topic", {"topic": topic})))
-            info = described.get("result")
         except ConveyorError as exc:
             if exc.name == "UNKNOWN_TOPIC":
-                return TopicBounds(0, 0)
+                return None
             raise
-        end = int(info.get("visible_offset", info.get("durable_offset", info["end_offset"])))
-        return TopicBounds(int(info.get("start_offset", 0)), end)
+        result: dict[str, Any] = described.get("result")
+        return result
 
     return conn.retrying(describe)
+
+
+def topic_bounds(conn: Connection, topic: str) -> TopicBounds:
+    """Log start and durable end of ``topic``'s partition 0 (an unknown topic reads as empty)."""
+    info = describe_topic(conn, topic)
+    if info is None:
+        return TopicBounds(0, 0)
+    end = int(info.get("visible_offset", info.get("durable_offset", info["end_offset"])))
+    return TopicBounds(int(info.get("start_offset", 0)), end)
+
+
+def partition_count(conn: Connection, topic: str) -> int:
+    """How many partitions ``topic`` has (1 for a topic that does not exist yet: its first PUBLISH makes one)."""
+    info = describe_topic(conn, topic)
+    return len(info.get("partitions") or [0]) if info is not None else 1
+
+
+def partition_bounds(conn: Connection, topic: str) -> list[TopicBounds]:
+    """What a reader may read of each partition of ``topic``, by partition number (an unknown topic: one, empty).
+
+    A topic of one partition is described as before. For several, the count
+    and each partition's place come from ``describe_topic``, and each durable
+    end from a FETCH at that end, sent to the partition's own leader: its
+    answer says how far that partition may be read (the broker's
+    ``visible_offset``) wherever the partition lives.
+    """
+    info = describe_topic(conn, topic)
+    if info is None:
+        return [TopicBounds(0, 0)]
+    rows = info.get("partitions") or []
+    if len(rows) <= 1:
+        end = int(info.get("visible_offset", info.get("durable_offset", info["end_offset"])))
+        return [TopicBounds(int(info.get("start_offset", 0)), end)]
+    try:
+        return [_partition_end(conn, topic, number, int(row.get("end_offset", 0))) for number, row in enumerate(rows)]
+    finally:
+        conn.use_partition(0)
+
+
+def _partition_end(conn: Connection, topic: str, partition: int, end: int) -> TopicBounds:
+    """``[start, durable end)`` of one partition, from the header of a FETCH at ``end`` (which reads nothing)."""
+
+    def ask() -> TopicBounds:
+        conn.use_partition(partition)
+        try:
+            reply = conn.wait_for(conn.send_built(fetch_request(partition_log(topic, partition), end, 1, 1)))
+        except OffsetOutOfRange as exc:  # the log was cut below what describe_topic said: ask where it is now
+            reply_fields = exc.fields
+            return TopicBounds(int(reply_fields["start_offset"]), int(reply_fields["end_offset"]))
+        return TopicBounds(int(reply.get("start_offset", 0)), int(reply.get("end_offset", 0)))
+
+    return conn.retrying(ask)
 
 
 def fetch_request(topic: str, offset: int, max_messages: int, max_bytes: int, wait_ms: int = 0) -> FramesFor:
@@ -186,11 +257,12 @@ def fetch_request(topic: str, offset: int, max_messages: int, max_bytes: int, wa
     return partial(commands.fetch, topic, offset, max_messages=max_messages, max_bytes=max_bytes, wait_ms=wait_ms)
 
 
-def batch_timestamp_at(conn: Connection, topic: str, offset: int) -> int:
-    """The append time (ms) of the batch holding ``offset``."""
+def batch_timestamp_at(conn: Connection, topic: str, offset: int, partition: int = 0) -> int:
+    """The append time (ms) of the batch holding ``offset`` of ``partition``."""
 
     def one() -> int:
-        reply = conn.wait_for(conn.send_built(fetch_request(topic, offset, 1, 1)))
+        conn.use_partition(partition)
+        reply = conn.wait_for(conn.send_built(fetch_request(partition_log(topic, partition), offset, 1, 1)))
         entries = entries_from_wire(reply.get("entries"))
         if not entries:
             raise DataLoss(f"offset {offset} of {topic} is not readable", topic=topic, offset=offset)
@@ -199,18 +271,20 @@ def batch_timestamp_at(conn: Connection, topic: str, offset: int) -> int:
     return conn.retrying(one)
 
 
-def offset_for_timestamp(conn: Connection, topic: str, timestamp_ms: int, bounds: TopicBounds | None = None) -> int:
-    """The first offset whose batch was appended at or after ``timestamp_ms``.
+def offset_for_timestamp(
+    conn: Connection, topic: str, timestamp_ms: int, bounds: TopicBounds | None = None, partition: int = 0
+) -> int:
+    """The first offset of ``partition`` whose batch was appended at or after ``timestamp_ms``.
 
     Bisects over FETCH of one record (about log2(n) requests), relying
     on broker append times being non-decreasing along the log, as the broker's
     own ``reset_offsets`` to a time does. Returns the end when nothing is that new.
     """
-    bounds = bounds or topic_bounds(conn, topic)
+    bounds = bounds or partition_bounds(conn, topic)[partition]
     lo, hi = bounds.start, bounds.end
     while lo < hi:
         mid = (lo + hi) // 2
-        if batch_timestamp_at(conn, topic, mid) >= timestamp_ms:
+        if batch_timestamp_at(conn, topic, mid, partition) >= timestamp_ms:
             hi = mid
         else:
             lo = mid + 1

@@ -1,9 +1,13 @@
 """The Spark sink's writes to the broker, with no Spark in it.
 
 * ``Batcher``: cuts records into batch bodies by count and size, deterministically.
-* ``BatchPublisher``: publishes pre-packed batches under one idempotent
-  producer id with explicit sequences and publisher confirms; what the
-  broker already stored (a task retry) is skipped and counted.
+* ``BatchPublisher``: publishes pre-packed batches to one partition under one
+  idempotent producer id with explicit sequences and publisher confirms; what
+  the broker already stored (a task retry) is skipped and counted.
+* ``PartitionedPublisher``: routes records to a topic's partitions as every
+  producer does (``crc32(key) % partitions``, keyless records a batch at a
+  time) and publishes each partition's with a ``Batcher`` and a
+  ``BatchPublisher`` of its own.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import msgpack
 import zmq
 from conveyor.broker.net.security import ClientKeys
 from conveyor.broker.wire import commands
+from conveyor.broker.wire.partitioning import partition_for_key
 from conveyor.broker.wire.protocol import Command, Frame, error_from_header
 from conveyor.pipeline.broker_client import Connection
 from conveyor.pipeline.broker_reader import fetch_range
@@ -28,8 +33,17 @@ from conveyor.errors import (
     ConveyorError,
     DuplicateSequence,
 )
+from conveyor.names import partition_log
 
-__all__ = ["BatchPublisher", "Batcher", "NonDeterministicRetry", "PublishStats", "producer_id_for"]
+__all__ = [
+    "BatchPublisher",
+    "Batcher",
+    "NonDeterministicRetry",
+    "PartitionedPublisher",
+    "PublishStats",
+    "producer_id_for",
+    "route_records",
+]
 
 
 class NonDeterministicRetry(ConveyorError):
@@ -113,14 +127,17 @@ class BatchPublisher:
     delivery_timeout: float = 120.0
     verify_duplicates: bool = True
     keys: ClientKeys | None = None  # CURVE keys from the writer's options; None: the process's
+    partition: int = 0  # the broker numbers a producer's sequences per partition log
     stats: PublishStats = field(default_factory=PublishStats)
 
     def __post_init__(self) -> None:
         if not 1 <= self.max_in_flight <= 4:
             raise ValueError("max_in_flight must be 1..4 (half the broker's window of 8 sequences)")
+        self.log_name = partition_log(self.topic, self.partition)
         self.conn = Connection(
             self.address,
             topic=self.topic,
+            partition=self.partition,
             request_timeout=self.request_timeout,
             retry_for=self.delivery_timeout,
             auto_reconnect=False,
@@ -163,7 +180,7 @@ class BatchPublisher:
     # --- internals -----------------------------------------------------------------------
 
     def _transmit(self, flight: _Flight) -> None:
-        request = partial(commands.publish, self.topic, flight.body, pid=self.producer_id, seq=flight.seq)
+        request = partial(commands.publish, self.log_name, flight.body, pid=self.producer_id, seq=flight.seq)
         self._flights.pop(flight.rid, None)
         try:
             flight.rid = self.conn.send_built(request, block=False)
@@ -255,11 +272,13 @@ class BatchPublisher:
         with Connection(
             self.address,
             topic=self.topic,
+            partition=self.partition,
             request_timeout=self.request_timeout,
             retry_for=self.delivery_timeout,
             keys=self.keys,
         ) as conn:
-            entries, bodies, _, _ = next(iter(fetch_range(conn, self.topic, base, base + flight.count)))
+            chunks = fetch_range(conn, self.topic, base, base + flight.count, partition=self.partition)
+            entries, bodies, _, _ = next(iter(chunks))
         stored = [bytes(body) for entry, body in zip(entries, bodies, strict=False) if entry.base_offset == base]
         if stored != [flight.body]:
             raise NonDeterministicRetry(
@@ -321,3 +340,119 @@ class Batcher:
 
     def _pack(self, lo: int, hi: int) -> bytes:
         return self._packer.pack(list(zip(self._keys[lo:hi], self._headers[lo:hi], self._values[lo:hi], strict=True)))
+
+
+def route_records(
+    keys: list[Any], partitions: int, *, batch_size: int, keyless_from: int = 0, keyless_seen: int = 0
+) -> list[int]:
+    """The partition of each record, as a producer picks it (docs/partitions.md).
+
+    A key goes to ``crc32(key) % partitions`` (``partition_for_key``, the
+    producers' own function). Keyless records go a batch at a time to one
+    partition, then the next: the i-th keyless record of a task (counting
+    ``keyless_seen`` before these) goes to ``(keyless_from + i // batch_size)
+    % partitions``. That depends only on the records, in order, so a retried
+    task routes every record as the attempt it replaces did, and its
+    sequences name the same batches.
+    """
+    out: list[int] = []
+    keyless = keyless_seen
+    for key in keys:
+        if key is None:
+            out.append((keyless_from + keyless // batch_size) % partitions)
+            keyless += 1
+        else:
+            out.append(partition_for_key(key, partitions))
+    return out
+
+
+class PartitionedPublisher:
+    """Publishes records to the partitions of a topic: one ``Batcher`` and ``BatchPublisher`` per partition.
+
+    Every partition's publisher has the same producer id: the broker keeps
+    an idempotent producer's sequences per partition log, so each numbers
+    its batches from 0, and a retried task dedups in every partition. With
+    one partition it is exactly the single publisher of before.
+    """
+
+    def __init__(
+        self,
+        address: str,
+        topic: str,
+        producer_id: int,
+        *,
+        partitions: int,
+        keyless_from: int = 0,
+        batch_size: int = 5000,
+        batch_bytes: int = 1 << 20,
+        **publisher: Any,
+    ) -> None:
+        self.address, self.topic, self.producer_id = address, topic, producer_id
+        self.partitions = max(1, partitions)
+        self.keyless_from = keyless_from % self.partitions
+        self.batch_size, self.batch_bytes = batch_size, batch_bytes
+        self._publisher_options = publisher
+        self._keyless = 0  # keyless records routed so far: where the next one goes
+        self.batchers: dict[int, Batcher] = {}
+        self.publishers: dict[int, BatchPublisher] = {}
+
+    def add(self, keys: list[Any], headers: list[Any], values: list[bytes]) -> None:
+        """Take more records (in order); publishes every batch that is full."""
+        if self.partitions == 1:
+            self._add(0, keys, headers, values)
+            return
+        routes = route_records(
+            keys,
+            self.partitions,
+            batch_size=self.batch_size,
+            keyless_from=self.keyless_from,
+            keyless_seen=self._keyless,
+        )
+        self._keyless += keys.count(None)
+        split: dict[int, tuple[list[Any], list[Any], list[bytes]]] = {}
+        for partition, key, header, value in zip(routes, keys, headers, values, strict=True):
+            bucket = split.get(partition)
+            if bucket is None:
+                bucket = split[partition] = ([], [], [])
+            bucket[0].append(key)
+            bucket[1].append(header)
+            bucket[2].append(value)
+        for partition in sorted(split):
+            self._add(partition, *split[partition])
+
+    def _add(self, partition: int, keys: list[Any], headers: list[Any], values: list[bytes]) -> None:
+        batcher = self.batchers.get(partition)
+        if batcher is None:
+            batcher = self.batchers[partition] = Batcher(max_records=self.batch_size, max_bytes=self.batch_bytes)
+        for body, count in batcher.add(keys, headers, values):
+            self._publisher(partition).publish(body, count)
+
+    def _publisher(self, partition: int) -> BatchPublisher:
+        publisher = self.publishers.get(partition)
+        if publisher is None:
+            publisher = self.publishers[partition] = BatchPublisher(
+                self.address, self.topic, self.producer_id, partition=partition, **self._publisher_options
+            )
+        return publisher
+
+    def flush(self) -> PublishStats:
+        """Publish what is left and wait for every confirm; the stats of all partitions."""
+        for partition, batcher in sorted(self.batchers.items()):
+            for body, count in batcher.finish():
+                self._publisher(partition).publish(body, count)
+        total = PublishStats()
+        for _partition, publisher in sorted(self.publishers.items()):
+            total.merge(publisher.flush())
+        if len(self.publishers) > 1:
+            total.first_offset = total.last_offset = None  # offsets of different partitions do not compare
+        return total
+
+    def close(self) -> None:
+        for publisher in self.publishers.values():
+            publisher.close()
+
+    def __enter__(self) -> PartitionedPublisher:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,6 +1,6 @@
 """The Spark source's reads from the broker, with no Spark in it.
 
-* ``fetch_range``: FETCH ``[start, end)`` of a topic as raw batch bodies,
+* ``fetch_range``: FETCH ``[start, end)`` of a topic's partition as raw batch bodies,
   one request always in flight ahead of the caller (pipelined).
 * ``bodies_to_arrow``: FETCHED entries and bodies to one Arrow record batch
   with the source's columns, decoded in C (msgpack, pyarrow), no Python per row.
@@ -24,6 +24,7 @@ from conveyor.errors import (
     ConveyorError,
     OffsetOutOfRange,
 )
+from conveyor.names import partition_log
 
 __all__ = ["ARROW_SCHEMA", "Chunk", "bodies_to_arrow", "fetch_range"]
 
@@ -38,6 +39,7 @@ ARROW_SCHEMA = pa.schema(
         pa.field("key", pa.string()),
         pa.field("headers", HEADERS_TYPE),
         pa.field("value", pa.binary()),
+        pa.field("partition", pa.int32()),
     ]
 )
 
@@ -56,8 +58,9 @@ def fetch_range(
     max_bytes: int = 8 << 20,
     max_messages: int = 200_000,
     fail_on_data_loss: bool = True,
+    partition: int = 0,
 ) -> Iterator[Chunk]:
-    """FETCH ``[start, end)`` as ``(entries, bodies, first, stop)`` chunks, in order.
+    """FETCH ``[start, end)`` of ``partition`` as ``(entries, bodies, first, stop)`` chunks, in order.
 
     The request for the next chunk is sent before the current one is handed
     out, so the broker reads while the caller decodes. Offsets below the log
@@ -67,9 +70,12 @@ def fetch_range(
     pos = start
     if pos >= end:
         return
+    log_name = partition_log(topic, partition)
+    where = f"{topic} partition {partition}" if partition else topic  # for the messages below
+    conn.use_partition(partition)
 
     def ask(offset: int) -> int:
-        return conn.send_built(fetch_request(topic, offset, min(max_messages, end - offset), max_bytes))
+        return conn.send_built(fetch_request(log_name, offset, min(max_messages, end - offset), max_bytes))
 
     deadline = time.monotonic() + conn.retry_for
     pending = ask(pos)
@@ -84,16 +90,18 @@ def fetch_range(
                 if not fail_on_data_loss:
                     return
                 raise DataLoss(
-                    f"offsets [{pos}, {end}) of {topic} are past its end {log_end}: the broker lost data or the "
+                    f"offsets [{pos}, {end}) of {where} are past its end {log_end}: the broker lost data or the "
                     "topic was recreated; set failOnDataLoss=false to skip them",
                     topic=topic,
+                    partition=partition,
                     offset=pos,
                 ) from exc
             if fail_on_data_loss or log_start <= pos:
                 raise DataLoss(
-                    f"offsets [{pos}, {min(log_start, end)}) of {topic} are gone (log starts at {log_start}); "
+                    f"offsets [{pos}, {min(log_start, end)}) of {where} are gone (log starts at {log_start}); "
                     "set failOnDataLoss=false to skip them",
                     topic=topic,
+                    partition=partition,
                     offset=pos,
                 ) from exc
             pos = min(log_start, end)
@@ -114,7 +122,12 @@ def fetch_range(
             # still recovering its log), then call it data loss.
             empty_since = empty_since or time.monotonic()
             if time.monotonic() - empty_since > conn.retry_for:
-                raise DataLoss(f"offsets [{pos}, {end}) of {topic} never became readable", topic=topic, offset=pos)
+                raise DataLoss(
+                    f"offsets [{pos}, {end}) of {where} never became readable",
+                    topic=topic,
+                    partition=partition,
+                    offset=pos,
+                )
             time.sleep(0.1)
             pending = ask(pos)
             continue
@@ -127,9 +140,9 @@ def fetch_range(
 
 
 def bodies_to_arrow(
-    topic: str, entries: list[DeliveryEntry], bodies: list[Any], first: int, stop: int
+    topic: str, entries: list[DeliveryEntry], bodies: list[Any], first: int, stop: int, partition: int = 0
 ) -> pa.RecordBatch:
-    """One record batch for offsets ``[first, stop)`` of the given FETCHED chunk."""
+    """One record batch for offsets ``[first, stop)`` of the given FETCHED chunk of ``partition``."""
     keys: list[Any] = []
     headers: list[Any] = []
     values: list[Any] = []
@@ -161,6 +174,7 @@ def bodies_to_arrow(
         _key_array(keys, n),
         pa.nulls(n, HEADERS_TYPE) if headers.count(None) == n else pa.array(headers, HEADERS_TYPE),
         pa.array(values, pa.binary()),
+        pa.repeat(pa.scalar(partition, pa.int32()), n),
     ]
     if n != stop - first:
         raise DataLoss(f"expected offsets [{first}, {stop}) of {topic}, got {n} records", topic=topic, offset=first)

@@ -64,23 +64,43 @@ def _bool(options: Mapping[str, str], name: str, default: bool) -> bool:
 
 @dataclass(frozen=True, slots=True)
 class StartPosition:
-    """``earliest``, ``latest``, an offset, or a time (ms since the epoch)."""
+    """``earliest``, ``latest``, an offset, a time (ms since the epoch), or an offset per partition.
 
-    kind: str  # "earliest" | "latest" | "offset" | "timestamp"
+    ``offset`` applies to every partition of the topic (on a topic of one
+    partition, the offset, as before). ``partitions`` names a position for
+    some partitions (``per_partition``: partition, offset; -2 earliest, -1
+    latest); the others take ``value``'s kind, ``earliest`` or ``latest``.
+    """
+
+    kind: str  # "earliest" | "latest" | "offset" | "timestamp" | "partitions"
     value: int = 0
+    per_partition: tuple[tuple[int, int], ...] = ()
+    others: str = "earliest"  # kind "partitions": where partitions not named start (or end)
+
+    def for_partition(self, partition: int) -> StartPosition:
+        """The position in one partition."""
+        if self.kind != "partitions":
+            return self
+        offset = dict(self.per_partition).get(partition)
+        if offset is None:
+            return StartPosition(self.others)
+        return _from_int(offset)
+
+
+def _from_int(value: int) -> StartPosition:
+    if value < 0:  # Kafka's -2 / -1 spellings
+        return StartPosition({-2: "earliest", -1: "latest"}.get(value, "latest"))
+    return StartPosition("offset", value)
 
 
 def parse_position(name: str, raw: str | None, default: str) -> StartPosition:
-    """``earliest`` / ``latest`` / ``1234`` / ``{"offset": 1234}`` / ``{"timestamp": ms}``."""
+    """``earliest`` / ``latest`` / ``1234`` / ``{"offset": 1234}`` / ``{"timestamp": ms}`` / ``{"0": 12, "3": 40}``."""
     text = (raw if raw not in (None, "") else default).strip()
     lowered = text.lower()
     if lowered in ("earliest", "latest"):
         return StartPosition(lowered)
     if lowered.lstrip("-").isdigit():
-        value = int(lowered)
-        if value < 0:  # Kafka's -2 / -1 spellings
-            return StartPosition({-2: "earliest", -1: "latest"}.get(value, "latest"))
-        return StartPosition("offset", value)
+        return _from_int(int(lowered))
     try:
         parsed = json.loads(text)
     except ValueError:
@@ -90,7 +110,13 @@ def parse_position(name: str, raw: str | None, default: str) -> StartPosition:
             return StartPosition("offset", int(parsed["offset"]))
         if "timestamp" in parsed:
             return StartPosition("timestamp", int(parsed["timestamp"]))
-    raise OptionError(f'option {name} must be earliest, latest, an offset or {{"timestamp": ms}}, not {raw!r}')
+        if parsed and all(str(k).isdigit() and type(v) is int for k, v in parsed.items()):
+            named = tuple(sorted((int(k), v) for k, v in parsed.items()))
+            return StartPosition("partitions", per_partition=named, others=default)
+    raise OptionError(
+        f'option {name} must be earliest, latest, an offset, {{"timestamp": ms}} '
+        f'or an offset per partition ({{"0": 12, "1": 40}}), not {raw!r}'
+    )
 
 
 def default_broker() -> str:

@@ -6,7 +6,9 @@ or binary) and ``headers`` (map<string,string>) are optional; anything else
 ignored, so a read can be written elsewhere unchanged.
 
 Every task publishes its rows as batches under one idempotent producer id
-with publisher confirms (``pipeline.broker_publisher.BatchPublisher``). Retries and
+with publisher confirms (``pipeline.broker_publisher.BatchPublisher``), to
+the partitions of the topic as a producer routes them (a key to
+``crc32(key) % partitions``; ``PartitionedPublisher``). Retries and
 duplicates:
 
 * ``idempotent=true`` (default): the producer id is derived from the write
@@ -38,7 +40,8 @@ from typing import Any
 
 import pyarrow as pa
 from conveyor.broker.wire.values import CONTENT_TYPE, TEXT
-from conveyor.pipeline.broker_publisher import Batcher, BatchPublisher, PublishStats, producer_id_for
+from conveyor.pipeline.broker_client import Connection, partition_count
+from conveyor.pipeline.broker_publisher import PartitionedPublisher, PublishStats, producer_id_for
 from conveyor.pipeline.options import OptionError, WriteOptions
 from pyspark import TaskContext
 from pyspark.sql.datasource import (
@@ -123,15 +126,47 @@ def records_from_arrow(batch: pa.RecordBatch, content_type: str | None) -> tuple
     return keys, headers, values
 
 
+def topic_partitions(opts: WriteOptions) -> int:
+    """How many partitions the sink's topic has (1 when it does not exist yet), asked once per write.
+
+    Asked where the write is planned, so every task of a write, and every
+    retry of one, routes rows by the same count (and so cuts the same
+    batches in each partition): partitions added while the write runs get
+    rows from the next write on.
+    """
+    with Connection(
+        opts.broker,
+        topic=opts.topic,
+        request_timeout=opts.request_timeout,
+        retry_for=opts.delivery_timeout,
+        keys=opts.client_keys(),
+    ) as conn:
+        return partition_count(conn, opts.topic)
+
+
 def publish_partition(
-    opts: WriteOptions, batches: Iterator[pa.RecordBatch], producer_id: int, *, partition: int, attempt: int
+    opts: WriteOptions,
+    batches: Iterator[pa.RecordBatch],
+    producer_id: int,
+    *,
+    partition: int,
+    attempt: int,
+    partitions: int = 1,
 ) -> ConveyorCommitMessage:
-    """Publish every row of one task; returns once all are confirmed."""
-    batcher = Batcher(max_records=opts.batch_size, max_bytes=opts.batch_bytes)
-    with BatchPublisher(
+    """Publish every row of one task to the topic's ``partitions``; returns once all are confirmed.
+
+    Rows go where a producer would send them: a key to ``crc32(key) %
+    partitions``, keyless rows a batch at a time to one partition and then
+    the next, starting at the task's own (``PartitionedPublisher``).
+    """
+    with PartitionedPublisher(
         opts.broker,
         opts.topic,
         producer_id,
+        partitions=partitions,
+        keyless_from=partition,
+        batch_size=opts.batch_size,
+        batch_bytes=opts.batch_bytes,
         max_in_flight=opts.max_in_flight,
         request_timeout=opts.request_timeout,
         delivery_timeout=opts.delivery_timeout,
@@ -139,12 +174,8 @@ def publish_partition(
         keys=opts.client_keys(),
     ) as publisher:
         for batch in batches:
-            if batch.num_rows == 0:
-                continue
-            for body, count in batcher.add(*records_from_arrow(batch, opts.content_type)):
-                publisher.publish(body, count)
-        for body, count in batcher.finish():
-            publisher.publish(body, count)
+            if batch.num_rows:
+                publisher.add(*records_from_arrow(batch, opts.content_type))
         stats = publisher.flush()
     return ConveyorCommitMessage(
         partition,
@@ -187,6 +218,7 @@ class ConveyorWriter(DataSourceArrowWriter):
     def __init__(self, opts: WriteOptions, schema: StructType) -> None:
         check_write_schema(schema)
         self.opts = opts
+        self.partitions = topic_partitions(opts)
 
     def write(self, iterator: Iterator[pa.RecordBatch]) -> ConveyorCommitMessage:
         partition, attempt, _ = _task()
@@ -194,7 +226,9 @@ class ConveyorWriter(DataSourceArrowWriter):
             pid = producer_id_for("write", self.opts.write_id, partition)
         else:
             pid = random.getrandbits(62) or 1
-        return publish_partition(self.opts, iterator, pid, partition=partition, attempt=attempt)
+        return publish_partition(
+            self.opts, iterator, pid, partition=partition, attempt=attempt, partitions=self.partitions
+        )
 
     def commit(self, messages: list[WriterCommitMessage | None]) -> None:
         summarize(self.opts.topic, list(messages), f"write {self.opts.write_id}")
@@ -209,6 +243,7 @@ class ConveyorStreamWriter(DataSourceStreamArrowWriter):
     def __init__(self, opts: WriteOptions, schema: StructType) -> None:
         check_write_schema(schema)
         self.opts = opts
+        self.partitions = topic_partitions(opts)  # once per run of the query
 
     def write(self, iterator: Iterator[pa.RecordBatch]) -> ConveyorCommitMessage:
         partition, attempt, ctx = _task()
@@ -218,7 +253,9 @@ class ConveyorStreamWriter(DataSourceStreamArrowWriter):
             pid = producer_id_for("stream", query, batch_id, partition)
         else:
             pid = random.getrandbits(62) or 1
-        return publish_partition(self.opts, iterator, pid, partition=partition, attempt=attempt)
+        return publish_partition(
+            self.opts, iterator, pid, partition=partition, attempt=attempt, partitions=self.partitions
+        )
 
     def commit(self, messages: list[WriterCommitMessage | None], batchId: int) -> None:
         total = PublishStats()

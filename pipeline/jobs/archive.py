@@ -152,6 +152,8 @@ def _offset(raw: Any) -> int | None:
     if raw in (None, "null"):
         return None
     value = json.loads(raw) if isinstance(raw, str) else raw
+    if isinstance(value, dict) and "partitions" in value:  # several partitions: offsets read in all of them
+        return sum(int(v) for v in value["partitions"].values())
     return int(value["offset"]) if isinstance(value, dict) and "offset" in value else None
 
 

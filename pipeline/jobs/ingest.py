@@ -23,7 +23,7 @@ from pathlib import Path
 
 import msgpack
 from conveyor.broker.wire.values import JSON, MSGPACK
-from conveyor.pipeline.broker_client import Connection, topic_bounds
+from conveyor.pipeline.broker_client import Connection, partition_bounds
 from conveyor.pipeline.jobs.common import job_parser, parse, session_from
 from conveyor.pipeline.progress import Progress, spark_tasks
 from pyspark.sql import Column, DataFrame, SparkSession
@@ -135,10 +135,11 @@ def ingest(
     messages, content_type = to_messages(df, key_column=key_column, value_format=value_format)
     conn = Connection(broker, retry_for=5.0)
     try:
-        first = topic_bounds(conn, topic).end
 
-        def landed() -> int:
-            return topic_bounds(conn, topic).end
+        def landed() -> int:  # over every partition of the topic
+            return sum(bounds.end for bounds in partition_bounds(conn, topic))
+
+        first = landed()
 
         writer = (
             messages.write.format("conveyor")
@@ -157,7 +158,7 @@ def ingest(
             stream=log,  # type: ignore[arg-type]
         ):
             writer.save()
-        end = topic_bounds(conn, topic).end
+        end = landed()
     finally:
         conn.close()
     return IngestResult(end - first, first, end)

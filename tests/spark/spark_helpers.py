@@ -33,6 +33,20 @@ def publish_numbered(address: str, topic: str, n: int, *, start: int = 0, batch_
     return [f.result() for f in futures]
 
 
+def publish_to_partitions(address: str, topic: str, n: int, *, start: int = 0) -> dict[tuple[int, int], bytes]:
+    """``n`` messages (``value_of(start..)``), a tenth keyless, to a topic of several partitions.
+
+    Returns ``{(partition, offset): value}`` as the producer's confirms say.
+    """
+    with Producer(address, batch_size=500, linger_ms=5) as producer:
+        sent = [
+            (producer.send(topic, value_of(i), key=None if i % 10 == 0 else f"user-{i % 97}"), value_of(i))
+            for i in range(start, start + n)
+        ]
+        producer.flush(timeout=60)
+    return {(f.result().partition, int(f.result())): value for f, value in sent}
+
+
 def read(spark: SparkSession, address: str, topic: str, **options: Any) -> DataFrame:
     reader = spark.read.format("conveyor").option("broker", address).option("topic", topic)
     for key, value in options.items():

@@ -8,15 +8,23 @@ extra (pyarrow).
 from __future__ import annotations
 
 import threading
+import zlib
 
 import pytest
-from conveyor.pipeline.broker_client import Connection, offset_for_timestamp, topic_bounds
-from conveyor.pipeline.broker_publisher import Batcher, BatchPublisher, NonDeterministicRetry, producer_id_for
+from conveyor.pipeline.broker_client import Connection, offset_for_timestamp, partition_bounds, topic_bounds
+from conveyor.pipeline.broker_publisher import (
+    Batcher,
+    BatchPublisher,
+    NonDeterministicRetry,
+    producer_id_for,
+    route_records,
+)
 from conveyor.pipeline.broker_reader import ARROW_SCHEMA, bodies_to_arrow, fetch_range
 from conveyor.pipeline.options import OptionError, ReadOptions, WriteOptions, parse_position
-from conveyor.pipeline.source import split_range
+from conveyor.pipeline.source import ConveyorStreamReader, cap_ends, split_partitions, split_range
+from pyspark.sql.streaming.datasource import ReadAllAvailable, ReadMaxRows
 
-from conveyor import Producer
+from conveyor import Admin, Producer
 from tests.helpers import free_address
 
 pytestmark = pytest.mark.spark
@@ -150,3 +158,62 @@ def test_the_publisher_and_reader_given_a_dead_broker_first_use_the_live_one(con
     # Then everything went to the live broker, and reads back through the list
     assert stats.written == 300
     assert read_values(bootstrap, "listed") == [b"v%06d" % i for i in range(300)]
+
+
+def test_per_partition_positions_and_planning():
+    # An offset applies to every partition; a JSON object names partitions, the others take the default.
+    named = parse_position("startingOffsets", '{"0": 12, "3": -1}', "earliest")
+    assert [named.for_partition(k) for k in (0, 3, 5)] == [
+        parse_position("x", "12", "earliest"),
+        parse_position("x", "latest", "earliest"),
+        parse_position("x", "earliest", "earliest"),
+    ]
+    assert parse_position("x", "7", "earliest").for_partition(4).value == 7
+    # Each topic partition is cut alone; minPartitions is shared in proportion to the ranges.
+    pieces = split_partitions("t", {0: (0, 25), 1: (5, 5), 2: (10, 14)}, 10)
+    assert [(p.partition, p.start, p.end) for p in pieces] == [(0, 0, 8), (0, 8, 16), (0, 16, 25), (2, 10, 14)]
+    assert len(split_partitions("t", {0: (0, 10), 1: (0, 10)}, 100, min_partitions=4)) == 4
+    # maxOffsetsPerTrigger over partitions: shared by what each has to read, exact in total, never past an end.
+    assert cap_ends({0: 0, 1: 0, 2: 50}, {0: 100, 1: 10, 2: 50}, 1000) == {0: 100, 1: 10, 2: 50}
+    capped = cap_ends({0: 0, 1: 0, 2: 5}, {0: 300, 1: 100, 2: 6}, 41)
+    assert sum(capped[k] - s for k, s in {0: 0, 1: 0, 2: 5}.items()) == 41
+    assert capped[0] > capped[1] > 0 and capped[2] <= 6
+    # Keys route as every producer does (docs/partitions.md vectors); keyless rows a batch at a time.
+    assert route_records(["123456789", "", b"123456789"], 8, batch_size=10) == [6, 0, 6]
+    assert route_records([None] * 5, 4, batch_size=2, keyless_from=3) == [3, 3, 0, 0, 1]
+    assert route_records([None, "k", None], 4, batch_size=2, keyless_seen=1) == [0, zlib.crc32(b"k") % 4, 1]
+
+
+def test_a_stream_checkpoint_from_before_partitions_resumes_as_partition_0(conveyor_broker):
+    address = conveyor_broker.address
+    with Admin(address) as admin:
+        admin.create_topic("eight", partitions=8)
+    with Producer(address) as producer:
+        for i in range(80):
+            producer.send("eight", b"%d" % i, partition=i % 8)
+            producer.send("one", b"%d" % i)
+        producer.flush(timeout=10)
+    with Connection(address, topic="eight") as conn:
+        assert partition_bounds(conn, "eight") == [type(topic_bounds(conn, "one"))(0, 10)] * 8
+
+    # A topic of one partition keeps the offset it always had in a checkpoint.
+    one = ConveyorStreamReader(ReadOptions.parse({"broker": address, "topic": "one"}, streaming=True))
+    assert one.latestOffset({"topic": "one", "offset": 30}, ReadAllAvailable()) == {"topic": "one", "offset": 80}
+    assert [
+        (p.partition, p.start, p.end)
+        for p in one.partitions({"topic": "one", "offset": 30}, {"topic": "one", "offset": 80})
+    ] == [(0, 30, 80)]
+    # {"offset": N} is partition 0's; the others, not named, start at their log start.
+    eight = ConveyorStreamReader(ReadOptions.parse({"broker": address, "topic": "eight"}, streaming=True))
+    old = {"topic": "eight", "offset": 4}
+    end = eight.latestOffset(old, ReadMaxRows(1000))
+    assert end == {"topic": "eight", "partitions": {str(k): 10 for k in range(8)}}
+    planned = eight.partitions(old, end)
+    assert [(p.partition, p.start, p.end, p.earliest) for p in planned] == [(0, 4, 10, False)] + [
+        (k, 0, 10, True) for k in range(1, 8)
+    ]
+    capped = eight.latestOffset(end | {"partitions": {"0": 10, "1": 2}}, ReadMaxRows(8))
+    assert capped["partitions"]["1"] == 3  # the lagging partitions share the cap
+    assert sum(capped["partitions"].values()) - 10 - 2 == 8
+    one.stop()
+    eight.stop()

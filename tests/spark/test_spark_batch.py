@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import math
 import time
+import zlib
 from datetime import UTC, datetime
 
 import pytest
@@ -12,7 +14,8 @@ from pyspark.sql import functions as F
 from pyspark.sql.types import LongType, StringType, StructField, StructType
 
 from conveyor import Admin, Producer
-from tests.spark.spark_helpers import publish_numbered, read, value_of
+from tests.helpers import free_address
+from tests.spark.spark_helpers import publish_numbered, publish_to_partitions, read, value_of
 
 pytestmark = pytest.mark.spark
 
@@ -23,7 +26,7 @@ def test_batch_read_of_100k_messages_equals_what_was_published(spark, conveyor_b
     assert offsets == list(range(n))
 
     df = read(spark, conveyor_broker.address, "orders", partitionSize=30_000)
-    assert df.columns == ["topic", "offset", "timestamp", "key", "headers", "value"]
+    assert df.columns == ["topic", "offset", "timestamp", "key", "headers", "value", "partition"]
     assert df.rdd.getNumPartitions() == 4  # offset ranges of at most 30,000
     table = df.toArrow()
 
@@ -34,6 +37,7 @@ def test_batch_read_of_100k_messages_equals_what_was_published(spark, conveyor_b
     headers = table.column("headers").to_pylist()
     assert headers[100] == [("n", "100")] and headers[101] is None
     assert set(table.column("topic").to_pylist()) == {"orders"}
+    assert set(table.column("partition").to_pylist()) == {0}
     stamps = table.column("timestamp").to_pylist()
     assert all(abs((datetime.now(UTC) - ts).total_seconds()) < 600 for ts in (stamps[0], stamps[-1]))
 
@@ -161,3 +165,63 @@ def test_decoded_value_reads_json_and_msgpack(spark, conveyor_broker):
     assert read(spark, address, "mixed").where("offset = 0").select(columns.msgpack_to_json().alias("j")).first().j == (
         '{"id":1,"name":"msgpack"}'
     )
+
+
+def test_batch_read_of_an_8_partition_topic_reads_every_message_once(spark, conveyor_broker):
+    address = conveyor_broker.address
+    with Admin(address) as admin:
+        admin.create_topic("parts8", partitions=8)
+    published = publish_to_partitions(address, "parts8", 4000)
+    counts = [sum(1 for p, _ in published if p == k) for k in range(8)]
+    assert all(counts)  # keys and sticky batches reach every partition
+
+    # A bootstrap list (its second broker is down): each partition is read from its leader.
+    df = read(spark, f"{address},{free_address()}", "parts8", partitionSize=300)
+    assert df.columns == ["topic", "offset", "timestamp", "key", "headers", "value", "partition"]
+    assert df.rdd.getNumPartitions() == sum(math.ceil(c / 300) for c in counts)  # partitions x ranges
+    table = df.select("partition", "offset", "value").toArrow()
+    rows = list(zip(*(table.column(c).to_pylist() for c in ("partition", "offset", "value")), strict=True))
+    assert len(rows) == 4000
+    assert {(p, o): v for p, o, v in rows} == published  # every message once, at its partition and offset
+    for k in range(8):
+        assert sorted(o for p, o, _ in rows if p == k) == list(range(counts[k]))
+
+    # Offsets are per partition: an offset option and an offset filter apply to each partition.
+    assert read(spark, address, "parts8", startingOffsets=100).count() == sum(c - 100 for c in counts)
+    per_partition = read(spark, address, "parts8", startingOffsets='{"2": 5}', endingOffsets='{"2": 9, "3": 0}')
+    # Partition 2 from 5 to 9, partition 3 nothing, the others as the defaults say (earliest to latest).
+    expected = [(2, o) for o in range(5, 9)] + [(k, o) for k in (0, 1, 4, 5, 6, 7) for o in range(counts[k])]
+    assert sorted((r.partition, r.offset) for r in per_partition.collect()) == sorted(expected)
+    # A pushed-down partition filter plans that partition only.
+    only = read(spark, address, "parts8", partitionSize=300).where("partition = 3 AND offset >= 10")
+    assert only.rdd.getNumPartitions() == math.ceil((counts[3] - 10) / 300)
+    assert sorted(r.offset for r in only.select("offset").collect()) == list(range(10, counts[3]))
+
+
+def test_sink_routes_keys_to_the_partitions_of_the_topic(spark, conveyor_broker):
+    address = conveyor_broker.address
+    with Admin(address) as admin:
+        admin.create_topic("routed", partitions=8)
+    rows = [(f"v{i}", None if i % 4 == 0 else f"key-{i % 50}") for i in range(4000)]
+    df = spark.createDataFrame(rows, "value string, key string").repartition(2)
+
+    def save() -> None:
+        (
+            df.write.format("conveyor")
+            .option("broker", address)
+            .option("topic", "routed")
+            .option("writeId", "routed-1")
+            .option("batchSize", 200)
+            .mode("append")
+            .save()
+        )
+
+    save()
+    save()  # the same writeId again: every partition recognises its batches, nothing is stored twice
+    back = read(spark, address, "routed").select("partition", "key", "value").collect()
+    assert sorted(r.value.decode() for r in back) == sorted(v for v, _ in rows)
+    for r in back:
+        if r.key is not None:  # a key lands in crc32(key) % partitions, as every producer sends it
+            assert r.partition == zlib.crc32(r.key.encode()) % 8
+    keyless = {r.partition for r in back if r.key is None}
+    assert len(keyless) > 1  # keyless rows spread a batch at a time

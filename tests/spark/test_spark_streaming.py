@@ -8,7 +8,7 @@ import pytest
 
 from conveyor import Admin
 from tests.helpers import wait_for
-from tests.spark.spark_helpers import BackgroundProducer, read
+from tests.spark.spark_helpers import BackgroundProducer, publish_to_partitions, read
 
 pytestmark = pytest.mark.spark
 
@@ -20,18 +20,16 @@ STREAM_OPTIONS = {
 }
 
 
-def start_archive(spark, address: str, topic: str, out: str, checkpoint: str):
+def start_archive(
+    spark, address: str, topic: str, out: str, checkpoint: str, *, available_now: bool = False, **options: str
+):
     reader = spark.readStream.format("conveyor").option("broker", address).option("topic", topic)
-    for key, value in STREAM_OPTIONS.items():
+    for key, value in {**STREAM_OPTIONS, **options}.items():
         reader = reader.option(key, value)
-    return (
-        reader.load()
-        .writeStream.format("parquet")
-        .option("path", out)
-        .option("checkpointLocation", checkpoint)
-        .trigger(processingTime="200 milliseconds")
-        .start()
-    )
+    writer = reader.load().writeStream.format("parquet").option("path", out).option("checkpointLocation", checkpoint)
+    if available_now:
+        return writer.trigger(availableNow=True).start()
+    return writer.trigger(processingTime="200 milliseconds").start()
 
 
 def processed(query) -> int:
@@ -110,3 +108,33 @@ def test_broker_killed_and_restarted_under_a_running_stream(spark, conveyor_brok
     # the Producer may give up on a batch it resent after the crash (DUPLICATE_SEQUENCE: the
     # broker no longer remembers that sequence); whether those were stored is unknown to it, not to us.
     assert_exactly_once(spark, address, "crashy", out, published, producer.uncertain)
+
+
+def test_stream_of_an_8_partition_topic_stopped_and_restarted_resumes_each_partition(spark, conveyor_broker, tmp_path):
+    address = conveyor_broker.address
+    out, checkpoint = str(tmp_path / "out"), str(tmp_path / "checkpoint")
+    with Admin(address) as admin:
+        admin.create_topic("events8", partitions=8)
+    published = publish_to_partitions(address, "events8", 3000)
+
+    # Stopped after its first micro-batch: maxOffsetsPerTrigger shares the batch over the
+    # partitions, so every partition is left part-read, its own offset in the checkpoint.
+    query = start_archive(spark, address, "events8", out, checkpoint, maxOffsetsPerTrigger="2000")
+    try:
+        wait_for(lambda: processed(query) >= 2000, timeout=90, message="a first micro-batch")
+    finally:
+        query.stop()
+    first = json.loads(query.recentProgress[0]["sources"][0]["endOffset"])
+    assert sorted(first["partitions"]) == [str(k) for k in range(8)]
+    assert sum(first["partitions"].values()) == 2000
+    assert all(0 < first["partitions"][str(k)] < sum(1 for p, _ in published if p == k) for k in range(8))
+
+    published |= publish_to_partitions(address, "events8", 500, start=3000)
+    query = start_archive(spark, address, "events8", out, checkpoint, available_now=True, maxOffsetsPerTrigger="2000")
+    assert query.awaitTermination(120)
+    assert query.exception() is None
+
+    archived = spark.read.parquet(out).select("partition", "offset", "value").toArrow()
+    rows = list(zip(*(archived.column(c).to_pylist() for c in ("partition", "offset", "value")), strict=True))
+    assert len(rows) == len(published) == 3500  # nothing lost, nothing twice
+    assert {(p, o): v for p, o, v in rows} == published

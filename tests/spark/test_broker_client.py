@@ -212,6 +212,16 @@ def test_a_stream_checkpoint_from_before_partitions_resumes_as_partition_0(conve
     assert [(p.partition, p.start, p.end, p.earliest) for p in planned] == [(0, 4, 10, False)] + [
         (k, 0, 10, True) for k in range(1, 8)
     ]
+    # Partitions added to a topic a stream reads are read from their start.
+    with Admin(address) as admin:
+        admin.add_partitions("one", 3)
+    with Producer(address) as producer:
+        for i in range(5):
+            producer.send("one", b"%d" % i, partition=2)
+        producer.flush(timeout=10)
+    grown = one.latestOffset({"topic": "one", "offset": 80}, ReadAllAvailable())
+    assert grown == {"topic": "one", "partitions": {"0": 80, "1": 0, "2": 5}}
+    assert [(p.partition, p.start, p.end) for p in one.partitions({"topic": "one", "offset": 80}, grown)] == [(2, 0, 5)]
     capped = eight.latestOffset(end | {"partitions": {"0": 10, "1": 2}}, ReadMaxRows(8))
     assert capped["partitions"]["1"] == 3  # the lagging partitions share the cap
     assert sum(capped["partitions"].values()) - 10 - 2 == 8

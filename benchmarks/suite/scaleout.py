@@ -287,16 +287,11 @@ def html(section: dict[str, Any]) -> str:
         for row in s["rows"]:
             for name, b in sorted(row["brokers"].items()):
                 if b["us_per_message"] is not None:
-                    label = f"{row['partitions']} partitions: {name}"
-                    bars.append(
-                        (label, b["us_per_message"], _colour(row["partitions"]), f"({b['us_per_message']:.3f} µs)")
-                    )
+                    label = f"{_k(row['partitions'])}: {name}"
+                    bars.append((label, b["us_per_message"], _colour(row["partitions"]), "µs"))
         parts.append("<p class=note>CPU µs per message each broker stored (lower is better; flat is scaling)</p>")
         parts.append(hbars(bars, unit="µs"))
-        tp = [
-            (f"{row['partitions']} partitions", row["e2e_msg_per_s"], _colour(row["partitions"]), "")
-            for row in s["rows"]
-        ]
+        tp = [(_k(row["partitions"]), row["e2e_msg_per_s"], _colour(row["partitions"]), "") for row in s["rows"]]
         parts.append("<p class=note>End-to-end throughput on this machine (its cores are shared by everything)</p>")
         parts.append(hbars(tp))
         p = s["projection"]
@@ -312,6 +307,10 @@ def html(section: dict[str, Any]) -> str:
             parts.append(hbars(proj))
         parts.append("<pre>" + escape(markdown({"scenarios": [s]})) + "</pre>")
     return "\n".join(parts)
+
+
+def _k(k: int) -> str:
+    return f"{k} partition{'s' if k > 1 else ''}, {k} broker{'s' if k > 1 else ''}"
 
 
 def _colour(k: int) -> str:

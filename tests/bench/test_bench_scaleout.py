@@ -1,10 +1,10 @@
 """The scale-out benchmark (``conveyor bench --scale-out``): CPU per stored message per broker, 1/2/4 partitions.
 
 The pure parts (what each broker stored, read from its metrics; CPU per stored
-message; the section's ratios, checks and projection; the ``max_ratio``
-target) are tested on made-up numbers. One smoke test runs the real thing on
-tiny counts: etcd and k brokers in cluster mode, a topic of k partitions, a
-producer and two consumers as processes.
+message; the section's medians, ratios, checks and projection) are tested on
+made-up numbers. One smoke test runs the real thing on tiny counts: etcd and
+k brokers in cluster mode, a topic of k partitions, a producer and two
+consumers as processes.
 """
 
 from __future__ import annotations
@@ -44,10 +44,10 @@ def test_the_config_runs_1_2_and_4_partitions_one_broker_each_with_the_targets()
     (scenario,) = config.scenarios
     assert scenario.name == SCENARIO and scenario.rate == "max" and set(scenario.systems) == set(variants)
     targets = {(t["system"], t["metric"]): t for t in config.settings["targets"]}
-    assert targets[("conveyor:p2", "max_server_us_per_stored_message")]["max_ratio"] == 1.1
-    assert targets[("conveyor:p4", "max_server_us_per_stored_message")]["max_ratio"] == 1.1
     assert targets[("conveyor:p2", "e2e_msg_per_s")]["min_ratio"] == 1.0
-    assert config.settings["scale_out"]["cores"] == [8, 32]
+    assert targets[("conveyor:p4", "leader_changes")]["max"] == 0
+    # The CPU claim is the scale-out section's (medians over the repetitions), not a per-run target.
+    assert config.settings["scale_out"] == {"baseline": "conveyor:p1", "tolerance": 0.1, "cores": [8, 32]}
     conveyor = system("conveyor")
     conveyor.configure(variants)
     ids = [v.id for v in conveyor.variants(scenario)]
@@ -130,7 +130,7 @@ def test_the_section_compares_each_broker_with_the_single_one_and_projects_from_
             _run("conveyor:p4", 290_000, {f"broker n{i}": (250_000, 0.25 + 0.01 * i) for i in range(1, 5)}),
         ]
     )
-    spread = [{"broker n1": 0.99}, {"broker n1": 1.0}, {"broker n1": 1.02}]
+    spread = [{"broker n1": 1.0}, {"broker n1": 0.9}, {"broker n1": 1.3}]  # the row's own run is the first
     report["results"][0]["repeats"] = {
         "metric": "end-to-end msg/s",
         "values": [1, 2, 3],
@@ -163,15 +163,12 @@ def test_the_section_compares_each_broker_with_the_single_one_and_projects_from_
     assert p["this_machine"]["cores"] == 2 and p["this_machine"]["measured_e2e_msg_per_s"] == 310_000
     text = markdown(section)
     assert "Projection (not a measurement)" in text and "| 32 |" in text and "1.160" in text
-    assert "1: broker n1 0.990/1.000/1.020" in text  # every repetition's figure, not only the median run's
-    # The generic targets read the same numbers.
+    assert "1: broker n1 1.000/0.900/1.300" in text  # every repetition's figure, not only the median run's
     report["scale_out"] = section
     met = {(t["system"], t["metric"]): t["met"] for t in check_targets(report)}
-    assert met[("conveyor:p2", "max_server_us_per_stored_message")] is True
-    assert met[("conveyor:p4", "max_server_us_per_stored_message")] is False
     assert met[("conveyor:p2", "e2e_msg_per_s")] is True
     table = markdown_table(report)
-    assert "<= 1.1x conveyor:p1" in table and "### Scale-out" in table
+    assert ">= 1.0x conveyor:p1" in table and "### Scale-out" in table
     page = render_html(report)
     assert "id='scale-out'" in page and page.count("<svg") >= 3
 
@@ -184,6 +181,22 @@ def test_repeated_runs_keep_every_repetitions_cpu_per_stored_message() -> None:
     (pick,) = median_runs(runs)
     assert pick["e2e_msg_per_s"] == 2.0  # the median by throughput, as for every scenario
     assert [per["broker n1"] for per in pick["repeats"]["cpu_us_per_stored_message"]] == [1.1, 1.2, 1.3]
+
+
+def test_each_brokers_figure_is_its_median_over_the_repetitions() -> None:
+    one = _run("conveyor:p1", 300_000, {"broker n1": (1_000_000, 1.0)})
+    two = _run("conveyor:p2", 300_000, {"broker n1": (500_000, 0.5), "broker n2": (500_000, 0.5)})
+    one["repeats"] = {"values": [3, 1, 2], "cpu_us_per_stored_message": [{"broker n1": v} for v in (1.0, 1.2, 0.9)]}
+    pairs = ((1.0, 1.1), (1.4, 1.05), (1.02, 1.0))
+    two["repeats"] = {
+        "values": [3, 1, 2],
+        "cpu_us_per_stored_message": [{"broker n1": a, "broker n2": b} for a, b in pairs],
+    }
+    (s,) = scale_out(_report([one, two]))["scenarios"]  # type: ignore[index]
+    p1, p2 = s["rows"]
+    assert p1["max_us_per_message"] == 1.0  # the median of 1.0, 1.2 and 0.9
+    assert p2["brokers"]["broker n1"]["us_per_message"] == 1.02 and p2["brokers"]["broker n2"]["us_per_message"] == 1.05
+    assert p2["max_ratio"] == 1.05 and p2["within"]  # one bad repetition (1.4) does not decide
 
 
 def test_no_section_without_the_setting_and_two_partitions_on_one_broker_is_flagged() -> None:

@@ -222,15 +222,17 @@ class Runner:
         poller = zmq.Poller()
         by_socket = {}
         for slot in self.slots:
-            poller.register(slot.subscription.socket, zmq.POLLIN)
-            by_socket[slot.subscription.socket] = slot
+            for sock in slot.subscription.sockets:  # in a cluster, one per partition leader
+                poller.register(sock, zmq.POLLIN)
+                by_socket[sock] = slot
         poller.register(self._wake_r.fileno(), zmq.POLLIN)
         events = dict(poller.poll(int(timeout * 1000) + 1))
         self._last_pass = time.monotonic()
         if self._wake_r.fileno() in events:
             drain(self._wake_r)
-        for sock, slot in by_socket.items():
-            if sock in events:
+        ready = {id(slot) for sock, slot in by_socket.items() if sock in events}
+        for slot in self.slots:
+            if id(slot) in ready:
                 self._deliver(slot, slot.subscription.read_ready())
         self._settle_reports()
         self._renew_leases()

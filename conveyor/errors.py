@@ -200,7 +200,7 @@ class UnknownPartition(ConveyorError):
 
 
 class PartitionsUnsupported(ConveyorError):
-    """More than one partition asked where it is not built yet (a cluster: placement per partition comes next)."""
+    """A partition operation this broker does not offer in its mode (docs/partitions.md)."""
 
     code = 308
     name = "PARTITIONS_UNSUPPORTED"

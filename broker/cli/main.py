@@ -394,6 +394,9 @@ def _topics_setup(parser: argparse.ArgumentParser) -> None:
         "--replicas", metavar="A,B,C", help="reassign: the node ids to hold the topic (the first is preferred leader)"
     )
     parser.add_argument(
+        "--partition", type=int, metavar="N", help="reassign: move this partition only (default: every partition)"
+    )
+    parser.add_argument(
         "--wait",
         type=float,
         nargs="?",
@@ -448,16 +451,21 @@ def _reassign(admin: Any, args: argparse.Namespace, broker: str) -> dict[str, An
     replicas = [node.strip() for node in (args.replicas or "").split(",") if node.strip()]
     if not replicas:
         raise ConfigError("topics reassign needs --replicas A,B,C (node ids)")
-    result: dict[str, Any] = admin.reassign_topic(args.name, replicas, min_insync_replicas=args.min_insync_replicas)
+    result: dict[str, Any] = admin.reassign_topic(
+        args.name, replicas, min_insync_replicas=args.min_insync_replicas, partition=args.partition
+    )
     if args.wait is None:
         return result
     from conveyor.broker.client.metadata import Metadata
 
-    names = [args.name, *([result["dead_letter_topic"]] if result.get("dead_letter_topic") else [])]
+    numbers = result.get("partitions") or [0]
+    dead = result.get("dead_letter_topic")
     metadata, deadline = Metadata(broker), time.monotonic() + args.wait
     while True:
-        topics = metadata.refresh(names).topics
-        moved = [topics.get(name, {}).get(0) for name in names]
+        topics = metadata.refresh([args.name, *([dead] if dead else [])]).topics
+        moved = [topics.get(args.name, {}).get(number) for number in numbers]
+        if dead:  # the dead-letter topic's same partitions move with them (those it has)
+            moved += [p for number, p in topics.get(dead, {}).items() if number in numbers]
         if all(p is not None and list(p.replicas) == replicas and set(p.isr) == set(replicas) for p in moved):
             partition = moved[0]
             assert partition is not None

@@ -133,17 +133,25 @@ class Admin:
         return self._admin("add_partitions", topic=name, partitions=partitions)
 
     def reassign_topic(
-        self, name: str, replicas: list[str] | tuple[str, ...], *, min_insync_replicas: int | None = None
+        self,
+        name: str,
+        replicas: list[str] | tuple[str, ...],
+        *,
+        min_insync_replicas: int | None = None,
+        partition: int | None = None,
     ) -> dict[str, Any]:
         """In a cluster: move the topic's replicas to ``replicas`` (node ids; the first is the preferred leader).
 
         Answered once the controller has the request: the new replicas then join as followers, catch
         up, and the old ones leave once the new are in sync (``METADATA`` shows the moves).
-        ``min_insync_replicas`` becomes the topic's when the move is done.
+        ``min_insync_replicas`` becomes the topic's when the move is done. ``partition``: move that
+        one only (to move a partition's leadership to another node); default, every partition.
         """
         args: dict[str, Any] = {"topic": name, "replicas": list(replicas)}
         if min_insync_replicas is not None:
             args["min_insync_replicas"] = min_insync_replicas
+        if partition is not None:
+            args["partition"] = partition
         return self._admin("reassign_topic", **args)
 
     def delete_topic(self, name: str) -> dict[str, Any]:
@@ -153,7 +161,39 @@ class Admin:
         return self._admin("list_topics")
 
     def describe_topic(self, name: str) -> dict[str, Any]:
-        return self._admin("describe_topic", topic=name)
+        """The topic, with ``partitions`` (start and end offset of each) and ``end_offset`` (their sum)."""
+        return self._merged("describe_topic", name, "end_offset")
+
+    def _merged(self, op: str, topic: str, total: str, **args: Any) -> dict[str, Any]:
+        """``op`` about ``topic``, answered by partition 0's leader; in a cluster whose partitions of ``topic``
+        have several leaders, each answers for the ones it leads and their ``partitions`` rows are merged
+        (``total``: the field that sums them)."""
+        first = self._admin(op, topic=topic, **args)
+        leaders = self._leaders(topic)
+        if not leaders or not isinstance(first, dict):
+            return first
+        rows = {row["partition"]: row for row in first.get("partitions", [])}
+        for address, numbers in sorted(leaders.items()):
+            if all(number in rows for number in numbers):
+                continue
+            answer = self._to_once(address, partial(commands.admin, op, {"topic": topic, **args}))
+            rows.update({row["partition"]: row for row in answer.get("partitions", []) if row["partition"] in numbers})
+        merged = [rows[number] for number in sorted(rows)]
+        return {**first, "partitions": merged, total: sum(row[total] for row in merged)}
+
+    def _leaders(self, topic: str) -> dict[str, list[int]]:
+        """Each leader of ``topic``'s partitions and the partitions it leads; empty on one broker, or
+        when one node leads them all."""
+        if not self.metadata.following:
+            return {}
+        with self._lock:
+            view = self.metadata.refresh()
+        led: dict[str, list[int]] = {}
+        for number in sorted(view.topics.get(topic) or {}):
+            address = view.leader_address(topic, number)
+            if address is not None:
+                led.setdefault(address, []).append(number)
+        return led if len(led) > 1 else {}
 
     def list_groups(self, topic: str | None = None) -> list[dict[str, Any]]:
         """Every group (of ``topic``, if given). A topic's groups live on its leader, so with a list of
@@ -173,11 +213,12 @@ class Admin:
             return self._to(address).call(frames_for, timeout=self.timeout).get("result")
 
     def describe_group(self, topic: str, group: str) -> dict[str, Any]:
-        return self._admin("describe_group", topic=topic, group=group)
+        """The group, with ``partitions`` (committed offset and lag of each) and ``lag`` (their sum)."""
+        return self._merged("describe_group", topic, "lag", group=group)
 
     def reset_offsets(self, topic: str, group: str, to: str | int | dict[str, int]) -> dict[str, Any]:
-        """``to``: ``"earliest"``, ``"latest"``, an offset, or ``{"timestamp": ms}``."""
-        return self._admin("reset_offsets", topic=topic, group=group, to=to)
+        """``to``: ``"earliest"``, ``"latest"``, an offset, or ``{"timestamp": ms}``: applied to every partition."""
+        return self._merged("reset_offsets", topic, "lag", group=group, to=to)
 
     def delete_group(self, topic: str, group: str) -> dict[str, Any]:
         return self._admin("delete_group", topic=topic, group=group)
@@ -240,7 +281,8 @@ class Admin:
             max_bytes=max_bytes,
             wait_ms=wait_ms,
         )
-        reply = self._call(request, timeout=self.timeout + wait_ms / 1000, topic=topic)
+        # to the partition's leader: Metadata reads a log name "T#k" as partition k of T
+        reply = self._call(request, timeout=self.timeout + wait_ms / 1000, topic=partition_log(topic, partition))
         entries, bodies = reply.get("entries", []), [bytes(b) for b in reply.payload]
         messages = messages_from_entries(topic, entries, bodies, partition=partition)
         return messages[:max_messages], reply.header

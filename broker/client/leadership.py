@@ -26,6 +26,7 @@ from typing import Protocol, TypeVar
 from conveyor.broker.net.metadata import ClusterView
 
 from conveyor.errors import FencedLeaderEpoch, NotEnoughReplicas, NotLeader, UnknownLeaderEpoch
+from conveyor.names import partition_log
 
 __all__ = [
     "LEADERSHIP_ERRORS",
@@ -87,13 +88,15 @@ def _by_batch(item: tuple[object, Sequenced]) -> tuple[str, int]:
 
 
 def epochs_led_by(view: ClusterView | None, address: str) -> dict[str, int]:
-    """The leader epoch of each topic (partition 0) that ``address`` leads in the METADATA answer ``view``."""
+    """The leader epoch of each partition that ``address`` leads in the METADATA answer ``view``, by log
+    name (``T`` for partition 0, ``T#k``: the names a producer's batches go by)."""
     if view is None:
         return {}
     return {
-        topic: info.leader_epoch
+        partition_log(topic, number): info.leader_epoch
         for topic, partitions in view.topics.items()
-        if (info := partitions.get(0)) is not None and view.leader_address(topic) == address
+        for number, info in partitions.items()
+        if view.leader_address(topic, number) == address
     }
 
 

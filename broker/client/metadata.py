@@ -38,6 +38,7 @@ from conveyor.broker.wire import commands
 from conveyor.broker.wire.protocol import Command, decode, error_from_header
 
 from conveyor.errors import AuthFailed, BrokerUnavailable, ConfigError, ConveyorError, NotLeader
+from conveyor.names import split_log
 
 __all__ = ["ClusterView", "Metadata", "PartitionInfo", "ask_metadata", "broker_addresses"]
 
@@ -180,8 +181,10 @@ class Metadata:
     def leader_for(self, topic: str, partition: int = 0) -> str:
         """The address to send ``topic``'s requests to; refreshes first when the cache is stale or empty.
 
-        ``NotLeader`` (retriable) while the partition has no leader.
+        ``topic`` may be a partition's log name (``T#k``, as producers key their batches), which is
+        partition k of ``T``. ``NotLeader`` (retriable) while the partition has no leader.
         """
+        topic, partition = _partition_of(topic, partition)
         hinted = self._hints.get((topic, partition))
         if hinted is not None:
             return hinted
@@ -223,6 +226,7 @@ class Metadata:
 
     def not_leader(self, topic: str, partition: int, error: ConveyorError) -> None:
         """A broker answered ``NOT_LEADER``: use the leader it named, or ask again."""
+        topic, partition = _partition_of(topic, partition)
         hint = error.fields.get("leader_addr")
         if isinstance(hint, str) and hint:
             try:
@@ -236,7 +240,7 @@ class Metadata:
     def stale(self, topic: str | None = None, partition: int = 0) -> None:
         """``UNKNOWN_TOPIC``, ``NOT_ENOUGH_REPLICAS``, ``FENCED``...: ask again before the next routing."""
         if topic is not None:
-            self._hints.pop((topic, partition), None)
+            self._hints.pop(_partition_of(topic, partition), None)
         self._stale = True
 
     def lost(self, address: str) -> None:
@@ -245,6 +249,11 @@ class Metadata:
         if not self.single or self.view is not None:
             self._dead.add(address)
             self._stale = True
+
+
+def _partition_of(name: str, partition: int) -> tuple[str, int]:
+    """``(topic, partition)`` of a topic and partition, or of a partition's log name (``"T#3"``, 0)."""
+    return split_log(name) if partition == 0 else (name, partition)
 
 
 def _is_async(context: zmq.Context[Any]) -> bool:

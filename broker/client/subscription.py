@@ -106,6 +106,8 @@ class Subscription:
         context: zmq.Context[Any] | None = None,
         on_event: Callable[[str, int], None] | None = None,
         on_dead_letter: Callable[[list[Message], DeadLettered], None] | None = None,
+        _partition: int = 0,
+        _metadata: Metadata | None = None,
     ) -> None:
         self.topic = check_name(topic)  # "T#k" is the broker's name of a partition, no topic: INVALID_NAME
         self.on_event = on_event
@@ -116,7 +118,11 @@ class Subscription:
         self.liveness = liveness
         # One broker, or a list: the subscription goes to the topic's leader and follows it (CONVEYOR_BROKER
         # when not given). A METADATA refresh waits at most one liveness window.
-        self.metadata = Metadata(address, context=context, timeout=self.heartbeat * liveness)
+        self.metadata = _metadata or Metadata(address, context=context, timeout=self.heartbeat * liveness)
+        # In a cluster each partition of a topic may have another leader: partition k > 0 is then read by a
+        # subscription of its own (``_partition`` k, on its own socket to its leader), a child of partition 0's.
+        self.partition = _partition
+        self.children: dict[int, Subscription] = {}
         self.address = self.metadata.bootstrap[0]  # the broker of the moment
         self.credit = credit
         self.batch_size = batch_size or credit
@@ -153,7 +159,7 @@ class Subscription:
         self._send(
             commands.subscribe(
                 1,
-                self.topic,
+                partition_log(self.topic, self.partition),
                 self.group,
                 credit=self.credit,
                 batch_size=self.batch_size,
@@ -169,7 +175,7 @@ class Subscription:
     def _leader(self) -> str:
         """The topic's leader; the broker of the moment when no broker can say now (the silence check tries again)."""
         try:
-            return self.metadata.leader_for(self.topic)
+            return self.metadata.leader_for(self.topic, self.partition)
         except ConveyorError as exc:
             if not exc.retriable:
                 raise
@@ -207,8 +213,8 @@ class Subscription:
             if deadline is not None:
                 wait = min(wait, max(0.0, deadline - now))
             assert self._sock is not None
-            if self._sock.poll(int(wait * 1000) + 1):
-                messages = self._read()
+            if self._poll(int(wait * 1000) + 1):
+                messages = self.read_ready()
                 if messages:
                     return messages
             self._tick()
@@ -218,32 +224,55 @@ class Subscription:
     # --- for event loops that poll many subscriptions (the runner) ----------------
 
     def down_seconds(self, now: float | None = None) -> float:
-        """How long this subscription has been without its broker (0 while subscribed)."""
+        """How long this subscription has been without its broker (0 while subscribed); in a cluster, the
+        longest any partition's leader has been missing."""
         since = self.down_since
-        return 0.0 if since is None else max(0.0, (time.monotonic() if now is None else now) - since)
+        mine = 0.0 if since is None else max(0.0, (time.monotonic() if now is None else now) - since)
+        return max([mine, *(child.down_seconds(now) for child in self.children.values())])
 
     @property
     def socket(self) -> zmq.Socket[Any]:
+        """Partition 0's socket (the only one, but in a cluster with a partitioned topic: ``sockets``)."""
         assert self._sock is not None
         return self._sock
 
+    @property
+    def sockets(self) -> list[zmq.Socket[Any]]:
+        """Every socket to poll for this subscription: one per partition leader link (one outside clusters)."""
+        return [self.socket, *(child.socket for child in self.children.values())]
+
     def read_ready(self) -> list[Message]:
-        """Messages already waiting on the socket; never blocks."""
-        return self._read()
+        """Messages already waiting on the sockets; never blocks."""
+        messages = self._read()
+        for child in list(self.children.values()):
+            messages += child._read()
+        return messages
 
     def tick(self) -> float:
         """Heartbeat or reconnect if due; return seconds until the next tick."""
         self._tick()
         return self._next_tick(time.monotonic())
 
+    def _poll(self, timeout_ms: int) -> bool:
+        if not self.children:
+            assert self._sock is not None
+            return bool(self._sock.poll(timeout_ms))
+        poller = zmq.Poller()
+        for sock in self.sockets:
+            poller.register(sock, zmq.POLLIN)
+        return bool(poller.poll(timeout_ms))
+
     def _next_tick(self, now: float) -> float:
         due = min(self._last_sent + self.heartbeat, self._last_heard + self.heartbeat * self.liveness)
         if self._resubscribe_at:
             due = min(due, self._resubscribe_at)
-        return max(0.0, due - now)
+        mine = max(0.0, due - now)
+        return min([mine, *(child._next_tick(now) for child in self.children.values())])
 
     def _tick(self) -> None:
         """Heartbeat or reconnect if due; raise ``AUTH_FAILED`` when the broker refused this client's handshake."""
+        for child in list(self.children.values()):
+            child._tick()
         if self._watch is not None:
             disconnects = self._watch.disconnects
             refused = self._watch.read()
@@ -285,12 +314,14 @@ class Subscription:
         if frame.command is Command.DELIVER:
             partition = frame.get("p", 0)
             bodies = [bytes(b) for b in frame.payload]
-            return messages_from_entries(self.topic, frame.get("entries", []), bodies, partition=partition)
+            return messages_from_entries(
+                self.topic, frame.get("entries", []), bodies, partition=partition or self.partition
+            )
         if frame.command is Command.SUBSCRIBED:
             self.subscribed = True
             self.down_since = None
             partitions = frame.get("partitions")
-            if frame.get("sub") == 1 and isinstance(partitions, int) and partitions > 1:
+            if frame.get("sub") == 1 and isinstance(partitions, int) and partitions > 1 and not self.partition:
                 self._subscribe_partitions(partitions)
         elif frame.command is Command.BYE:
             self._reconnect(str(frame.get("reason") or "broker said goodbye"))
@@ -310,9 +341,9 @@ class Subscription:
             if isinstance(exc, LEADERSHIP_ERRORS):
                 # The leader moved (or this one cannot serve now): subscribe again where it is now.
                 if isinstance(exc, NotLeader):
-                    self.metadata.not_leader(self.topic, 0, exc)
+                    self.metadata.not_leader(self.topic, self.partition, exc)
                 else:
-                    self.metadata.stale(self.topic)
+                    self.metadata.stale(self.topic, self.partition)
                 hinted = isinstance(exc, NotLeader) and bool(exc.fields.get("leader_addr"))
                 self._resubscribe_at = time.monotonic() + (0.0 if hinted else 0.2)
             elif exc.name == "NOT_SUBSCRIBED":
@@ -331,13 +362,22 @@ class Subscription:
         """Partition 0 answered: the topic has ``partitions``. Each has a subscription of its own (its own
         group state on the broker) with an equal share of the credit, so the total stays ``credit``.
 
-        ``first``: the partitions below it are subscribed on this socket already (EVENT ``PARTITIONS``,
-        partitions were added): only the new ones are, and the others' shares shrink to make room.
+        ``first``: the partitions below it are subscribed already (EVENT ``PARTITIONS``: partitions were
+        added): only the new ones are, and the others' shares shrink to make room. Through one broker
+        they share this socket (partition k is subscription k + 1). In a cluster each partition is
+        subscribed at its own leader, by a child subscription with a socket of its own.
         """
         if partitions <= first:
             return
         self.partitions = partitions
         credit, batch_size = self._share()
+        if self.metadata.following:
+            self._send(commands.credit(1, credit, batch_size=batch_size))
+            for child in self.children.values():
+                child.credit, child.batch_size = credit, batch_size
+                child._send(commands.credit(1, credit, batch_size=batch_size))
+            self._children(partitions, credit, batch_size)
+            return
         for partition in range(first):
             self._send(commands.credit(partition + 1, credit, batch_size=batch_size))
         for partition in range(first, partitions):
@@ -352,6 +392,30 @@ class Subscription:
                     rid=next(self._rids),
                 )
             )
+
+    def _children(self, partitions: int, credit: int, batch_size: int) -> None:
+        for partition in range(1, partitions):
+            if partition in self.children:
+                continue
+            self.children[partition] = Subscription(
+                self.topic,
+                self.group,
+                credit=credit,
+                batch_size=batch_size,
+                heartbeat_ms=int(self.heartbeat * 1000),
+                liveness=self.liveness,
+                context=self._ctx,
+                on_event=self.on_event,
+                on_dead_letter=self.on_dead_letter,
+                _partition=partition,
+                _metadata=self.metadata,
+                **self._settings(),
+            )
+
+    def _settings(self) -> dict[str, Any]:
+        """The group settings this subscription was made with, as keyword arguments."""
+        options = dict(self.options)
+        return {"start": options.pop("start"), "key_affinity": options.pop("key_affinity"), **options}
 
     def _share(self) -> tuple[int, int]:
         """Each partition's credit and batch size: ``credit`` split evenly (rounded up), at least 1."""
@@ -396,10 +460,23 @@ class Subscription:
 
     def _settle(self, settle: Callable[..., list[Any]], messages: Iterable[Message | int], **extra: Any) -> None:
         """``settle``: the encoder of ACK, NACK, IN_PROGRESS or TERM (``broker/wire/commands.py``)."""
-        if self.partitions == 1:
+        if self.children:
+            for partition, offsets in by_partition(messages).items():
+                owner = self.children.get(partition) if partition else self  # partition 0: this one's own
+                if owner is not None:
+                    owner._send_settles(settle, [(1, offset_ranges(offsets))], **extra)
+            return
+        if self.partitions == 1 and not self.partition:
             by_sub = [(1, offset_ranges(messages))]
+        elif self.partitions == 1:  # a cluster child: the runner settles by ``Message.ref``
+            by_sub = [(1, offset_ranges(by_partition(messages).get(self.partition, [])))]
         else:
             by_sub = [(p + 1, offset_ranges(offsets)) for p, offsets in by_partition(messages).items()]
+        self._send_settles(settle, by_sub, **extra)
+
+    def _send_settles(
+        self, settle: Callable[..., list[Any]], by_sub: list[tuple[int, list[list[int]]]], **extra: Any
+    ) -> None:
         for sub, ranges in by_sub:
             for start in range(0, len(ranges), MAX_RANGES_PER_FRAME):  # scattered offsets: several frames
                 self._send(settle(sub, ranges[start : start + MAX_RANGES_PER_FRAME], **extra))
@@ -408,6 +485,12 @@ class Subscription:
         self.credit = credit
         self.batch_size = batch_size or credit
         share, batch = self._share()
+        if self.children:
+            self._send(commands.credit(1, share, batch_size=batch))
+            for child in self.children.values():
+                child.credit, child.batch_size = share, batch
+                child._send(commands.credit(1, share, batch_size=batch))
+            return
         for partition in range(self.partitions):
             self._send(commands.credit(partition + 1, share, batch_size=batch))
 
@@ -415,6 +498,8 @@ class Subscription:
 
     def close(self) -> None:
         """Say goodbye so the broker redelivers anything unacked at once."""
+        for child in self.children.values():
+            child.close()
         if self._sock is None:
             return
         try:

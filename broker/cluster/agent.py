@@ -27,6 +27,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
+from functools import partial
 from typing import Any
 
 from conveyor.broker.cluster import decisions as d
@@ -184,6 +185,7 @@ class ClusterAgent:
         settings: Mapping[str, object] | None = None,
         *,
         existing: tuple[tuple[str, ...], int] | None = None,
+        partitions: int = 1,
     ) -> int:
         """Ask the controller for ``topic`` (``None``: the cluster default); answered by ``TopicCreated``.
 
@@ -199,6 +201,7 @@ class ClusterAgent:
             settings=dict(settings or {}),
             nodes=tuple(nodes),
             leader_epoch=epoch,
+            partitions=partitions,
         )
 
     def delete_topic(self, topic: str) -> int:
@@ -468,9 +471,12 @@ class ClusterAgent:
             self._as_controller(lambda: ctl.create_topic(view, change.topic))
         elif change.kind == "delete" and not change.deleted:
             self._as_controller(lambda: ctl.delete_topic(view, change.topic))
-        elif change.kind == "config" and TopicPartition(change.topic, 0) in view.reassigns:
-            tp = TopicPartition(change.topic, 0)  # a reassignment's config write lost to an alter: again
-            self._as_controller(lambda: ctl.reassign(view, tp))
+        elif change.kind == "config":
+            topic = change.topic
+            self._as_controller(lambda: ctl.fill_partitions(view, topic))  # partitions added, or a create cut short
+            for tp in [tp for tp in view.reassigns if tp.topic == topic]:
+                # a reassignment's config write lost to an alter: again
+                self._as_controller(partial(ctl.reassign, view, tp))
         elif change.kind == "shutdown" and not change.deleted:
             self._as_controller(lambda: ctl.shutdown(view, change.node_id))
         elif change.kind in ("reassign", "partition") and change.tp in view.reassigns:
@@ -580,6 +586,7 @@ class ClusterAgent:
             request.settings,
             assignment=request.nodes or None,
             leader_epoch=max(1, request.leader_epoch),
+            partitions=request.partitions,
         )
         key = self.keys.create_request(topic)
         self._creates.setdefault(topic, []).append(request.request_id)

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import logging
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from functools import partial
 
 from conveyor.broker.cluster import decisions as d
@@ -35,6 +35,7 @@ from conveyor.errors import InvalidRequest, NotEnoughReplicas
 log = logging.getLogger("conveyor.cluster")
 
 CAS_TRIES = 8  # conflicts are rare (a leader's ISR proposal at the same moment); give up until the next event
+TXN_PARTITIONS = 100  # partition records per txn: etcd refuses more than --max-txn-ops (128 by default) per txn
 
 
 class Deposed(Exception):
@@ -91,6 +92,8 @@ class Controller:
             self.delete_topic(view, topic)
         for tp in sorted(view.partitions):
             self.update_partition(view, tp, lambda state: d.repair(state, live))
+        for topic in sorted(view.topics):
+            self.fill_partitions(view, topic)
         for topic in sorted(view.creates):
             self.create_topic(view, topic)
         for node in sorted(view.shutdowns):
@@ -108,35 +111,69 @@ class Controller:
         if topic in view.topics:
             self.fenced([Compare.modified(request_key, found.mod_revision)], [Op.delete(request_key)])
             return
-        live = view.live()
+        live, request, count = view.live(), found.value, found.value.partitions
         try:
-            if found.value.assignment is not None:
-                assignment = d.existing_assignment(found.value.assignment, live)
+            if request.assignment is not None:
+                assignment = d.existing_assignment(request.assignment, live)
                 rf, min_insync = len(assignment), d.default_min_insync(len(assignment))
-                partition = d.new_partition(assignment, found.value.leader_epoch)
+                states = {p: d.new_partition(assignment, request.leader_epoch) for p in range(count)}
             else:
-                rf, min_insync = d.replication_for(
-                    found.value.replication_factor, found.value.min_insync_replicas, len(live)
-                )
-                assignment = d.colocate(topic, view.partitions, live, rf) or d.place(
-                    live, d.leader_load(view.partitions.values(), live), rf
-                )
-                partition = d.new_partition(assignment)
+                rf, min_insync = d.replication_for(request.replication_factor, request.min_insync_replicas, len(live))
+                placed = d.place_partitions(topic, range(count), view.partitions, live, rf)
+                states = {p: d.new_partition(assignment) for p, assignment in placed.items()}
         except (NotEnoughReplicas, InvalidRequest) as exc:
             self._refuse(request_key, found, exc.code, exc.message)
             return
-        config = k.TopicConfigRecord(rf, min_insync, dict(found.value.settings), uuid.uuid4().hex)
-        tp = TopicPartition(topic, 0)
+        config = k.TopicConfigRecord(rf, min_insync, dict(request.settings), uuid.uuid4().hex, count)
+        first = dict(list(states.items())[:TXN_PARTITIONS])
         result = self.fenced(
             [Compare.absent(self.keys.topic_config(topic)), Compare.modified(request_key, found.mod_revision)],
             [
                 Op.put(self.keys.topic_config(topic), k.encode_topic_config(config)),
-                Op.put(self.keys.partition(tp), k.encode_partition(partition)),
+                *self._partition_puts(topic, first),
                 Op.delete(request_key),
             ],
         )
         if result.succeeded:
-            log.info("created %s rf=%d min_insync=%d on %s", topic, rf, min_insync, ",".join(assignment))
+            leaders = ",".join(states[p].leader or "-" for p in sorted(states))
+            log.info("created %s rf=%d min_insync=%d partitions=%d, leaders %s", topic, rf, min_insync, count, leaders)
+            self._put_partitions(topic, {p: s for p, s in states.items() if p not in first})
+
+    def fill_partitions(self, view: ClusterView, topic: str) -> None:
+        """The partitions ``topic``'s config names and no record holds: placed and written.
+
+        A topic of more than ``TXN_PARTITIONS`` partitions is created in several txns, and a
+        controller may stop between them; partitions added to a topic are a config with a larger
+        count. Either way the records missing are made here, on takeover and on each config change.
+        """
+        config = view.topics.get(topic)
+        if config is None:
+            return
+        missing = d.missing_partitions(topic, config, view.partitions)
+        if not missing:
+            return
+        try:
+            placed = d.place_partitions(topic, missing, view.partitions, view.live(), config.replication_factor)
+        except NotEnoughReplicas as exc:
+            log.warning("%s: %d partitions wait for nodes: %s", topic, len(missing), exc)
+            return
+        self._put_partitions(topic, {p: d.new_partition(assignment) for p, assignment in placed.items()})
+        log.info("%s: made partitions %s", topic, ",".join(map(str, missing)))
+
+    def _partition_puts(self, topic: str, states: Mapping[int, PartitionState]) -> list[Op]:
+        return [Op.put(self.keys.partition(TopicPartition(topic, p)), k.encode_partition(s)) for p, s in states.items()]
+
+    def _put_partitions(self, topic: str, states: Mapping[int, PartitionState]) -> None:
+        """Partition records of an existing topic, ``TXN_PARTITIONS`` per txn, each only where none is (a record
+        someone else wrote, or a topic deleted meanwhile, is left alone: the next pass sees it)."""
+        items = sorted(states.items())
+        for start in range(0, len(items), TXN_PARTITIONS):
+            chunk = dict(items[start : start + TXN_PARTITIONS])
+            keys = [self.keys.partition(TopicPartition(topic, p)) for p in chunk]
+            self.fenced(
+                [Compare(self.keys.topic_config(topic), "CREATE", ">", 0), *map(Compare.absent, keys)],
+                self._partition_puts(topic, chunk),
+            )
 
     def delete_topic(self, view: ClusterView, topic: str) -> None:
         """The topic's partition records, then its config, its pending requests and the request, in one txn.

@@ -102,9 +102,13 @@ DEAD_LETTER_SUFFIX = ".dlq"
 
 
 def colocate(
-    topic: str, partitions: Mapping[TopicPartition, PartitionState], live: Collection[str], rf: int
+    topic: str,
+    partitions: Mapping[TopicPartition, PartitionState],
+    live: Collection[str],
+    rf: int,
+    partition: int = 0,
 ) -> tuple[str, ...] | None:
-    """``<t>.dlq`` goes on its source topic's live replicas, the source's leader first; None otherwise.
+    """``<t>.dlq`` partition k goes on its source's partition k's live replicas, its leader first; None otherwise.
 
     The source's leader writes its dead letters, which it can do only while it also
     leads the dead-letter topic: both start led by the same node, and an election
@@ -112,11 +116,42 @@ def colocate(
     """
     if not topic.endswith(DEAD_LETTER_SUFFIX):
         return None
-    source = partitions.get(TopicPartition(topic[: -len(DEAD_LETTER_SUFFIX)], 0))
+    source = partitions.get(TopicPartition(topic[: -len(DEAD_LETTER_SUFFIX)], partition))
     if source is None or source.leader is None or source.leader not in live:
         return None
     order = [source.leader] + [n for n in source.assignment if n != source.leader and n in live]
     return tuple(order[:rf]) if len(order) >= rf else None
+
+
+def place_partitions(
+    topic: str,
+    numbers: Iterable[int],
+    partitions: Mapping[TopicPartition, PartitionState],
+    live: Collection[str],
+    rf: int,
+) -> dict[int, tuple[str, ...]]:
+    """The replicas of each new partition ``numbers`` of ``topic``, leaders spread over the live nodes.
+
+    Each partition's leader is the node leading the fewest partitions so far, counting the
+    ones placed before it, so a topic's partitions take turns over the nodes (8 partitions on
+    3 idle nodes: 3, 3 and 2 leaders). A dead-letter topic's partition k goes where its source's
+    partition k is (``colocate``).
+    """
+    load = leader_load(partitions.values(), live)
+    placed: dict[int, tuple[str, ...]] = {}
+    for number in numbers:
+        assignment = colocate(topic, partitions, live, rf, number) or place(live, load, rf)
+        load[assignment[0]] = load.get(assignment[0], 0) + 1
+        placed[number] = assignment
+    return placed
+
+
+def missing_partitions(
+    topic: str, config: TopicConfigRecord, partitions: Mapping[TopicPartition, PartitionState]
+) -> list[int]:
+    """The partitions ``config`` says ``topic`` has and no record holds yet (a create written in
+    several txns, or partitions added to the topic)."""
+    return [p for p in range(config.partitions) if TopicPartition(topic, p) not in partitions]
 
 
 def new_partition(assignment: tuple[str, ...], leader_epoch: int = 1) -> PartitionState:

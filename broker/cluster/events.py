@@ -173,5 +173,6 @@ class Request:
     settings: Mapping[str, object] = field(default_factory=dict)
     nodes: tuple[str, ...] = ()
     leader_epoch: int = 0
+    partitions: int = 1
     mod_revision: int | None = None
     successors: Mapping[TopicPartition, str] = field(default_factory=dict)

@@ -26,7 +26,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from conveyor.names import NAME_RE
+from conveyor.names import MAX_PARTITIONS, NAME_RE
 
 FORMAT = 1
 NODE_ID_RE = re.compile(r"[A-Za-z0-9._-]{1,100}")
@@ -73,6 +73,7 @@ class TopicConfigRecord:
     min_insync_replicas: int
     settings: Mapping[str, Any] = field(default_factory=dict)
     topic_id: str = ""
+    partitions: int = 1  # each has its own record under partitions/<p>; absent in records of 1
 
 
 @dataclass(frozen=True)
@@ -105,6 +106,7 @@ class CreateRequest:
     # these replicas, the first leading at ``leader_epoch``, instead of a placement.
     assignment: tuple[str, ...] | None = None
     leader_epoch: int = 1
+    partitions: int = 1
 
 
 @dataclass(frozen=True)
@@ -280,6 +282,8 @@ def encode_topic_config(record: TopicConfigRecord) -> bytes:
     }
     if record.topic_id:
         body["topic_id"] = record.topic_id
+    if record.partitions > 1:
+        body["partitions"] = record.partitions
     return _dump(body)
 
 
@@ -301,6 +305,8 @@ def encode_create(request: CreateRequest) -> bytes:
         config["replication_factor"] = request.replication_factor
     if request.min_insync_replicas is not None:
         config["min_insync_replicas"] = request.min_insync_replicas
+    if request.partitions > 1:
+        config["partitions"] = request.partitions
     body: dict[str, Any] = {"from": request.requester, "config": config}
     if request.refused is not None:
         body["refused"] = {"code": request.refused[0], "message": request.refused[1]}
@@ -396,7 +402,15 @@ def decode_topic_config(key: str, value: bytes) -> TopicConfigRecord:
     min_insync = f.count("min_insync_replicas", 1)
     if min_insync > rf:
         raise f.fail(f"min_insync_replicas {min_insync} > replication_factor {rf}")
-    return TopicConfigRecord(rf, min_insync, f.get("settings", dict, {}), f.get("topic_id", str, ""))
+    partitions = _partition_count(f)
+    return TopicConfigRecord(rf, min_insync, f.get("settings", dict, {}), f.get("topic_id", str, ""), partitions)
+
+
+def _partition_count(f: _Fields) -> int:
+    count = f.count("partitions", 1, 1)
+    if count > MAX_PARTITIONS:
+        raise f.fail(f"field 'partitions' must be <= {MAX_PARTITIONS}, got {count}")
+    return int(count)
 
 
 def decode_partition(key: str, value: bytes) -> PartitionState:
@@ -433,7 +447,8 @@ def decode_create(key: str, value: bytes) -> CreateRequest:
     if existing is not None:
         held = _Fields(key, existing)
         assignment, epoch = held.nodes("assignment"), held.count("leader_epoch", 1, 1)
-    return CreateRequest(requester, rf, min_insync, config.get("settings", dict, {}), answer, assignment, epoch)
+    settings = config.get("settings", dict, {})
+    return CreateRequest(requester, rf, min_insync, settings, answer, assignment, epoch, _partition_count(config))
 
 
 def decode_shutdown(key: str, value: bytes) -> ShutdownRequest:

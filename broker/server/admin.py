@@ -46,17 +46,37 @@ class AdminHost(Protocol):
     def partitions(self) -> Partitions | None: ...  # cluster mode only
 
     def check_topic_room(self, topic: str) -> None: ...  # TOPIC_LIMIT
+    def partition_count(self, topic: str) -> int: ...  # in a cluster, its config record's count
     def topic_deleted(self, topic: str) -> None: ...  # answer what waited on it, forget its metrics
     def group_deleted(self, topic: str, name: str) -> None: ...
     def announce(self, topic: str, event: str, offset: int, *, partitions: int | None = None) -> None: ...
 
 
+def answered_here(host: AdminHost, topic: str) -> list[int]:
+    """The partitions of ``topic`` this broker answers ADMIN for: every one it holds on a single broker.
+
+    In a cluster a partition's offsets and groups are its leader's: a node answers for the
+    partitions it leads (for all it holds when it leads none, as a follower describes its copy),
+    and a client with several leaders to ask merges their answers (``broker/client/admin.py``).
+    """
+    held = [n for n in range(host.partition_count(topic)) if partition_log(topic, n) in host.store.logs]
+    if host.partitions is None:
+        return held
+    led = [n for n in held if host.partitions.leader_of(partition_log(topic, n)) is not None]
+    return led or held
+
+
 def describe_topic(host: AdminHost, name: str) -> dict[str, Any]:
     """The topic; ``end_offset`` is its one partition's, or the sum over its partitions (``partitions``)."""
-    log = host.store.topic(name)
+    numbers = answered_here(host, name)
+    log = host.store.topic(partition_log(name, numbers[0]) if numbers and host.partitions is not None else name)
     partitions = [
-        {"partition": number, "start_offset": part.start_offset, "end_offset": part.end_offset}
-        for number, part in enumerate(host.store.partition_logs(name))
+        {
+            "partition": number,
+            "start_offset": host.store.topic(partition_log(name, number)).start_offset,
+            "end_offset": host.store.topic(partition_log(name, number)).end_offset,
+        }
+        for number in numbers
     ]
     return {
         "name": name,
@@ -75,6 +95,8 @@ def describe_topic(host: AdminHost, name: str) -> dict[str, Any]:
 
 def describe_group(host: AdminHost, topic: str, name: str) -> dict[str, Any]:
     """Partition 0's group as before, plus ``partitions`` (lag of each) and ``lag`` summed over them."""
+    if host.partitions is not None:
+        return _describe_led(host, topic, name)
     described = _describe_one(host, topic, name)
     if host.store.partition_count(topic) == 1:
         return {**described, "partitions": [_partition_lag(0, described)]}
@@ -83,6 +105,17 @@ def describe_group(host: AdminHost, topic: str, name: str) -> dict[str, Any]:
         log_name = partition_log(topic, number)
         if host.groups.get((log_name, name)) is not None:
             rows.append(_partition_lag(number, _describe_one(host, log_name, name)))
+    return {**described, "lag": sum(row["lag"] for row in rows), "partitions": rows}
+
+
+def _describe_led(host: AdminHost, topic: str, name: str) -> dict[str, Any]:
+    """In a cluster: the group on the partitions this node answers for (the first one's fields as the
+    group's; the client merges every leader's ``partitions`` rows)."""
+    numbers = [n for n in answered_here(host, topic) if host.groups.get((partition_log(topic, n), name)) is not None]
+    if not numbers:
+        _group(host, topic, name)  # UNKNOWN_TOPIC or UNKNOWN_GROUP, as a single node says
+    rows = [_partition_lag(n, _describe_one(host, partition_log(topic, n), name)) for n in numbers]
+    described = {**_describe_one(host, partition_log(topic, numbers[0]), name), "topic": topic}
     return {**described, "lag": sum(row["lag"] for row in rows), "partitions": rows}
 
 
@@ -124,6 +157,10 @@ def _group(host: AdminHost, topic: str, name: str) -> Group:
 
 def reset_offsets(host: AdminHost, topic: str, name: str, to: Any) -> dict[str, Any]:
     """Applies ``to`` to every partition of the topic (an offset: the same offset in each)."""
+    if host.partitions is not None:  # the partitions led here; the client asks every leader
+        for number in answered_here(host, topic):
+            _reset_one(host, partition_log(topic, number), name, to)
+        return describe_group(host, topic, name)
     for number in range(1, host.store.partition_count(topic)):
         _reset_one(host, partition_log(topic, number), name, to)
     _reset_one(host, topic, name, to)
@@ -166,13 +203,17 @@ def delete_topic(host: AdminHost, name: str) -> dict[str, Any]:
     host.store.topic(name)
     for number in reversed(range(host.store.partition_count(name))):
         log_name = partition_log(name, number)
-        if log_name not in host.store.logs:
-            continue
-        for group in host.groups.of_topic(log_name):
-            _delete_one(host, log_name, group.name)
-        host.store.delete_topic(log_name)
-        host.topic_deleted(log_name)
+        if log_name in host.store.logs:
+            delete_log(host, log_name)
     return {"deleted": name}
+
+
+def delete_log(host: AdminHost, log_name: str) -> None:
+    """One partition's log, with its groups (a cluster node drops the partitions it holds one by one)."""
+    for group in host.groups.of_topic(log_name):
+        _delete_one(host, log_name, group.name)
+    host.store.delete_topic(log_name)
+    host.topic_deleted(log_name)
 
 
 def create_topic(host: AdminHost, name: str, config: Any, partitions: int = 1) -> dict[str, Any]:

@@ -66,7 +66,7 @@ from conveyor.monitoring.metrics import (
 from prometheus_client import CollectorRegistry
 
 from conveyor.errors import ConveyorError, InvalidRequest, TooManyOpenFiles
-from conveyor.names import split_log
+from conveyor.names import partition_log, split_log
 from conveyor.version import __version__
 
 if TYPE_CHECKING:
@@ -211,6 +211,7 @@ class Broker:
 
         partitions = self.replicate(self.settings.node_id, lag_max_ms=self.settings.replica_lag_max_ms)
         node = ClusterNode(self, partitions, self.settings, version=__version__)
+        self.fetches.partition_count = node.partition_count
         node.agent.check_node_id()  # before anything serves: a live node's id is refused
         self.metadata = node
         return node
@@ -498,7 +499,7 @@ class Broker:
 
     def _on_publish(self, peer: bytes, frame: Frame) -> None:
         received = self.clock()
-        topic = log_for(self.store, frame)  # the partition's log: the topic itself for partition 0
+        topic = log_for(self.store, frame, self.partition_count)  # partition k of T: the log T#k (T for 0)
         leader_epoch = None  # a single node writes batches without an epoch (magic 1)
         if self.partitions is not None:
             leader_epoch = self.partitions.check_publish(topic)  # NOT_LEADER, NOT_ENOUGH_REPLICAS: nothing appended
@@ -525,14 +526,23 @@ class Broker:
             counters.published_batches.inc()
             self.appended.add(topic)
         rid = frame.get("rid")
-        partitions = self.store.partition_count(split_log(topic)[0])  # told in the confirm: producers learn added ones
+        partitions = self.partition_count(split_log(topic)[0])  # told in the confirm: producers learn added ones
         self.confirms.add(Confirm(peer, rid, log_, result.base_offset, count, result.duplicate, received, partitions))
+
+    def partition_count(self, topic: str) -> int:
+        """How many partitions ``topic`` has: its topic.json's count, or in a cluster its config record's."""
+        if self.cluster is not None:
+            return self.cluster.partition_count(topic)
+        return self.store.partition_count(topic)
+
+    def _partition_logs(self, topic: str) -> list[str]:
+        return [partition_log(topic, number) for number in range(self.partition_count(topic))]
 
     def check_topic_room(self, topic: str) -> None:
         self.admission.check_room(topic)
 
     def _on_subscribe(self, peer: bytes, frame: Frame) -> None:
-        topic = log_for(self.store, frame)  # a member subscribes to each partition of a topic on its own
+        topic = log_for(self.store, frame, self.partition_count)  # a member subscribes to each partition apart
         name = check_name(hfield(frame, "group", str), "group")
         sub_id = hfield(frame, "sub", int)
         if self.partitions is not None:
@@ -628,7 +638,9 @@ class Broker:
     def _on_admin(self, peer: bytes, frame: Frame) -> None:
         op, rid = hfield(frame, "op", str), frame.get("rid")
         if self.partitions is not None and op in admin.GROUP_OPS:
-            self.partitions.check_group_admin(hfield(frame, "topic", str))
+            topic = hfield(frame, "topic", str)
+            if not any(self.partitions.leader_of(name) for name in self._partition_logs(topic)):
+                self.partitions.check_group_admin(topic)  # leads none of its partitions: NOT_LEADER
         if self.cluster is not None and self.cluster.handles(op):
             self.cluster.admin(op, frame.header, lambda answer: self._admin_answer(peer, rid, answer))
             return

@@ -57,8 +57,10 @@ from conveyor.broker.server.cluster_roles import ClusterRoles
 from conveyor.broker.server.group_log import group_log_name, is_group_log
 from conveyor.broker.server.metadata import ClusterMetadata, PartitionMetadata
 from conveyor.broker.server.partitions import Partitions, check_client_topic
+from conveyor.broker.wire.partitioning import unknown_partition
 
-from conveyor.errors import ConfigError, ConveyorError, PartitionsUnsupported, TopicExists, UnknownTopic
+from conveyor.errors import ConfigError, ConveyorError, TopicExists, UnknownTopic
+from conveyor.names import partition_log, split_log
 
 CLUSTER_ADMIN = frozenset({"create_topic", "reassign_topic", "delete_topic", "alter_topic"})
 TOPIC_ID = "cluster_topic_id"  # in a replica's topic.json ``extra``: which topic of that name it holds
@@ -219,7 +221,8 @@ class ClusterNode:
         (data is never deleted because a record is missing; only a different topic id under
         the same name, which etcd holds, drops a copy by itself).
         """
-        asked = [topic for topic in sorted(self.host.store.logs) if not topic.startswith("__")]
+        logs = sorted(self.host.store.logs)
+        asked = [topic for topic in logs if not topic.startswith("__") and not split_log(topic)[1]]
         return [topic for topic in asked if self._register_local(topic)]
 
     def _register_local(self, topic: str) -> bool:
@@ -238,9 +241,11 @@ class ClusterNode:
                     topic,
                 )
             return False
-        epoch = log_.last_epoch + 1
+        count = self.host.store.partition_count(topic)
+        epoch = max(held.last_epoch for held in self.host.store.partition_logs(topic)) + 1
         self._creating.add(topic)
-        self.agent.create_topic(topic, 1, 1, log_.config.settings(), existing=((self.node_id,), epoch))
+        existing = ((self.node_id,), epoch)
+        self.agent.create_topic(topic, 1, 1, log_.config.settings(), existing=existing, partitions=count)
         log.info(
             "local topic %s (offsets %d-%d) is not in the cluster: registering it on %s, epoch %d",
             topic,
@@ -273,9 +278,13 @@ class ClusterNode:
 
     def _stale(self, topic: str, topic_id: str) -> bool:
         """This node's copy of ``topic`` belongs to another topic of that name (deleted while it was away)."""
-        log_ = self.host.store.logs.get(topic)
-        held = log_.config.extra.get(TOPIC_ID) if log_ is not None else None
-        return bool(held) and bool(topic_id) and held != topic_id
+        ids = {self.host.store.logs[name].config.extra.get(TOPIC_ID) for name in self.held(topic)}
+        return bool(topic_id) and any(held and held != topic_id for held in ids)
+
+    def held(self, topic: str) -> list[str]:
+        """The logs of ``topic``'s partitions this node holds (``T``, ``T#k``), partition 0 last."""
+        names = [name for name in self.host.store.logs if split_log(name)[0] == topic]
+        return sorted(names, key=lambda name: -split_log(name)[1])
 
     def drop_topic(self, topic: str) -> None:
         """The cluster deleted ``topic``: drop it here as a single node's delete does.
@@ -288,39 +297,41 @@ class ClusterNode:
         self._creating.discard(topic)
         self._leftovers.discard(topic)
         store = self.host.store
-        if topic in store.logs:
-            admin_ops.delete_topic(self.host, topic)
-        for tp in [tp for tp in list(self.partitions.leading) + list(self.partitions.following) if tp[0] == topic]:
+        for name in self.held(topic):
+            admin_ops.delete_log(self.host, name)
+        roles = list(self.partitions.leading) + list(self.partitions.following)
+        for tp in [tp for tp in roles if split_log(tp[0])[0] == topic]:
             self.partitions.stop(*tp)
-        if group_log_name(topic) in store.logs:
-            store.delete_topic(group_log_name(topic))
-            self.host.topic_deleted(group_log_name(topic))
+        for name in [name for name in store.logs if is_group_log(name) and split_log(name)[0] == group_log_name(topic)]:
+            store.delete_topic(name)
+            self.host.topic_deleted(name)
         log.info("topic %s deleted from this node", topic)
 
     def _apply_settings(self, topic: str, config: TopicConfigRecord) -> None:
         """The cluster's settings of ``topic`` on this node's log (an alter, here or while it was down),
         and its topic id (a copy from before topic ids, or registered from a single node's data)."""
-        log_ = self.host.store.logs.get(topic)
-        extra = {TOPIC_ID: config.topic_id} if config.topic_id else None
-        if log_ is None or log_.config.with_settings(config.settings, extra=extra) == log_.config:
-            return
-        before = log_.config.settings()
-        try:
-            self.host.store.alter_topic(topic, config.settings, extra=extra)
-        except ConveyorError as exc:  # a setting this node refuses (another version): the rest stays as it was
-            log.warning("topic %s: the cluster's settings not applied here: %s", topic, exc)
-            return
-        after = log_.config.settings()
-        changed = {name: value for name, value in after.items() if before.get(name) != value}
-        if changed:  # not only the topic id written
-            log.info("topic %s: settings changed: %s", topic, changed)
+        for name in self.held(topic):
+            log_ = self.host.store.logs[name]
+            extra = _extra(config, topic, split_log(name)[1])
+            if log_.config.with_settings(config.settings, extra=extra) == log_.config:
+                continue
+            before = log_.config.settings()
+            try:
+                self.host.store.alter_topic(name, config.settings, extra=extra)
+            except ConveyorError as exc:  # a setting this node refuses (another version): the rest stays as it was
+                log.warning("topic %s: the cluster's settings not applied here: %s", name, exc)
+                continue
+            after = log_.config.settings()
+            changed = {setting: value for setting, value in after.items() if before.get(setting) != value}
+            if changed:  # not only the topic id written
+                log.info("topic %s: settings changed: %s", name, changed)
 
     def _on_partition(self, event: PartitionChanged) -> None:
         """Before the roles act on a record: this node's replica log exists, with the topic's settings."""
         if event.state is not None:
             self._creating.discard(event.tp.topic)
             if self.node_id in event.state.assignment:
-                self._ensure_log(event.tp.topic)
+                self._ensure_log(event.tp.topic, event.tp.partition)
 
     def _on_created(self, event: TopicCreated) -> None:
         answer = self._answers.pop(event.request_id, None)
@@ -349,12 +360,18 @@ class ClusterNode:
         else:
             answer(_described(event.topic, event.config))
 
-    def _ensure_log(self, topic: str) -> None:
+    def _ensure_log(self, topic: str, partition: int = 0) -> None:
         store = self.host.store
-        if topic not in store.logs:
+        name = partition_log(topic, partition)
+        if name not in store.logs:
             config = self.configs.get(topic)
-            extra = {TOPIC_ID: config.topic_id} if config is not None and config.topic_id else None
-            store.create_topic(topic, dict(config.settings) if config else None, extra=extra)
+            extra = _extra(config, topic, partition) if config is not None else None
+            store.create_topic(name, dict(config.settings) if config else None, extra=extra)
+
+    def partition_count(self, topic: str) -> int:
+        """How many partitions the cluster says ``topic`` has (this node may hold none of them)."""
+        config = self.configs.get(topic)
+        return config.partitions if config is not None else self.host.store.partition_count(topic)
 
     # --- controlled shutdown -------------------------------------------------------------------
 
@@ -408,6 +425,8 @@ class ClusterNode:
         start) is registered with its data, never placed anew on nodes that lack it. With
         ``--no-auto-create-topics`` a topic the cluster does not have is UNKNOWN_TOPIC.
         """
+        if split_log(topic)[1]:
+            return  # a partition past 0 is made with its topic, never on its own
         if self.settings.auto_create_topics:
             self.want_topic(topic)
         elif not self._known(topic):
@@ -430,13 +449,17 @@ class ClusterNode:
     def want_topic(self, topic: str) -> None:
         """Ask the controller for ``topic`` unless known or asked already (``auto_create`` without the
         setting: a dead-letter topic is made whatever ``--auto-create-topics`` says, as on a single node)."""
+        topic = split_log(topic)[0]  # a dead-letter topic's partition: the topic, with its source's count
         if topic in self.configs or topic in self._creating or is_group_log(topic):
             return
         if topic in self.host.store.logs and not self._cluster_copy(topic):
             self._register_local(topic)  # a single node's data: kept, this node leading it
             return
+        source = self.configs.get(topic.removesuffix(DEAD_LETTER_SUFFIX))
+        count = source.partitions if source is not None and topic.endswith(DEAD_LETTER_SUFFIX) else 1
         self._creating.add(topic)
-        self.agent.create_topic(topic, *self.replication(None, None))  # a copy left here is dropped for it
+        # a copy left here is dropped for it
+        self.agent.create_topic(topic, *self.replication(None, None), partitions=count)
 
     def _cluster_copy(self, topic: str) -> bool:
         """This node's log of ``topic`` is a replica of a cluster topic (its ``topic.json`` names a topic id)."""
@@ -472,13 +495,7 @@ class ClusterNode:
         """``topics create``: checked here (settings, RF, TOPIC_EXISTS), then made by the controller."""
         topic = _topic_of(header)
         check_client_topic(topic)
-        if header.get("partitions", 1) != 1:
-            raise PartitionsUnsupported(
-                f"topic {topic}: more than one partition is not supported in cluster mode yet "
-                "(a single-node broker has them; see docs/partitions.md)",
-                topic=topic,
-                partitions=header.get("partitions"),
-            )
+        partitions = header.get("partitions", 1)  # 1-1024: the ADMIN schema checked it
         config = dict(header.get("config") or {})
         rf = _count(config.pop("replication_factor", None), "replication_factor")
         min_insync = _count(config.pop("min_insync_replicas", None), "min_insync_replicas")
@@ -487,7 +504,7 @@ class ClusterNode:
         self.host.store.defaults.with_settings(config)  # a bad setting is refused here, before etcd
         if topic in self.configs:
             raise TopicExists(f"topic {topic} exists", topic=topic)
-        request = self.agent.create_topic(topic, *self.replication(rf, min_insync), config)
+        request = self.agent.create_topic(topic, *self.replication(rf, min_insync), config, partitions=partitions)
         self._creating.add(topic)
         self._answers[request] = answer
 
@@ -537,15 +554,23 @@ class ClusterNode:
             raise UnknownTopic(f"topic {topic} is not known to the cluster", topic=topic)
         replicas = tuple(header.get("replicas") or ())
         min_insync = _count(header.get("min_insync_replicas"), "min_insync_replicas")
-        tp = TopicPartition(topic, 0)
-        started: dict[str, Any] = {"name": topic, "partition": tp.partition, "replicas": list(replicas)}
+        count = self.configs[topic].partitions
+        asked = header.get("partition")
+        if asked is not None and asked >= count:
+            raise unknown_partition(topic, asked, count)
+        numbers = [asked] if asked is not None else list(range(count))
+        started: dict[str, Any] = {"name": topic, "partitions": numbers, "replicas": list(replicas)}
+        if len(numbers) == 1:
+            started["partition"] = numbers[0]
         dead = topic + DEAD_LETTER_SUFFIX
         if not topic.endswith(DEAD_LETTER_SUFFIX) and dead in self.configs:
-            moved = self.agent.reassign(TopicPartition(dead, 0), replicas, min_insync)
-            self._answers[moved] = partial(_log_refusal, dead)
+            for number in [n for n in numbers if n < self.configs[dead].partitions]:
+                moved = self.agent.reassign(TopicPartition(dead, number), replicas, min_insync)
+                self._answers[moved] = partial(_log_refusal, dead)
             started["dead_letter_topic"] = dead
-        request = self.agent.reassign(tp, replicas, min_insync)
-        self._answers[request] = lambda error: answer(error if error is not None else {**started, "state": "started"})
+        waiting = _Pending(len(numbers), lambda error: answer(error or {**started, "state": "started"}))
+        for number in numbers:
+            self._answers[self.agent.reassign(TopicPartition(topic, number), replicas, min_insync)] = waiting.answered
 
     def _on_reassign_stored(self, event: ReassignAnswer) -> None:
         answer = self._answers.pop(event.request_id, None)
@@ -572,6 +597,25 @@ class ClusterNode:
                 state.offline,
             )
         return ClusterMetadata(self.node_id, snapshot.controller, nodes, answer)
+
+
+@dataclass
+class _Pending:
+    """One answer for several agent requests: the first error, or ``None`` once every one is stored."""
+
+    left: int
+    answer: Callable[[Any], None]
+
+    def answered(self, error: Any) -> None:
+        if self.left <= 0:
+            return
+        if error is not None:
+            self.left = 0
+            self.answer(error)
+            return
+        self.left -= 1
+        if self.left == 0:
+            self.answer(None)
 
 
 def _log_refusal(topic: str, error: Any) -> None:
@@ -601,5 +645,17 @@ def _described(topic: str, config: TopicConfigRecord | None) -> dict[str, Any]:
         "name": topic,
         "replication_factor": config.replication_factor,
         "min_insync_replicas": config.min_insync_replicas,
+        "partitions": config.partitions,
         "config": dict(config.settings),
     }
+
+
+def _extra(config: TopicConfigRecord, topic: str, partition: int) -> dict[str, Any]:
+    """What a replica's ``topic.json`` records of the cluster topic: its id, and the partition count
+    (partition 0, as a single node's) or the topic it is a partition of."""
+    extra: dict[str, Any] = {TOPIC_ID: config.topic_id} if config.topic_id else {}
+    if partition:
+        extra["partition_of"] = topic
+    elif config.partitions > 1:
+        extra["partitions"] = config.partitions
+    return extra

@@ -29,6 +29,8 @@ from conveyor.broker.cluster.keys import PartitionState, TopicPartition
 from conveyor.broker.server.partitions import Partitions, Role, role_for
 from conveyor.broker.server.replication import IsrChange
 
+from conveyor.names import partition_log, split_log
+
 log = logging.getLogger("conveyor.cluster_roles")
 
 
@@ -71,7 +73,7 @@ class ClusterRoles:
 
     def propose(self, change: IsrChange) -> None:
         """``Partitions``' ISR callback: CAS the ISR on the record this node last saw."""
-        tp = TopicPartition(change.topic, change.partition)
+        tp = cluster_partition(change.topic)
         request_id = self.agent.propose_isr(tp, change.isr, change.leader_epoch, self.revisions.get(tp, 0))
         self.pending[request_id] = tp
 
@@ -108,7 +110,7 @@ class ClusterRoles:
         for tp, state in self.states.items():
             # A follower waiting for its leader's address, or whose leader came back elsewhere.
             follower = role_for(state, self.partitions.node_id) is Role.FOLLOWER
-            waiting = follower and tp not in self.partitions.following and state.leader in addresses
+            waiting = follower and (local_log(tp), 0) not in self.partitions.following and state.leader in addresses
             if state.leader in moved or waiting:
                 self._apply(tp)
 
@@ -119,11 +121,11 @@ class ClusterRoles:
         if answer.ok and answer.state is not None:
             self.states[tp] = answer.state
             self.revisions[tp] = answer.mod_revision
-            self.partitions.isr_written(tp.topic, tp.partition, answer.state.isr)
+            self.partitions.isr_written(local_log(tp), 0, answer.state.isr)
             return
         if answer.error is not None:
             log.warning("ISR change for %s not written: %s", tp, answer.error)
-        self.partitions.isr_refused(tp.topic, tp.partition)
+        self.partitions.isr_refused(local_log(tp), 0)
         if answer.state is not None and answer.mod_revision >= self.revisions.get(tp, 0):
             self._record(tp, answer.state, answer.mod_revision)  # etcd's record, newer than the one proposed on
 
@@ -131,9 +133,24 @@ class ClusterRoles:
         if self.partitions is None:
             return
         self.partitions.apply_state(
-            tp.topic,
-            tp.partition,
+            local_log(tp),
+            0,
             self.states.get(tp),
             min_insync=self.min_insync.get(tp.topic, default_min_insync(self.states.get(tp))),
             addresses=self.addresses,
         )
+
+
+def local_log(tp: TopicPartition) -> str:
+    """The log that holds ``tp`` on a node: partition k > 0 of ``T`` is the log ``T#k``.
+
+    Below this module a node knows each partition as a log of its own (its partition 0), as a
+    single broker does: leading, following, the high watermark and the group log
+    (``__groups.T#k``) all go by log name. Only etcd's records name ``(topic, partition)``.
+    """
+    return partition_log(tp.topic, tp.partition)
+
+
+def cluster_partition(log_name: str) -> TopicPartition:
+    """The etcd partition of a local log (``local_log``'s inverse)."""
+    return TopicPartition(*split_log(log_name))

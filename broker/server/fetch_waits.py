@@ -78,10 +78,11 @@ class FetchWaits:
         self._max_wait_ms = max_wait_ms
         self._max_batch_bytes = max_batch_bytes
         self.replicas: ReplicaFetches | None = None  # set when this node replicates partitions
+        self.partition_count: Callable[[str], int] = store.partition_count  # a cluster node counts by its records
 
     def fetch(self, peer: bytes, frame: Frame) -> None:
         """Answer a FETCH now, or park it while it asks to wait for offsets not yet durable."""
-        topic = log_for(self.store, frame)
+        topic = log_for(self.store, frame, self.partition_count)
         log_ = self.store.topic(topic)
         replica = frame.get("replica") is not None
         if replica:

@@ -21,6 +21,8 @@ from conveyor.broker.server.limits import TopicLimits
 from conveyor.broker.server.partition_status import follower_lag
 from conveyor.monitoring.health import STATUS_CODES
 
+from conveyor.names import split_log
+
 if TYPE_CHECKING:
     from conveyor.broker.server.cluster_node import ClusterNode
     from conveyor.broker.server.mirror import Mirror
@@ -136,11 +138,11 @@ def cluster_snapshot(host: ClusterHost) -> dict[str, Rows]:
     if partitions is None:
         return rows
     now = partitions.clock()
-    for (topic, number), leader in list(partitions.leading.items()):
+    for (topic, _number), leader in list(partitions.leading.items()):
         log = host.store.logs.get(topic)
         if log is None or is_group_log(topic):  # a group log shares its topic's replicas and ISR
             continue
-        labels = (topic, str(number))
+        labels = _partition_labels(topic)  # the log "T#k" is partition k of T
         isr = len(leader.isr)
         add("conveyor_partition_leader", labels, 1)
         add("conveyor_partition_replicas", labels, len(leader.replicas))
@@ -157,7 +159,14 @@ def cluster_snapshot(host: ClusterHost) -> dict[str, Rows]:
             messages, seconds = follower_lag(state, end, now)
             add("conveyor_replica_lag_messages", (*labels, node), messages)
             add("conveyor_replica_lag_seconds", (*labels, node), seconds)
-    for topic, number in list(partitions.following):
+    for topic, _number in list(partitions.following):
         if not is_group_log(topic):
-            add("conveyor_partition_leader", (topic, str(number)), 0)
+            add("conveyor_partition_leader", _partition_labels(topic), 0)
     return rows
+
+
+def _partition_labels(log_name: str) -> tuple[str, str]:
+    """``topic`` and ``partition`` of a node's partition log: in a cluster each partition of T is the log
+    ``T#k`` on the node, and the ``conveyor_partition_*`` series name it by topic and partition."""
+    topic, number = split_log(log_name)
+    return topic, str(number)

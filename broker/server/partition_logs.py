@@ -12,7 +12,7 @@ existing data directory and every single-partition topic.json are unchanged.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from conveyor.broker.log.data_dir import Store, check_name
@@ -25,13 +25,17 @@ from conveyor.errors import InvalidRequest, TopicExists
 from conveyor.names import MAX_PARTITIONS, partition_log, split_log
 
 
-def log_for(store: Store, frame: Frame) -> str:
-    """The log a PUBLISH, SUBSCRIBE or FETCH names: its ``topic`` (checked) and partition ``p`` (default 0)."""
+def log_for(store: Store, frame: Frame, count_of: Callable[[str], int] | None = None) -> str:
+    """The log a PUBLISH, SUBSCRIBE or FETCH names: its ``topic`` (checked) and partition ``p`` (default 0).
+
+    ``count_of`` gives a topic's partition count: the local topic.json's on a single broker; in a
+    cluster, the topic's config record (a node may hold partition 3 of a topic and not partition 0).
+    """
     topic = check_name(hfield(frame, "topic", str))
     partition = hfield(frame, "p", int, 0)
     if partition == 0:
         return topic
-    count = store.partition_count(topic)
+    count = (count_of or store.partition_count)(topic)
     if partition >= count:
         raise unknown_partition(topic, partition, count)
     return partition_log(topic, partition)

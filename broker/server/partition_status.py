@@ -20,6 +20,8 @@ from conveyor.broker.log.data_dir import Store
 from conveyor.broker.server.group_log import is_group_log
 from conveyor.broker.server.replication import FollowerState, PartitionLeader
 
+from conveyor.names import split_log
+
 if TYPE_CHECKING:
     from conveyor.broker.server.partitions import Partitions
 
@@ -102,18 +104,24 @@ def describe_partitions(
     """This node's partitions (``topic`` None: all), as the ADMIN op ``describe_partitions`` answers."""
     if partitions is None:
         rows = [
-            _single(name, node_id, single.visible_offset, single.end_offset)
+            _named(_single(name, node_id, single.visible_offset, single.end_offset), name)
             for name, single in sorted(list(store.logs.items()))
-            if topic in (None, name)
+            if topic in (None, split_log(name)[0])
         ]
         return {"node": node_id, "cluster": False, "partitions": rows}
     held = sorted(list(partitions.leading)) + sorted(list(partitions.following))  # what it leads first
     rows = [
-        describe_partition(partitions, store, name, number)
+        _named(describe_partition(partitions, store, name, number), name)
         for name, number in held
-        if topic in (None, name) and name in store.logs and not is_group_log(name)
+        if topic in (None, split_log(name)[0]) and name in store.logs and not is_group_log(name)
     ]
     return {"node": node_id, "cluster": True, "partitions": rows}
+
+
+def _named(row: dict[str, Any], log_name: str) -> dict[str, Any]:
+    """A row about the log ``T#k`` (how a node holds partition k of T) as partition k of topic T."""
+    topic, number = split_log(log_name)
+    return {**row, "topic": topic, "partition": number}
 
 
 def _single(topic: str, node_id: str, visible: int, end: int) -> dict[str, Any]:

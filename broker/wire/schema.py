@@ -197,6 +197,7 @@ ADMIN_OPS: dict[str, dict[str, Field]] = {
         "topic": NAME,
         "replicas": Field(name_list, required=True),
         "min_insync_replicas": Field(integer(1, 255)),
+        "partition": PARTITION,  # absent: every partition of the topic
     },
 }
 

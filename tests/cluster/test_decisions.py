@@ -312,3 +312,29 @@ def test_a_dead_letter_topic_goes_on_its_source_replicas_led_by_the_source_leade
     assert d.colocate("orders.dlq", partitions, {"n1", "n3"}, 2) is None  # the source's leader is gone
     assert d.colocate("orders", partitions, {"n1", "n2", "n3"}, 3) is None
     assert d.colocate("other.dlq", partitions, {"n1", "n2", "n3"}, 3) is None
+
+
+def test_a_partitioned_topic_s_leaders_take_turns_over_the_nodes() -> None:
+    busy = {TopicPartition("old", 0): PartitionState(("n1", "n2"), "n1", 1, ("n1", "n2"), False)}
+    placed = d.place_partitions("orders", range(8), busy, {"n1", "n2", "n3"}, 2)
+    leaders = [placed[p][0] for p in range(8)]
+    assert leaders == ["n2", "n3", "n1", "n2", "n3", "n1", "n2", "n3"]  # n1 leads "old" already: it starts last
+    counts = {node: leaders.count(node) + (node == "n1") for node in ("n1", "n2", "n3")}
+    assert max(counts.values()) - min(counts.values()) <= 1
+    assert all(len(set(assignment)) == 2 for assignment in placed.values())
+
+
+def test_each_dead_letter_partition_goes_with_its_source_partition() -> None:
+    source = {
+        TopicPartition("orders", p): PartitionState(("n1", "n2", "n3"), leader, 1, ("n1", "n2", "n3"), False)
+        for p, leader in enumerate(["n1", "n2", "n3", "n1"])
+    }
+    placed = d.place_partitions("orders.dlq", range(4), source, {"n1", "n2", "n3"}, 3)
+    assert [placed[p][0] for p in range(4)] == ["n1", "n2", "n3", "n1"]
+
+
+def test_the_partitions_a_config_names_and_etcd_lacks() -> None:
+    config = TopicConfigRecord(1, 1, partitions=4)
+    held = {TopicPartition("orders", p): PartitionState(("n1",), "n1", 1, ("n1",), False) for p in (0, 2)}
+    assert d.missing_partitions("orders", config, held) == [1, 3]
+    assert d.missing_partitions("orders", TopicConfigRecord(1, 1), held) == []

@@ -106,8 +106,13 @@ def test_other_records_round_trip() -> None:
     assert "topic_id" not in json.loads(k.encode_topic_config(config))  # a record from before topic ids
     with_id = TopicConfigRecord(3, 2, {}, topic_id="5f0c")
     assert k.decode_topic_config("key", k.encode_topic_config(with_id)) == with_id
+    partitioned = TopicConfigRecord(3, 2, {}, topic_id="5f0c", partitions=8)
+    assert k.decode_topic_config("key", k.encode_topic_config(partitioned)) == partitioned
+    assert "partitions" not in json.loads(k.encode_topic_config(with_id))  # one partition: the record as before
+    with pytest.raises(RecordError, match="partitions"):
+        k.decode_topic_config("key", b'{"replication_factor": 1, "min_insync_replicas": 1, "partitions": 1025}')
     assert k.decode_delete("key", k.encode_delete(DeleteRequest("n2"))) == DeleteRequest("n2")
-    existing = CreateRequest("n1", 1, 1, {}, assignment=("n1",), leader_epoch=3)
+    existing = CreateRequest("n1", 1, 1, {}, assignment=("n1",), leader_epoch=3, partitions=4)
     for create in (CreateRequest("n1"), CreateRequest("n1", 3, 2, {"a": 1}, (602, "too few")), existing):
         assert k.decode_create("key", k.encode_create(create)) == create
     shutdown = ShutdownRequest({TopicPartition("a.b", 0): "n2"}, done=True)

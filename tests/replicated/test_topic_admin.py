@@ -240,17 +240,6 @@ def test_a_mirror_of_the_cluster_stops_mirroring_a_topic_deleted_upstream(
         child.stop()
 
 
-def test_more_than_one_partition_is_refused_in_a_cluster_with_its_own_code(cluster: ClusterProcess) -> None:
-    from conveyor.errors import PartitionsUnsupported
-
-    with Admin(cluster.bootstrap) as admin:
-        with pytest.raises(PartitionsUnsupported) as refused:
-            admin.create_topic("split", partitions=4)
-        assert refused.value.code == 308 and "cluster mode" in refused.value.message
-        with pytest.raises(UnknownTopic):
-            admin.describe_topic("split")  # nothing was made
-
-
 def test_adding_partitions_is_refused_in_a_cluster_with_its_own_code(cluster: ClusterProcess) -> None:
     from conveyor.errors import PartitionsUnsupported
 

@@ -1,0 +1,283 @@
+"""A partitioned topic in a cluster: 8 partitions over three real brokers on a real etcd.
+
+Each partition is a replicated unit of its own (leader, epoch, in-sync set), and
+the controller spreads their leaders over the nodes. Producers send each
+partition's batches to its leader; a consumer group's members subscribe to each
+partition at its leader. What must hold: every partition has a leader and each
+node leads some; per-key order for 1,000 keys from four producers; a group of
+four gets every message of every partition; with etcd stopped the partitions
+keep serving; kill -9 of one node loses no confirmed message and pauses only
+the partitions it led, while the others keep confirming.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from conveyor.broker.client.admin import Admin
+from conveyor.broker.client.metadata import Metadata
+from conveyor.broker.client.producer import Producer
+from conveyor.broker.client.subscription import Subscription
+
+from conveyor.cluster_process import ClusterProcess
+from tests.helpers import wait_for
+
+PARTITIONS = 8
+LEASE_MS = 4000  # a dead leader's partitions wait this long for a new one: the window the test looks in
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ClusterProcess]:
+    nodes = ClusterProcess(tmp_path_factory.mktemp("partitioned") / "cluster", nodes=3, lease_ms=LEASE_MS).start()
+    try:
+        yield nodes
+    finally:
+        nodes.kill()
+
+
+def leaders(cluster: ClusterProcess, topic: str, *, asking: str | None = None) -> dict[int, str]:
+    """Each partition's leader, once every partition has one and three in-sync replicas."""
+
+    def known() -> dict[int, str] | None:
+        view = Metadata(asking or cluster.bootstrap).refresh([topic])
+        parts = view.topics.get(topic, {})
+        if len(parts) != PARTITIONS or any(p.leader is None or len(p.isr) < 3 for p in parts.values()):
+            return None
+        return {number: str(p.leader) for number, p in parts.items()}
+
+    return wait_for(known, timeout=60, message=f"{topic}'s {PARTITIONS} partitions to have leaders")
+
+
+def create(cluster: ClusterProcess, topic: str) -> dict[int, str]:
+    with Admin(cluster.bootstrap) as admin:
+        made = admin.create_topic(topic, partitions=PARTITIONS, replication_factor=3, min_insync_replicas=2)
+    assert made["partitions"] == PARTITIONS
+    return leaders(cluster, topic)
+
+
+def stored(cluster: ClusterProcess, topic: str) -> dict[int, list[tuple[str, bytes]]]:
+    """Every partition's (key, value) pairs in log order, each read from its leader."""
+    out: dict[int, list[tuple[str, bytes]]] = {}
+    with Admin(cluster.bootstrap) as admin:
+        for partition in range(PARTITIONS):
+            rows: list[tuple[str, bytes]] = []
+            while True:
+                got = admin.fetch(topic, len(rows), 10_000, partition=partition)
+                if not got:
+                    break
+                rows += [(str(m.key), bytes(m.value)) for m in got]
+            out[partition] = rows
+    return out
+
+
+OPEN: list[Members] = []
+
+
+@pytest.fixture(autouse=True)
+def no_member_outlives_its_test() -> Iterator[None]:
+    yield
+    while OPEN:
+        OPEN.pop().close()  # also after a failed assert: the next test's group starts alone
+
+
+class Members:
+    """``count`` members of one group, each a Subscription on a thread: every (partition, offset, value) got."""
+
+    def __init__(self, cluster: ClusterProcess, topic: str, count: int = 4) -> None:
+        self.got: list[Counter[tuple[int, int, bytes]]] = [Counter() for _ in range(count)]
+        self.stop = threading.Event()
+        self.threads = [
+            threading.Thread(target=self._run, args=(cluster.bootstrap, topic, i), daemon=True) for i in range(count)
+        ]
+        for thread in self.threads:
+            thread.start()
+        OPEN.append(self)
+
+    def _run(self, bootstrap: str, topic: str, index: int) -> None:
+        with Subscription(topic, "audit", address=bootstrap, credit=200, ack_timeout_ms=10_000) as subscription:
+            deadline = time.monotonic() + 240
+            while not self.stop.is_set() and time.monotonic() < deadline:
+                messages = subscription.receive(timeout=0.5)
+                self.got[index].update((m.partition, m.offset, bytes(m.value)) for m in messages)
+                subscription.ack(messages)
+
+    def values(self) -> set[bytes]:
+        return {value for got in self.got for (_p, _o, value) in got}
+
+    def close(self) -> None:
+        self.stop.set()
+        for thread in self.threads:
+            thread.join(30)
+
+
+def send_keyed(cluster: ClusterProcess, topic: str, producer_index: int, keys: int, rounds: int) -> list[bytes]:
+    """``rounds`` values for each of this producer's ``keys`` keys, in order; the values confirmed."""
+    confirmed = []
+    with Producer(cluster.bootstrap, delivery_timeout_ms=120_000) as producer:
+        futures = []
+        for r in range(rounds):
+            for k in range(keys):
+                key = f"p{producer_index}-k{k}"
+                futures.append(producer.send(topic, f"{key}:{r}".encode(), key=key))
+        producer.flush(120)
+        for future in futures:
+            future.result(120)
+        confirmed = [f"p{producer_index}-k{k}:{r}".encode() for r in range(rounds) for k in range(keys)]
+    return confirmed
+
+
+def check_key_order(partitions: dict[int, list[tuple[str, bytes]]]) -> int:
+    """Each key's values are in one partition, in the order they were sent, none missing; the key count."""
+    seen: dict[str, int] = {}
+    home: dict[str, int] = {}
+    for partition, rows in partitions.items():
+        for key, value in rows:
+            assert home.setdefault(key, partition) == partition, f"{key} in partitions {home[key]} and {partition}"
+            number = int(value.decode().rsplit(":", 1)[1])
+            assert number == seen.get(key, -1) + 1, f"{key}: {number} after {seen.get(key)}"
+            seen[key] = number
+    return len(seen)
+
+
+def test_leaders_spread_key_order_and_a_group_of_four_over_8_partitions(cluster: ClusterProcess) -> None:
+    led = create(cluster, "orders")
+    per_node = Counter(led.values())
+    assert set(per_node) == set(cluster.node_ids) and max(per_node.values()) - min(per_node.values()) <= 1, led
+
+    members = Members(cluster, "orders")
+    results: list[list[bytes]] = [[] for _ in range(4)]
+
+    def produce(index: int) -> None:
+        results[index] = send_keyed(cluster, "orders", index, keys=250, rounds=5)
+
+    threads = [threading.Thread(target=produce, args=(i,)) for i in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(180)
+    confirmed = {value for values in results for value in values}
+    assert len(confirmed) == 4 * 250 * 5
+
+    partitions = stored(cluster, "orders")
+    assert all(partitions.values()), "a partition got nothing"
+    assert check_key_order(partitions) == 1000
+    wait_for(lambda: confirmed <= members.values(), timeout=60, message="the group to get every message")
+    members.close()
+    assert all(members.got), "a member of four got nothing"
+    with Admin(cluster.bootstrap) as admin:
+        described = admin.describe_topic("orders")
+        assert [row["partition"] for row in described["partitions"]] == list(range(PARTITIONS))
+        assert described["end_offset"] == len(confirmed)
+        group = admin.describe_group("orders", "audit")
+        assert len(group["partitions"]) == PARTITIONS
+    for partition, leader in led.items():  # each partition's own series name it by topic and partition
+        labels = f'partition="{partition}",topic="orders"'
+        assert [cluster.node(n).metric("conveyor_partition_leader", labels) for n in cluster.node_ids] == [
+            float(n == leader) for n in cluster.node_ids
+        ]
+    with Admin(cluster.address(led[3])) as admin:
+        rows = admin.describe_partitions("orders")["partitions"]
+    assert {(row["topic"], row["partition"]) for row in rows if row["role"] == "leader"} == {
+        ("orders", p) for p, node in led.items() if node == led[3]
+    }
+
+
+def test_with_etcd_stopped_every_partition_keeps_serving(cluster: ClusterProcess) -> None:
+    led = create(cluster, "offline-etcd")
+    members = Members(cluster, "offline-etcd", count=2)
+    cluster.etcd.stop()
+    try:
+        values = send_keyed(cluster, "offline-etcd", 0, keys=100, rounds=3)
+        wait_for(lambda: set(values) <= members.values(), timeout=60, message="the group to get it with etcd down")
+        partitions = stored(cluster, "offline-etcd")
+        assert all(partitions.values()) and check_key_order(partitions) == 100
+    finally:
+        cluster.etcd.start()
+    members.close()
+    wait_for(lambda: set(cluster.node_ids) <= cluster.registered(), timeout=60, message="every node registered again")
+    assert leaders(cluster, "offline-etcd") == led  # nothing moved
+
+
+def test_kill_9_of_one_leader_pauses_only_its_partitions_and_loses_nothing(cluster: ClusterProcess) -> None:
+    led = create(cluster, "payments")
+    victim = led[0]
+    theirs = sorted(p for p, node in led.items() if node == victim)
+    others = sorted(p for p, node in led.items() if node != victim)
+    survivors = [node for node in cluster.node_ids if node != victim]
+    members = Members(cluster, "payments")
+    confirmed: set[bytes] = set()
+    with Producer(cluster.bootstrap, delivery_timeout_ms=120_000, request_timeout_ms=1000) as producer:
+        for p in range(PARTITIONS):
+            producer.send("payments", f"before-{p}".encode(), partition=p).result(60)
+            confirmed.add(f"before-{p}".encode())
+
+        cluster.node(victim).kill()
+        paused = [producer.send("payments", f"paused-{p}".encode(), partition=p) for p in theirs]
+        served = [producer.send("payments", f"served-{p}".encode(), partition=p) for p in others]
+        for future in served:
+            future.result(60)  # the other nodes' partitions confirm, as a rule while the victim's lease lasts
+        still = Metadata(",".join(cluster.address(n) for n in survivors)).refresh(["payments"]).topics["payments"]
+        moved = [p for p in theirs if still[p].leader != victim]
+        if not moved:  # the victim's partitions had no leader meanwhile: they, and only they, paused
+            assert not any(future.done() for future in paused)
+        for future in paused:
+            future.result(120)  # then a follower leads them, and what was sent there is confirmed
+        confirmed |= {f"{kind}-{p}".encode() for kind, ps in (("paused", theirs), ("served", others)) for p in ps}
+
+    after = leaders_without(cluster, "payments", victim, survivors)
+    assert all(after[p] != victim for p in theirs)
+    assert all(after[p] == led[p] for p in others), "a partition the victim did not lead changed leader"
+    cluster.node(victim).restart(kill=True)
+    wait_for(lambda: confirmed <= members.values(), timeout=120, message="the group to get every confirmed message")
+    members.close()
+    values = {value for rows in stored(cluster, "payments").values() for _key, value in rows}
+    assert confirmed <= values
+
+
+def leaders_without(cluster: ClusterProcess, topic: str, gone: str, asking: list[str]) -> dict[int, str]:
+    def known() -> dict[int, str] | None:
+        parts = Metadata(",".join(cluster.address(n) for n in asking)).refresh([topic]).topics.get(topic, {})
+        if len(parts) != PARTITIONS or any(p.leader in (None, gone) for p in parts.values()):
+            return None
+        return {number: str(p.leader) for number, p in parts.items()}
+
+    return wait_for(known, timeout=60, message=f"{topic}'s partitions to have leaders other than {gone}")
+
+
+def settings_of(cluster: ClusterProcess, topic: str) -> list[object]:
+    """``retention_ms`` in the topic.json of every partition log on every node."""
+    found = []
+    for node in cluster.node_ids:
+        for path in (cluster.node(node).data_dir / "topics").glob(f"{topic}*/topic.json"):
+            if not path.parent.name.startswith(f"{topic}.dlq"):
+                found.append(json.loads(path.read_text()).get("retention_ms"))
+    return found
+
+
+def test_alter_reaches_and_delete_drops_every_partition_on_every_node(cluster: ClusterProcess) -> None:
+    create(cluster, "scratch")
+    send_keyed(cluster, "scratch", 0, keys=20, rounds=1)
+    with Admin(cluster.bootstrap) as admin:
+        admin.alter_topic("scratch", retention_ms=3_600_000)
+        wait_for(
+            lambda: settings_of(cluster, "scratch") == [3_600_000] * (3 * PARTITIONS),
+            timeout=60,
+            message="every replica of every partition to have the new setting",
+        )
+        admin.delete_topic("scratch")
+
+    def dirs_left() -> list[Path]:
+        return [
+            path
+            for node in cluster.node_ids
+            for path in (cluster.node(node).data_dir / "topics").glob("scratch*")
+            if not path.name.startswith("scratch.dlq")
+        ]
+
+    wait_for(lambda: not dirs_left(), timeout=60, message="every node to drop every partition of the topic")

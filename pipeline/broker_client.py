@@ -212,7 +212,12 @@ def topic_bounds(conn: Connection, topic: str) -> TopicBounds:
 def partition_count(conn: Connection, topic: str) -> int:
     """How many partitions ``topic`` has (1 for a topic that does not exist yet: its first PUBLISH makes one)."""
     info = describe_topic(conn, topic)
-    return len(info.get("partitions") or [0]) if info is not None else 1
+    return _count(info) if info is not None else 1
+
+
+def _count(info: dict[str, Any]) -> int:
+    """The topic's partition count: in a cluster the answering node lists only the partitions it leads."""
+    return int(info.get("partition_count") or len(info.get("partitions") or [0]))
 
 
 def partition_bounds(conn: Connection, topic: str) -> list[TopicBounds]:
@@ -227,12 +232,13 @@ def partition_bounds(conn: Connection, topic: str) -> list[TopicBounds]:
     info = describe_topic(conn, topic)
     if info is None:
         return [TopicBounds(0, 0)]
-    rows = info.get("partitions") or []
-    if len(rows) <= 1:
+    count = _count(info)
+    if count <= 1:
         end = int(info.get("visible_offset", info.get("durable_offset", info["end_offset"])))
         return [TopicBounds(int(info.get("start_offset", 0)), end)]
-    try:
-        return [_partition_end(conn, topic, number, int(row.get("end_offset", 0))) for number, row in enumerate(rows)]
+    ends = {row["partition"]: int(row.get("end_offset", 0)) for row in info.get("partitions") or []}
+    try:  # a partition led elsewhere is asked at 0: an answer out of range says where it is
+        return [_partition_end(conn, topic, number, ends.get(number, 0)) for number in range(count)]
     finally:
         conn.use_partition(0)
 

@@ -80,6 +80,7 @@ def describe_topic(host: AdminHost, name: str) -> dict[str, Any]:
     ]
     return {
         "name": name,
+        "partition_count": host.partition_count(name),  # in a cluster ``partitions`` has the ones led here
         "partitions": partitions,
         "start_offset": log.start_offset,
         "end_offset": sum(p["end_offset"] for p in partitions),

@@ -225,3 +225,21 @@ def test_sink_routes_keys_to_the_partitions_of_the_topic(spark, conveyor_broker)
             assert r.partition == zlib.crc32(r.key.encode()) % 8
     keyless = {r.partition for r in back if r.key is None}
     assert len(keyless) > 1  # keyless rows spread a batch at a time
+
+
+def test_batch_read_of_an_8_partition_topic_over_a_3_node_cluster(spark, tmp_path):
+    """Each partition is read from its own leader: the leaders are spread over three real brokers."""
+    from conveyor.broker.client.metadata import Metadata
+
+    from conveyor.cluster_process import ClusterProcess
+
+    with ClusterProcess(tmp_path / "cluster", nodes=3) as cluster:
+        with Admin(cluster.bootstrap) as admin:
+            admin.create_topic("spread8", partitions=8, replication_factor=2)
+        published = publish_to_partitions(cluster.bootstrap, "spread8", 4000)
+        leaders = {p.leader for p in Metadata(cluster.bootstrap).refresh(["spread8"]).topics["spread8"].values()}
+        assert leaders == set(cluster.node_ids)
+        table = read(spark, cluster.bootstrap, "spread8", partitionSize=500).select("partition", "offset", "value")
+        rows = table.toArrow()
+        got = list(zip(*(rows.column(c).to_pylist() for c in ("partition", "offset", "value")), strict=True))
+        assert len(got) == 4000 and {(p, o): v for p, o, v in got} == published

@@ -209,10 +209,13 @@ def topic_bounds(conn: Connection, topic: str) -> TopicBounds:
     return TopicBounds(int(info.get("start_offset", 0)), end)
 
 
+PAST_ANY_END = 1 << 62  # a FETCH at or past a log's durable end reads nothing; its header says where the log is
+
+
 def partition_count(conn: Connection, topic: str) -> int:
     """How many partitions ``topic`` has (1 for a topic that does not exist yet: its first PUBLISH makes one)."""
     info = describe_topic(conn, topic)
-    return _count(info) if info is not None else 1
+    return 1 if info is None else _count(info)
 
 
 def _count(info: dict[str, Any]) -> int:
@@ -224,8 +227,9 @@ def partition_bounds(conn: Connection, topic: str) -> list[TopicBounds]:
     """What a reader may read of each partition of ``topic``, by partition number (an unknown topic: one, empty).
 
     A topic of one partition is described as before. For several, the count
-    and each partition's place come from ``describe_topic``, and each durable
-    end from a FETCH at that end, sent to the partition's own leader: its
+    is ``describe_topic``'s ``partition_count`` (in a cluster the node
+    answering lists only the partitions it leads), and each durable end
+    comes from a FETCH at that end, sent to the partition's own leader: its
     answer says how far that partition may be read (the broker's
     ``visible_offset``) wherever the partition lives.
     """
@@ -236,9 +240,9 @@ def partition_bounds(conn: Connection, topic: str) -> list[TopicBounds]:
     if count <= 1:
         end = int(info.get("visible_offset", info.get("durable_offset", info["end_offset"])))
         return [TopicBounds(int(info.get("start_offset", 0)), end)]
-    ends = {row["partition"]: int(row.get("end_offset", 0)) for row in info.get("partitions") or []}
-    try:  # a partition led elsewhere is asked at 0: an answer out of range says where it is
-        return [_partition_end(conn, topic, number, ends.get(number, 0)) for number in range(count)]
+    ends = {int(row["partition"]): int(row["end_offset"]) for row in info.get("partitions") or []}
+    try:  # a partition led elsewhere is not described here: asked past any end, its answer says where it is
+        return [_partition_end(conn, topic, k, ends.get(k, PAST_ANY_END)) for k in range(count)]
     finally:
         conn.use_partition(0)
 

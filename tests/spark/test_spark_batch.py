@@ -228,7 +228,7 @@ def test_sink_routes_keys_to_the_partitions_of_the_topic(spark, conveyor_broker)
 
 
 def test_batch_read_of_an_8_partition_topic_over_a_3_node_cluster(spark, tmp_path):
-    """Each partition is read from its own leader: the leaders are spread over three real brokers."""
+    """Each partition is read from, and written to, its own leader: the leaders are spread over three brokers."""
     from conveyor.broker.client.metadata import Metadata
 
     from conveyor.cluster_process import ClusterProcess
@@ -236,6 +236,7 @@ def test_batch_read_of_an_8_partition_topic_over_a_3_node_cluster(spark, tmp_pat
     with ClusterProcess(tmp_path / "cluster", nodes=3) as cluster:
         with Admin(cluster.bootstrap) as admin:
             admin.create_topic("spread8", partitions=8, replication_factor=2)
+            admin.create_topic("spread8-copy", partitions=8, replication_factor=2)
         published = publish_to_partitions(cluster.bootstrap, "spread8", 4000)
         leaders = {p.leader for p in Metadata(cluster.bootstrap).refresh(["spread8"]).topics["spread8"].values()}
         assert leaders == set(cluster.node_ids)
@@ -243,3 +244,12 @@ def test_batch_read_of_an_8_partition_topic_over_a_3_node_cluster(spark, tmp_pat
         rows = table.toArrow()
         got = list(zip(*(rows.column(c).to_pylist() for c in ("partition", "offset", "value")), strict=True))
         assert len(got) == 4000 and {(p, o): v for p, o, v in got} == published
+
+        # The sink publishes each partition's rows to its leader, keys where every producer sends them.
+        copy = read(spark, cluster.bootstrap, "spread8").select("key", "value")
+        copy.write.format("conveyor").option("broker", cluster.bootstrap).option("topic", "spread8-copy").mode(
+            "append"
+        ).save()
+        back = read(spark, cluster.bootstrap, "spread8-copy").select("partition", "key", "value").collect()
+        assert sorted(bytes(r.value) for r in back) == sorted(published.values())
+        assert all(r.partition == zlib.crc32(r.key.encode()) % 8 for r in back if r.key is not None)

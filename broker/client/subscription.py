@@ -376,7 +376,7 @@ class Subscription:
             for child in self.children.values():
                 child.credit, child.batch_size = credit, batch_size
                 child._send(commands.credit(1, credit, batch_size=batch_size))
-            self._children(partitions, credit, batch_size)
+            self._children(partitions, credit, batch_size, added=first > 1)
             return
         for partition in range(first):
             self._send(commands.credit(partition + 1, credit, batch_size=batch_size))
@@ -393,7 +393,10 @@ class Subscription:
                 )
             )
 
-    def _children(self, partitions: int, credit: int, batch_size: int) -> None:
+    def _children(self, partitions: int, credit: int, batch_size: int, *, added: bool = False) -> None:
+        """A subscription per partition past 0 (``added``: partitions added to the topic since this one
+        subscribed, read from their earliest offset, as a single broker starts a group on them)."""
+        settings = {**self._settings(), **({"start": "earliest"} if added else {})}
         for partition in range(1, partitions):
             if partition in self.children:
                 continue
@@ -409,7 +412,7 @@ class Subscription:
                 on_dead_letter=self.on_dead_letter,
                 _partition=partition,
                 _metadata=self.metadata,
-                **self._settings(),
+                **settings,
             )
 
     def _settings(self) -> dict[str, Any]:

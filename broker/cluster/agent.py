@@ -211,14 +211,15 @@ class ClusterAgent:
         """
         return self._request("delete", topic=topic)
 
-    def alter_topic(self, topic: str, settings: Mapping[str, object]) -> int:
+    def alter_topic(self, topic: str, settings: Mapping[str, object], *, partitions: int = 1) -> int:
         """Merge ``settings`` into ``topic``'s config record (a CAS, retried on a conflict); answered by
         ``TopicAltered``. Every node applies the record from its ``TopicChanged``, now or when it starts.
+        ``partitions`` above the record's count raises it (partitions added: the controller makes them).
 
         Not a controller request: nothing is decided but the record itself, and the CAS on its
         ``mod_revision`` orders it against every other write of the config (create, reassignment, delete).
         """
-        return self._request("alter", topic=topic, settings=dict(settings))
+        return self._request("alter", topic=topic, settings=dict(settings), partitions=partitions)
 
     def propose_isr(
         self, tp: TopicPartition, isr: tuple[str, ...], leader_epoch: int, expected_mod_revision: int | None = None
@@ -622,7 +623,7 @@ class ClusterAgent:
                     TopicAltered(request.request_id, topic, None, UnknownTopic(f"no topic {topic}", topic=topic))
                 )
                 return
-            wanted = d.altered_config(config, request.settings)
+            wanted = d.altered_config(config, request.settings, partitions=request.partitions)
             result = self.etcd.cas(key, k.encode_topic_config(wanted), mod)
             if result.succeeded:
                 self._emit(TopicAltered(request.request_id, topic, wanted))

@@ -70,10 +70,12 @@ def replication_for(requested_rf: int | None, requested_min_insync: int | None, 
     return rf, min_insync
 
 
-def altered_config(config: TopicConfigRecord, settings: Mapping[str, Any]) -> TopicConfigRecord:
+def altered_config(config: TopicConfigRecord, settings: Mapping[str, Any], *, partitions: int = 1) -> TopicConfigRecord:
     """A topic's record after ``topics alter``: each setting given replaces its value, the others stay
-    (as a single node's ``alter_topic`` does); replication factor and in-sync minimum are not settings."""
-    return replace(config, settings={**config.settings, **settings})
+    (as a single node's ``alter_topic`` does); replication factor and in-sync minimum are not settings.
+    ``partitions`` above the record's count is partitions added (``add_partitions``)."""
+    grown = max(config.partitions, partitions)  # partitions are only added: a count never goes down here
+    return replace(config, settings={**config.settings, **settings}, partitions=grown)
 
 
 def leader_load(partitions: Iterable[PartitionState], nodes: Iterable[str]) -> dict[str, int]:
@@ -130,18 +132,25 @@ def place_partitions(
     live: Collection[str],
     rf: int,
 ) -> dict[int, tuple[str, ...]]:
-    """The replicas of each new partition ``numbers`` of ``topic``, leaders spread over the live nodes.
+    """The replicas of each new partition ``numbers`` of ``topic``, its leaders spread over the live nodes.
 
-    Each partition's leader is the node leading the fewest partitions so far, counting the
-    ones placed before it, so a topic's partitions take turns over the nodes (8 partitions on
-    3 idle nodes: 3, 3 and 2 leaders). A dead-letter topic's partition k goes where its source's
-    partition k is (``colocate``).
+    Each partition's leader is the node leading the fewest of this topic's partitions so far
+    (those it had and those placed before it), then the fewest partitions of any topic: a
+    topic's partitions take turns over the nodes (8 on 3 nodes: 3, 3 and 2 leaders) even when
+    one node leads less of the other topics (one just restarted leads nothing), so a topic
+    always gets every node's core. Its followers are the next nodes in id order. A dead-letter
+    topic's partition k goes where its source's partition k is (``colocate``).
     """
     load = leader_load(partitions.values(), live)
+    mine = leader_load([state for tp, state in partitions.items() if tp.topic == topic], live)
     placed: dict[int, tuple[str, ...]] = {}
     for number in numbers:
-        assignment = colocate(topic, partitions, live, rf, number) or place(live, load, rf)
-        load[assignment[0]] = load.get(assignment[0], 0) + 1
+        assignment = colocate(topic, partitions, live, rf, number)
+        if assignment is None:
+            leader = min(sorted(live), key=lambda node: (mine[node], load[node]))
+            assignment = place(live, {node: int(node != leader) for node in live}, rf)
+        for counts in (load, mine):
+            counts[assignment[0]] = counts.get(assignment[0], 0) + 1
         placed[number] = assignment
     return placed
 

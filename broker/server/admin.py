@@ -231,8 +231,8 @@ def add_partitions(host: AdminHost, name: str, partitions: int) -> dict[str, Any
     """Grow ``name`` to ``partitions`` (the new total; only up); its description after (docs/partitions.md).
 
     The dead-letter topics of its groups that exist grow with it first, so partition k's dead
-    letters keep going to partition k. Refused in a cluster for now (``PARTITIONS_UNSUPPORTED``)
-    and on a child broker's mirrored topic (the mirror follows its parent's count).
+    letters keep going to partition k. Refused on a child broker's mirrored topic (the mirror
+    follows its parent's count); a cluster node takes the op itself (``ClusterNode.add_partitions``).
     """
     if host.partitions is not None:
         raise PartitionsUnsupported(

@@ -56,13 +56,14 @@ from conveyor.broker.server.admin import AdminHost
 from conveyor.broker.server.cluster_roles import ClusterRoles
 from conveyor.broker.server.group_log import group_log_name, is_group_log
 from conveyor.broker.server.metadata import ClusterMetadata, PartitionMetadata
+from conveyor.broker.server.partition_logs import check_growth
 from conveyor.broker.server.partitions import Partitions, check_client_topic
 from conveyor.broker.wire.partitioning import unknown_partition
 
 from conveyor.errors import ConfigError, ConveyorError, TopicExists, UnknownTopic
 from conveyor.names import partition_log, split_log
 
-CLUSTER_ADMIN = frozenset({"create_topic", "reassign_topic", "delete_topic", "alter_topic"})
+CLUSTER_ADMIN = frozenset({"create_topic", "reassign_topic", "delete_topic", "alter_topic", "add_partitions"})
 TOPIC_ID = "cluster_topic_id"  # in a replica's topic.json ``extra``: which topic of that name it holds
 
 log = logging.getLogger("conveyor.cluster")
@@ -76,6 +77,8 @@ class ClusterHost(AdminHost, Protocol):
     def security(self) -> ServerSecurity | None: ...  # CURVE on the broker's socket, if any
 
     def stop_wake(self) -> None: ...
+
+    def announce(self, topic: str, event: str, offset: int, *, partitions: int | None = None) -> None: ...
 
 
 def cluster_settings(settings: BrokerSettings, version: str = "", curve_public: str = "") -> ClusterSettings:
@@ -270,11 +273,23 @@ class ClusterNode:
             if self.configs.pop(event.topic, None) is not None or event.topic in self.host.store.logs:
                 self.drop_topic(event.topic)
         else:
-            self.configs[event.topic] = event.config
+            self._set_config(event.topic, event.config)
             if self._stale(event.topic, event.config.topic_id):
                 log.warning("topic %s: the copy here is of an earlier topic of that name: dropping it", event.topic)
                 self.drop_topic(event.topic)  # the partition record makes it again, empty, if this node holds it
             self._apply_settings(event.topic, event.config)
+
+    def _set_config(self, topic: str, config: TopicConfigRecord) -> None:
+        before = self.configs.get(topic)
+        self.configs[topic] = config
+        if before is not None and config.partitions > before.partitions:
+            self._grown(topic, config.partitions)
+
+    def _grown(self, topic: str, partitions: int) -> None:
+        """Partitions were added: partition 0's leader tells its subscribers, who subscribe to the new ones
+        at their leaders (a group starts a partition added later at its earliest offset)."""
+        if self.partitions.leader_of(topic) is not None:
+            self.host.announce(topic, "PARTITIONS", 0, partitions=partitions)
 
     def _stale(self, topic: str, topic_id: str) -> bool:
         """This node's copy of ``topic`` belongs to another topic of that name (deleted while it was away)."""
@@ -349,7 +364,7 @@ class ClusterNode:
     def _on_altered(self, event: TopicAltered) -> None:
         answer = self._answers.pop(event.request_id, None)
         if event.config is not None:  # applied now, so the answer shows it (the watch brings it again)
-            self.configs[event.topic] = event.config
+            self._set_config(event.topic, event.config)
             self._apply_settings(event.topic, event.config)
         if answer is None:
             return
@@ -488,6 +503,7 @@ class ClusterNode:
             "reassign_topic": self.reassign,
             "delete_topic": self.delete,
             "alter_topic": self.alter,
+            "add_partitions": self.add_partitions,
         }
         ops[op](header, answer)
 
@@ -540,6 +556,28 @@ class ClusterNode:
         altered(topic, current, changes)  # the same checks and errors as a single node's alter
         request = self.agent.alter_topic(topic, dict(changes))
         self._answers[request] = answer
+
+    def add_partitions(self, header: Mapping[str, Any], answer: Callable[[Any], None]) -> None:
+        """``topics alter --partitions N``: the new total goes into the topic's config record (a CAS); the
+        controller then places and writes the new partitions' records, as for a create.
+
+        Its dead-letter topic, when the cluster has one, grows with it first, so partition k's
+        dead letters keep going to partition k. Partition 0's leader tells its subscribers
+        (EVENT ``PARTITIONS``) when its watch shows the new count.
+        """
+        topic = _topic_of(header)
+        record = self.configs.get(topic)
+        if record is None:
+            raise UnknownTopic(f"no topic {topic}", topic=topic)
+        asked = header.get("partitions")
+        wanted = asked if isinstance(asked, int) and not isinstance(asked, bool) else 0
+        check_growth(topic, record.partitions, wanted)
+        dead = self.configs.get(topic + DEAD_LETTER_SUFFIX)
+        if dead is not None and dead.partitions < wanted:
+            self._answers[self.agent.alter_topic(topic + DEAD_LETTER_SUFFIX, {}, partitions=wanted)] = partial(
+                _log_refusal, topic + DEAD_LETTER_SUFFIX
+            )
+        self._answers[self.agent.alter_topic(topic, {}, partitions=wanted)] = answer
 
     def reassign(self, header: Mapping[str, Any], answer: Callable[[Any], None]) -> None:
         """``topics reassign``: store the move for the controller; answered once etcd holds it.

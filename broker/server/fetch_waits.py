@@ -53,6 +53,7 @@ class FetchWait:
     offset: int  # answered once this offset is durable (or at the deadline)
     done: bool = False  # answered before its deadline (its heap entry is skipped)
     replica: bool = False  # a follower's: answered once this offset is appended
+    log: str = ""  # the log it waits on (partition k of T is the log T#k; the frame names T and p)
 
 
 class FetchWaits:
@@ -97,7 +98,7 @@ class FetchWaits:
         offset = hfield(frame, "offset", int, log_.start_offset)
         wait_ms = max(0, min(hfield(frame, "wait_ms", int, 0), self._max_wait_ms))
         if offset >= _limit(log_, replica) and wait_ms > 0:
-            wait = FetchWait(peer, frame, self._clock() + wait_ms / 1000, offset, replica=replica)
+            wait = FetchWait(peer, frame, self._clock() + wait_ms / 1000, offset, replica=replica, log=topic)
             self.by_topic[topic].append(wait)
             heapq.heappush(self._deadlines, (wait.deadline, next(self._seq), wait))
             return
@@ -133,7 +134,7 @@ class FetchWaits:
             _when, _seq, wait = heapq.heappop(self._deadlines)
             if wait.done:
                 continue
-            topic = wait.frame.get("topic")
+            topic = wait.log  # not the frame's topic: for partition k > 0 that names partition 0's log
             waits = self.by_topic.get(topic)
             if waits is not None:
                 waits.remove(wait)

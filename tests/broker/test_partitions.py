@@ -539,3 +539,19 @@ def test_altering_a_partitioned_topic_changes_every_partition(conveyor_broker):
     for log in ("al", "al#1", "al#2"):
         stored = json.loads((Path(conveyor_broker.data_dir) / "topics" / log / "topic.json").read_text())
         assert stored["retention_ms"] == 60_000, log
+
+
+def test_a_long_poll_fetch_of_a_partition_that_times_out_answers_from_that_partition(conveyor_broker):
+    """A parked FETCH of partition k is answered at its deadline from partition k, never from partition 0
+    (and with another FETCH parked on partition 0, the expiry still finds its own)."""
+    address = conveyor_broker.address
+    with Admin(address) as admin:
+        admin.create_topic("polled", partitions=2)
+        with Producer(address) as producer:
+            producer.send("polled", "in-zero", partition=0).result(10)
+        waiter = threading.Thread(target=lambda: Admin(address).fetch("polled", 1, 10, wait_ms=400))
+        waiter.start()  # parked on partition 0, past its end
+        assert admin.fetch("polled", 0, 10, wait_ms=200, partition=1) == []
+        waiter.join(10)
+        assert conveyor_broker.metric("conveyor_internal_errors_total") == 0
+        assert [m.value for m in admin.fetch("polled", 0, 10)] == ["in-zero"]

@@ -322,6 +322,14 @@ def test_a_partitioned_topic_s_leaders_take_turns_over_the_nodes() -> None:
     counts = {node: leaders.count(node) + (node == "n1") for node in ("n1", "n2", "n3")}
     assert max(counts.values()) - min(counts.values()) <= 1
     assert all(len(set(assignment)) == 2 for assignment in placed.values())
+    # A node that leads far less of the other topics (restarted) still gets only its share of this one
+    crowded = {
+        TopicPartition(f"t{i}", 0): PartitionState(("n1", "n2", "n3"), f"n{1 + i % 2}", 1, ("n1", "n2", "n3"), False)
+        for i in range(10)
+    }
+    placed = d.place_partitions("orders", range(6), crowded, {"n1", "n2", "n3"}, 3)
+    assert sorted(placed[p][0] for p in range(6)) == ["n1", "n1", "n2", "n2", "n3", "n3"]
+    assert placed[0][0] == "n3"  # the ties go to the least loaded first
 
 
 def test_each_dead_letter_partition_goes_with_its_source_partition() -> None:

@@ -26,6 +26,7 @@ from conveyor.broker.client.producer import Producer
 from conveyor.broker.client.subscription import Subscription
 
 from conveyor.cluster_process import ClusterProcess
+from conveyor.errors import InvalidRequest
 from tests.helpers import wait_for
 
 PARTITIONS = 8
@@ -281,3 +282,23 @@ def test_alter_reaches_and_delete_drops_every_partition_on_every_node(cluster: C
         ]
 
     wait_for(lambda: not dirs_left(), timeout=60, message="every node to drop every partition of the topic")
+
+
+def test_partitions_added_in_a_cluster_get_leaders_and_the_group_reads_them(cluster: ClusterProcess) -> None:
+    with Admin(cluster.bootstrap) as admin:
+        admin.create_topic("growing", partitions=2, replication_factor=3, min_insync_replicas=2)
+    members = Members(cluster, "growing", count=2)
+    first = send_keyed(cluster, "growing", 0, keys=50, rounds=1)
+    wait_for(lambda: set(first) <= members.values(), timeout=60, message="the group to read the first two partitions")
+    with Admin(cluster.bootstrap) as admin:
+        admin.add_partitions("growing", PARTITIONS)
+        with pytest.raises(InvalidRequest):
+            admin.add_partitions("growing", 4)  # partitions are only added
+    led = leaders(cluster, "growing")
+    assert len(set(led.values())) == 3  # the new partitions' leaders are spread too
+    later = send_keyed(cluster, "growing", 1, keys=200, rounds=1)
+    partitions = stored(cluster, "growing")
+    assert all(partitions[k] for k in range(2, PARTITIONS)), "keys sent after the growth reach the new partitions"
+    wait_for(lambda: set(later) <= members.values(), timeout=60, message="the group to read the added partitions")
+    with Admin(cluster.bootstrap) as admin:
+        assert admin.describe_topic("growing")["partition_count"] == PARTITIONS

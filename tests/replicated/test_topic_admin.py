@@ -240,17 +240,6 @@ def test_a_mirror_of_the_cluster_stops_mirroring_a_topic_deleted_upstream(
         child.stop()
 
 
-def test_adding_partitions_is_refused_in_a_cluster_with_its_own_code(cluster: ClusterProcess) -> None:
-    from conveyor.errors import PartitionsUnsupported
-
-    with Admin(cluster.bootstrap) as admin:
-        admin.create_topic("one-part")
-        with pytest.raises(PartitionsUnsupported) as refused:
-            admin.add_partitions("one-part", 4)
-        assert refused.value.code == 308 and "cluster mode" in refused.value.message
-        assert len(admin.describe_topic("one-part")["partitions"]) == 1
-
-
 def test_groups_list_with_the_bootstrap_list_shows_the_groups_of_topics_every_node_leads(
     cluster: ClusterProcess,
 ) -> None:

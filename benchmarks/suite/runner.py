@@ -263,6 +263,7 @@ def run_one(
         procs_cpu = {k: tree_cpu_seconds(v) - procs_cpu0[k] for k, v in server_procs.items()}
         stored = _stored(server, endpoint)
         background = server.background(endpoint)
+        details = _details(server, endpoint)
         sampler_stop.set()
         sampler.join(2)
         leaders.finish()
@@ -303,6 +304,8 @@ def run_one(
     result["other_cpu"] = round(max(0.0, busy - own - clients_cpu - server_cpu), 3)
     add_process_cpu(result, procs_cpu)
     add_stored_cpu(result, procs_cpu, stored, background)
+    if details:
+        result["server_details"] = details
     result.update(leaders.result())
     return result
 
@@ -312,6 +315,14 @@ def _stored(server: Server, endpoint: dict[str, Any]) -> dict[str, int] | None:
         return server.stored(endpoint)
     except Exception as exc:  # a metrics scrape that failed: no per-stored figures, the run still counts
         sys.stderr.write(f"\ncould not read what each server stored: {exc}\n")
+        return None
+
+
+def _details(server: Server, endpoint: dict[str, Any]) -> dict[str, dict[str, float]] | None:
+    try:
+        return server.details(endpoint)
+    except Exception as exc:  # a diagnostic only: the run still counts
+        sys.stderr.write(f"\ncould not read the servers' own counters: {exc}\n")
         return None
 
 

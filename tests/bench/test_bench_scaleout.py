@@ -24,13 +24,12 @@ from conveyor.benchmarks.suite.scaleout import markdown, projection, scale_out
 from conveyor.benchmarks.suite.scenario import Scenario, load_config
 from conveyor.benchmarks.suite.summary import check_targets, markdown_table
 from conveyor.benchmarks.suite.systems import system
-from conveyor.benchmarks.suite.systems.conveyor import stored_per_broker
+from conveyor.benchmarks.suite.systems.conveyor import broker_counters, stored_per_broker
 
 ROOT = Path(__file__).resolve().parents[2]
 SCENARIO = "scaleout-1p-2c-100B-batch"
-# The partition counts the smoke test runs on real clusters: 1 until a cluster accepts topics of several
-# partitions (today it refuses them with PARTITIONS_UNSUPPORTED), then 1 and 2.
-SMOKE_VARIANTS = ("conveyor:p1",)
+# The partition counts the smoke test runs on real clusters (4 brokers would take longer to start).
+SMOKE_VARIANTS = ("conveyor:p1", "conveyor:p2")
 
 
 def test_the_config_runs_1_2_and_4_partitions_one_broker_each_with_the_targets() -> None:
@@ -41,6 +40,7 @@ def test_the_config_runs_1_2_and_4_partitions_one_broker_each_with_the_targets()
         "conveyor:p2": (2, 2, 1),
         "conveyor:p4": (4, 4, 1),
     }
+    assert all(s["credit_per_partition"] for s in variants.values())  # each broker: the same delivery window
     (scenario,) = config.scenarios
     assert scenario.name == SCENARIO and scenario.rate == "max" and set(scenario.systems) == set(variants)
     targets = {(t["system"], t["metric"]): t for t in config.settings["targets"]}
@@ -69,6 +69,28 @@ def test_a_broker_counts_the_messages_of_every_partition_log_of_the_topic_and_no
     )
     assert stored_per_broker(text, "bench.t") == 4000
     assert stored_per_broker(text, "absent") == 0
+    more = (
+        text
+        + "\n"
+        + "\n".join(
+            [
+                'conveyor_published_batches_total{topic="bench.t#1"} 4.0',
+                "conveyor_loop_iteration_duration_seconds_count 10.0",
+                "conveyor_loop_iteration_duration_seconds_sum 0.5",
+                'conveyor_fsync_duration_seconds_bucket{le="0.001"} 2.0',
+                "conveyor_fsync_duration_seconds_count 3.0",
+                "conveyor_fsync_duration_seconds_sum 0.003",
+            ]
+        )
+    )
+    assert broker_counters(more, "bench.t") == {
+        "stored": 4000.0,
+        "batches": 4.0,
+        "passes": 10.0,
+        "busy_seconds": 0.5,
+        "group_commits": 3.0,
+        "fsync_seconds": 0.003,
+    }
 
 
 def test_cpu_per_stored_message_divides_each_brokers_cpu_by_what_it_stored() -> None:
@@ -240,8 +262,11 @@ def test_scale_out_runs_on_real_clusters(tmp_path: Path) -> None:
         assert sum(r["stored"].values()) == 4000  # replication factor 1: each message stored once, by its leader
         assert set(r["cpu_us_per_stored_message"]) == set(r["stored"]) and r["leader_changes"] == 0
         assert set(r["background_cpu_per_s"]) == {*r["stored"], "etcd"}
+        assert sum(d["batches"] for d in r["server_details"].values()) >= 4000 / 200  # batches of at most 200
+        assert all(d["passes"] > 0 and d["group_commits"] > 0 for d in r["server_details"].values())
     (s,) = report["scale_out"]["scenarios"]
     assert [row["partitions"] for row in s["rows"]] == [int(v[-1]) for v in SMOKE_VARIANTS]
     assert all(row["one_partition_per_broker"] for row in s["rows"]), [row["leaders"] for row in s["rows"]]
     assert [m["cores"] for m in s["projection"]["machines"]] == [8, 32]
     assert "### Scale-out" in proc.stdout and "id='scale-out'" in page.read_text()
+    assert "Where a broker's CPU goes" in proc.stdout

@@ -82,6 +82,14 @@ class Server(abc.ABC):
         """
         return None
 
+    def details(self, endpoint: dict[str, Any]) -> dict[str, dict[str, float]] | None:
+        """What each server process did during the run, by its own counters (asked after the run); None: nothing.
+
+        Kept in the result as ``server_details``; the scale-out section reads
+        a broker's batches, loop passes and group commits from it.
+        """
+        return None
+
     def background(self, endpoint: dict[str, Any]) -> dict[str, float] | None:
         """CPU seconds per second each server process used while idle (measured in ``prepare``); None: not measured.
 

@@ -167,17 +167,53 @@ class ConveyorClusterServer(ConveyorServer):
         self.cluster.stop()
 
 
-def stored_per_broker(scrape: Any, topic: str) -> int:
+def stored_per_broker(scrape: str, topic: str) -> int:
     """Messages a broker appended to ``topic``'s partition logs (``T`` and every ``T#k``), from its metrics text."""
-    total = 0
+    return int(broker_counters(scrape, topic)["stored"])
+
+
+COUNTERS = {  # what a broker's /metrics says about its work: name in the run's details -> sample name
+    "stored": "conveyor_published_messages_total",
+    "batches": "conveyor_published_batches_total",
+    "passes": "conveyor_loop_iteration_duration_seconds_count",
+    "busy_seconds": "conveyor_loop_iteration_duration_seconds_sum",
+    "group_commits": "conveyor_fsync_duration_seconds_count",
+    "fsync_seconds": "conveyor_fsync_duration_seconds_sum",
+}
+PER_TOPIC = ("stored", "batches")
+
+
+def broker_counters(scrape: str, topic: str) -> dict[str, float]:
+    """The ``COUNTERS`` of one broker's metrics text; the per-topic ones summed over ``topic``'s partition logs."""
+    out = dict.fromkeys(COUNTERS, 0.0)
+    by_sample = {sample: name for name, sample in COUNTERS.items()}
     for line in scrape.splitlines():
-        if not line.startswith("conveyor_published_messages_total{"):
+        sample, _, rest = line.partition("{") if "{" in line.split(" ", 1)[0] else line.partition(" ")
+        name = by_sample.get(sample)
+        if name is None:
             continue
-        labels, _, value = line.rpartition(" ")
-        found = re.search(r'topic="([^"]*)"', labels)
-        if found and (found.group(1) == topic or found.group(1).startswith(f"{topic}#")):
-            total += int(float(value))
-    return total
+        if name in PER_TOPIC:
+            found = re.search(r'topic="([^"]*)"', rest)
+            if not found or not (found.group(1) == topic or found.group(1).startswith(f"{topic}#")):
+                continue
+        out[name] += float(line.rpartition(" ")[2])
+    return out
+
+
+def user_system_seconds(pids: list[int]) -> tuple[float, float]:
+    """utime and stime (seconds) of ``pids``, all threads, from /proc/PID/stat."""
+    import os
+
+    tick = os.sysconf("SC_CLK_TCK")
+    user = system = 0
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+        user, system = user + int(fields[11]), system + int(fields[12])
+    return user / tick, system / tick
 
 
 class ConveyorPartitionedServer(ConveyorClusterServer):
@@ -189,12 +225,17 @@ class ConveyorPartitionedServer(ConveyorClusterServer):
     waits until every partition has a leader (the run's ``leaders`` say where);
     ``stored`` reads from each broker's metrics how many of the run's messages it
     appended, which is what its CPU is divided by. Before the run each process's
-    CPU at rest is measured (``idle_seconds``, 2 s): ``background``.
+    CPU at rest is measured (``idle_seconds``, 2 s): ``background``. With
+    ``credit_per_partition`` the scenario's credit is each partition's: a
+    consumer is given that times the partition count, so every broker sees the
+    same delivery window whatever the count (a window of a couple of batches
+    per partition costs a broker more CPU per message).
     """
 
     def __init__(self, workdir: Path, fsync: str, settings: dict[str, Any]) -> None:
         super().__init__(workdir, fsync, {"nodes": settings.get("partitions", 1), **settings})
         self._background: dict[str, float] = {}
+        self._start: dict[str, dict[str, float]] = {}
 
     def prepare(self, run: str, scenario: Scenario) -> dict[str, Any]:
         from conveyor.broker.client.metadata import Metadata
@@ -214,7 +255,35 @@ class ConveyorPartitionedServer(ConveyorClusterServer):
                 raise RuntimeError(f"Conveyor cluster: {topic} has leaders for {sorted(leaders)} of {partitions}")
             time.sleep(0.05)
         self._background = self._idle_rates(float(self.settings.get("idle_seconds", 2.0)))
-        return {"address": self.address, "topic": topic, "groups": [f"g{i}" for i in range(scenario.groups)]}
+        endpoint = {"address": self.address, "topic": topic, "groups": [f"g{i}" for i in range(scenario.groups)]}
+        if self.settings.get("credit_per_partition"):  # the Subscription splits its credit over the partitions
+            endpoint["credit"] = scenario.consumer_credit * partitions
+        self._start = self._work(topic)
+        return endpoint
+
+    def _work(self, topic: str) -> dict[str, dict[str, float]]:
+        """Each broker's counters, user and system CPU seconds now (``details`` gives what the run added)."""
+        import urllib.request
+
+        out = {}
+        for node, broker in self.cluster.brokers.items():
+            text = urllib.request.urlopen(broker.metrics_url, timeout=30).read().decode()
+            user, system = user_system_seconds(tree(broker.pid))
+            out[f"broker {node}"] = {**broker_counters(text, topic), "user_seconds": user, "system_seconds": system}
+        return out
+
+    def details(self, endpoint: dict[str, Any]) -> dict[str, dict[str, float]]:
+        """What each broker did during the run: batches, loop passes, group commits, fsync time, user/system CPU.
+
+        From the end of ``prepare`` to now (the run, plus the clients' start): it
+        tells why a broker's CPU per message moved (more passes or group commits
+        per batch when each broker gets fewer batches at a time).
+        """
+        end = self._work(endpoint["topic"])
+        return {
+            name: {key: round(value - self._start.get(name, {}).get(key, 0.0), 4) for key, value in now.items()}
+            for name, now in end.items()
+        }
 
     def _idle_rates(self, seconds: float) -> dict[str, float]:
         """Each process's CPU seconds per second over ``seconds`` of no load (the topic made, no client yet)."""
@@ -227,13 +296,7 @@ class ConveyorPartitionedServer(ConveyorClusterServer):
         return dict(self._background)
 
     def stored(self, endpoint: dict[str, Any]) -> dict[str, int]:
-        import urllib.request
-
-        out = {}
-        for node, broker in self.cluster.brokers.items():
-            text = urllib.request.urlopen(broker.metrics_url, timeout=30).read().decode()
-            out[f"broker {node}"] = stored_per_broker(text, endpoint["topic"])
-        return out
+        return {name: int(work["stored"]) for name, work in self._work(endpoint["topic"]).items()}
 
 
 class System(base.System):
@@ -361,7 +424,7 @@ class Consumer(base.ConsumerClient):
             endpoint["topic"],
             endpoint["groups"][group],
             address=endpoint["address"],
-            credit=scenario.consumer_credit,
+            credit=int(endpoint.get("credit") or scenario.consumer_credit),
         )
         deadline = time.monotonic() + 30
         while not self.sub.subscribed and time.monotonic() < deadline:

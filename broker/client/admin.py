@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from collections.abc import Sequence
 from functools import partial
 from typing import Any
 
 import zmq
 from conveyor.broker.client.message import Message, messages_from_entries
-from conveyor.broker.client.metadata import Metadata
+from conveyor.broker.client.metadata import Metadata, ask_metadata
 from conveyor.broker.net.metadata import ClusterView
 from conveyor.broker.net.requester import FramesFor, Requester
 from conveyor.broker.wire import commands
@@ -114,7 +115,32 @@ class Admin:
     def create_topic(self, name: str, *, partitions: int = 1, **config: Any) -> dict[str, Any]:
         """A topic with ``partitions`` logs (docs/partitions.md) and the settings in ``config``."""
         more = {"partitions": partitions} if partitions != 1 else {}
-        return self._admin("create_topic", topic=name, config=config, **more)
+        made = self._admin("create_topic", topic=name, config=config, **more)
+        if self.metadata.following:
+            self._wait_known(name, partitions)
+        return made
+
+    def _wait_known(self, topic: str, partitions: int) -> None:
+        """In a cluster: until every live node's METADATA lists the new topic's partitions (at most ``timeout``).
+
+        The node that answered the create knows the topic; the others learn it from their etcd
+        watch a moment later. A producer that asked one of them in between would take the topic
+        for one partition and route its first batches' keys there; after this returns any node
+        answers with the real count.
+        """
+        with self._lock:
+            view = self.metadata.refresh()
+        addresses = [a for a in view.nodes.values() if not a.startswith("tcp://0.0.0.0")] or self.metadata.bootstrap
+        deadline = time.monotonic() + self.timeout
+        for address in addresses:
+            while (left := deadline - time.monotonic()) > 0:
+                try:
+                    answer = ask_metadata([address], [topic], context=self._ctx, timeout=min(2.0, left))
+                except BrokerUnavailable:
+                    break  # a node that is down learns it when it starts
+                if len(answer.topics.get(topic) or {}) >= partitions:
+                    break
+                time.sleep(0.02)  # an admin call waiting for other processes: bounded by the timeout
 
     def alter_topic(self, name: str, **config: Any) -> dict[str, Any]:
         """Change a topic's settings live (``retention_ms="7d"``, ``read_only=True``, ...); its description after.

@@ -212,6 +212,7 @@ class Broker:
         partitions = self.replicate(self.settings.node_id, lag_max_ms=self.settings.replica_lag_max_ms)
         node = ClusterNode(self, partitions, self.settings, version=__version__)
         self.fetches.partition_count = node.partition_count
+        self.fetches.missing = node.check_held
         node.agent.check_node_id()  # before anything serves: a live node's id is refused
         self.metadata = node
         return node

@@ -60,7 +60,7 @@ from conveyor.broker.server.partition_logs import check_growth
 from conveyor.broker.server.partitions import Partitions, check_client_topic
 from conveyor.broker.wire.partitioning import unknown_partition
 
-from conveyor.errors import ConfigError, ConveyorError, TopicExists, UnknownTopic
+from conveyor.errors import ConfigError, ConveyorError, NotLeader, TopicExists, UnknownTopic
 from conveyor.names import partition_log, split_log
 
 CLUSTER_ADMIN = frozenset({"create_topic", "reassign_topic", "delete_topic", "alter_topic", "add_partitions"})
@@ -382,6 +382,19 @@ class ClusterNode:
             config = self.configs.get(topic)
             extra = _extra(config, topic, partition) if config is not None else None
             store.create_topic(name, dict(config.settings) if config else None, extra=extra)
+
+    def check_held(self, log_name: str) -> None:
+        """A read of a partition this node holds no copy of: ``NOT_LEADER`` naming its leader when the cluster
+        has it (a client given one node's address finds the partition there), else nothing (UNKNOWN_TOPIC)."""
+        topic, number = split_log(log_name)
+        if topic not in self.configs:
+            return
+        snapshot = self.agent.snapshot()
+        state = snapshot.partitions.get(TopicPartition(topic, number))
+        leader = state.leader if state is not None else None
+        record = snapshot.nodes.get(leader) if leader else None
+        hint = {"leader": leader, "leader_addr": record.advertise} if record is not None else {}
+        raise NotLeader(f"{topic}/{number} is not held by {self.node_id}", topic=topic, partition=number, **hint)
 
     def partition_count(self, topic: str) -> int:
         """How many partitions the cluster says ``topic`` has (this node may hold none of them)."""

@@ -80,10 +80,13 @@ class FetchWaits:
         self._max_batch_bytes = max_batch_bytes
         self.replicas: ReplicaFetches | None = None  # set when this node replicates partitions
         self.partition_count: Callable[[str], int] = store.partition_count  # a cluster node counts by its records
+        self.missing: Callable[[str], None] = lambda log_name: None
 
     def fetch(self, peer: bytes, frame: Frame) -> None:
         """Answer a FETCH now, or park it while it asks to wait for offsets not yet durable."""
         topic = log_for(self.store, frame, self.partition_count)
+        if topic not in self.store.logs:
+            self.missing(topic)  # a cluster node that does not hold it: NOT_LEADER, naming the leader
         log_ = self.store.topic(topic)
         replica = frame.get("replica") is not None
         if replica:

@@ -502,7 +502,12 @@ def _partitions(info: dict[str, Any]) -> list[tuple[int, int]]:
     rows = info.get("partitions")
     if not isinstance(rows, list) or not rows:  # a parent from before partitions
         return [(int(info.get("start_offset", 0)), int(info.get("end_offset", 0)))]
-    return [(int(row.get("start_offset", 0)), int(row.get("end_offset", 0))) for row in rows]
+    # A cluster node describes only the partitions it leads: the count is ``partition_count``, and a
+    # partition described by none starts at 0 here (its FETCH says where the parent's log starts).
+    known = {int(row.get("partition", number)): row for number, row in enumerate(rows)}
+    count = max(int(info.get("partition_count") or len(rows)), len(rows))
+    bounds = {n: (int(row.get("start_offset", 0)), int(row.get("end_offset", 0))) for n, row in known.items()}
+    return [bounds.get(number, (0, 0)) for number in range(count)]
 
 
 def _from(batch: Batch, offset: int) -> Batch | None:

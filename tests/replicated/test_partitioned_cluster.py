@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import threading
 import time
+import zlib
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
@@ -302,3 +303,21 @@ def test_partitions_added_in_a_cluster_get_leaders_and_the_group_reads_them(clus
     wait_for(lambda: set(later) <= members.values(), timeout=60, message="the group to read the added partitions")
     with Admin(cluster.bootstrap) as admin:
         assert admin.describe_topic("growing")["partition_count"] == PARTITIONS
+
+
+def test_right_after_a_create_keys_route_by_the_count_and_one_node_s_address_reads_every_partition(
+    cluster: ClusterProcess,
+) -> None:
+    with Admin(cluster.bootstrap) as admin:  # no wait for leaders: a producer may start at once
+        admin.create_topic("at-once", partitions=3, replication_factor=1)
+    with Producer(cluster.bootstrap) as producer:  # asks the count of whichever node answers first
+        offsets = {f"key-{i}": producer.send("at-once", f"v{i}", key=f"key-{i}") for i in range(300)}
+        producer.flush(60)
+        placed = {key: future.result(60).partition for key, future in offsets.items()}
+    assert placed == {key: zlib.crc32(key.encode()) % 3 for key in placed}
+    led = {p.leader for p in Metadata(cluster.bootstrap).refresh(["at-once"]).topics["at-once"].values()}
+    assert len(led) == 3  # replication factor 1: each node holds one partition only
+    for node in cluster.node_ids:  # one address: a partition held elsewhere answers NOT_LEADER naming its leader
+        with Admin(cluster.address(node)) as admin:
+            got = [m.value for k in range(3) for m in admin.fetch("at-once", 0, 1000, partition=k)]
+        assert sorted(got) == sorted(f"v{i}" for i in range(300))

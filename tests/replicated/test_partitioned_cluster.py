@@ -110,7 +110,7 @@ class Members:
                 subscription.ack(messages)
 
     def values(self) -> set[bytes]:
-        return {value for got in self.got for (_p, _o, value) in got}
+        return {value for got in self.got for (_p, _o, value) in list(got)}  # list(): one C call, members add on
 
     def close(self) -> None:
         self.stop.set()
@@ -213,6 +213,8 @@ def test_kill_9_of_one_leader_pauses_only_its_partitions_and_loses_nothing(clust
     others = sorted(p for p, node in led.items() if node != victim)
     survivors = [node for node in cluster.node_ids if node != victim]
     members = Members(cluster, "payments")
+    keyed = KeyedLoad(cluster, "payments")  # 1,000 keys across the kill: retries and resends keep each key's order
+    wait_for(lambda: keyed.rounds_done() >= 2, timeout=60, message="keyed rounds before the kill")
     confirmed: set[bytes] = set()
     with Producer(cluster.bootstrap, delivery_timeout_ms=120_000, request_timeout_ms=1000) as producer:
         for p in range(PARTITIONS):
@@ -231,6 +233,7 @@ def test_kill_9_of_one_leader_pauses_only_its_partitions_and_loses_nothing(clust
         for future in paused:
             future.result(120)  # then a follower leads them, and what was sent there is confirmed
         confirmed |= {f"{kind}-{p}".encode() for kind, ps in (("paused", theirs), ("served", others)) for p in ps}
+    confirmed |= keyed.finish()
 
     after = leaders_without(cluster, "payments", victim, survivors)
     assert all(after[p] != victim for p in theirs)
@@ -238,8 +241,47 @@ def test_kill_9_of_one_leader_pauses_only_its_partitions_and_loses_nothing(clust
     cluster.node(victim).restart(kill=True)
     wait_for(lambda: confirmed <= members.values(), timeout=120, message="the group to get every confirmed message")
     members.close()
-    values = {value for rows in stored(cluster, "payments").values() for _key, value in rows}
+    partitions = stored(cluster, "payments")
+    values = {value for rows in partitions.values() for _key, value in rows}
     assert confirmed <= values
+    assert (
+        check_key_order({p: [row for row in rows if row[0].startswith("p")] for p, rows in partitions.items()}) == 1000
+    )
+
+
+class KeyedLoad:
+    """Four producers, 250 keys each, sending round after round (bounded) until ``finish``."""
+
+    def __init__(self, cluster: ClusterProcess, topic: str) -> None:
+        self.stop = threading.Event()
+        self.done = [0] * 4
+        self.confirmed: list[set[bytes]] = [set() for _ in range(4)]
+        self.threads = [threading.Thread(target=self._run, args=(cluster, topic, i)) for i in range(4)]
+        for thread in self.threads:
+            thread.start()
+
+    def _run(self, cluster: ClusterProcess, topic: str, index: int) -> None:
+        with Producer(cluster.bootstrap, delivery_timeout_ms=120_000, request_timeout_ms=1000) as producer:
+            deadline = time.monotonic() + 120
+            for r in range(40):
+                if self.stop.is_set() or time.monotonic() > deadline:
+                    break
+                values = [f"p{index}-k{k}:{r}".encode() for k in range(250)]
+                futures = [producer.send(topic, v, key=v.decode().split(":")[0]) for v in values]
+                producer.flush(120)
+                for value, future in zip(values, futures, strict=True):
+                    future.result(120)
+                    self.confirmed[index].add(value)
+                self.done[index] = r + 1
+
+    def rounds_done(self) -> int:
+        return min(self.done)
+
+    def finish(self) -> set[bytes]:
+        self.stop.set()
+        for thread in self.threads:
+            thread.join(150)
+        return set().union(*self.confirmed)
 
 
 def leaders_without(cluster: ClusterProcess, topic: str, gone: str, asking: list[str]) -> dict[int, str]:

@@ -47,6 +47,7 @@ class BrokerProcess:
         self.output: list[str] = []
         self._bind = "tcp://127.0.0.1:*"
         self._metrics_port = "0"
+        self.command: list[str] = []  # the command line of the last start (to start it again by hand)
 
     def start(self, timeout: float = 60.0) -> BrokerProcess:
         cmd = [
@@ -64,6 +65,7 @@ class BrokerProcess:
             *self.extra,
         ]
         env = {**os.environ, "PYTHONUNBUFFERED": "1", **(self.env or {})}
+        self.command = cmd
         self.proc = subprocess.Popen(
             cmd,
             stdout=subprocess.PIPE,

@@ -19,6 +19,7 @@ import argparse
 import importlib.util
 import json
 import os
+import shlex
 import shutil
 import signal
 import subprocess
@@ -260,11 +261,16 @@ def _watch(cluster: ClusterProcess, wakeup: int) -> None:
     reported: set[int] = set()
     while True:
         os.read(wakeup, 512)  # blocks until a signal; a stop signal's handler raises out of it
-        processes = [("etcd", cluster.etcd.proc), *((n, cluster.node(n).proc) for n in cluster.node_ids)]
-        for name, proc in processes:
+        processes = [
+            ("etcd", cluster.etcd.proc, []),
+            *((n, cluster.node(n).proc, cluster.node(n).command) for n in cluster.node_ids),
+        ]
+        for name, proc, command in processes:
             if proc is not None and proc.pid not in reported and proc.poll() is not None:
                 reported.add(proc.pid)
                 print(f"conveyor cluster: {name} (pid {proc.pid}) exited with {proc.returncode}", flush=True)
+                if command:  # a broker killed to watch a failover: how to bring it back without the others
+                    print(f"conveyor cluster: to start {name} again: {shlex.join(command)}", flush=True)
 
 
 __all__ = ["LocalState", "cmd_local", "node_count"]

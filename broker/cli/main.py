@@ -466,7 +466,11 @@ def _reassign(admin: Any, args: argparse.Namespace, broker: str) -> dict[str, An
         moved = [topics.get(args.name, {}).get(number) for number in numbers]
         if dead:  # the dead-letter topic's same partitions move with them (those it has)
             moved += [p for number, p in topics.get(dead, {}).items() if number in numbers]
-        if all(p is not None and list(p.replicas) == replicas and set(p.isr) == set(replicas) for p in moved):
+        # A whole topic's partitions each take the replicas in an order that keeps their leaders spread
+        # (docs/partitions.md); one partition named takes them in the order given.
+        if all(p is not None and set(p.replicas) == set(replicas) and set(p.isr) == set(replicas) for p in moved) and (
+            args.partition is None or (moved[0] is not None and list(moved[0].replicas) == replicas)
+        ):
             partition = moved[0]
             assert partition is not None
             return {**result, "state": "done", "leader": partition.leader, "isr": list(partition.isr)}

@@ -195,6 +195,8 @@ class Metadata:
         assert self.view is not None
         address = self.view.leader_address(topic, partition)
         if address is None:
+            # Offline, or a partition this answer does not list yet (added since): the next routing asks again.
+            self._stale = True
             raise NotLeader(f"{topic!r} partition {partition} has no leader now", topic=topic, partition=partition)
         return address
 

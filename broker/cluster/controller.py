@@ -240,7 +240,6 @@ class Controller:
             return step
 
         if self.update_partition(view, tp, decide) and finished[-1]:
-            log.info("reassignment of %s to %s done", tp, ",".join(target))
             done: list[Op] = [Op.delete(key)]
             config = view.topics.get(tp.topic)
             guard = [Compare.modified(key, found.mod_revision)]
@@ -250,7 +249,8 @@ class Controller:
                     config_key = self.keys.topic_config(tp.topic)
                     guard.append(Compare.modified(config_key, view.topic_revisions.get(tp.topic, 0)))
                     done.insert(0, Op.put(config_key, k.encode_topic_config(moved)))
-            self.fenced(guard, done)
+            if self.fenced(guard, done).succeeded:  # once: later watch events of this move find it gone
+                log.info("reassignment of %s to %s done", tp, ",".join(target))
 
     # --- writes ------------------------------------------------------------
 

@@ -307,12 +307,14 @@ def reassign_step(state: PartitionState, target: tuple[str, ...], live: Collecti
     ones), out of the ISR: they join as followers and the leader adds them to
     the ISR once caught up. Step 2, once every target replica is in sync,
     shrinks the assignment and ISR to the target and, if the leader is not in
-    it, elects the first live target member (epoch + 1).
+    it, elects the first live target member (epoch + 1). Done, the first target
+    replica leads when it is a live in-sync member (the preferred leader: a
+    reassignment to the same replicas in another order moves the leadership).
     """
     if not target or len(set(target)) != len(target):
         raise InvalidRequest(f"a reassignment needs distinct replicas, got {list(target)}")
     if state.assignment == target:
-        return state, True
+        return _preferred(state, live)
     if not set(target) <= set(state.assignment):
         assignment = target + tuple(n for n in state.assignment if n not in target)
         return replace(state, assignment=assignment), False
@@ -321,11 +323,29 @@ def reassign_step(state: PartitionState, target: tuple[str, ...], live: Collecti
     isr = tuple(n for n in target if n in state.isr)
     moved = replace(state, assignment=target, isr=isr)
     if state.leader in target and not state.offline:
-        return moved, True
+        return _preferred(moved, live)
     elected = elect(replace(moved, leader=None, offline=False), live)
     if elected.offline:
         return state, False  # no live target member to lead yet: wait
     return elected, True
+
+
+def spread_order(replicas: tuple[str, ...], state: PartitionState | None, partition: int) -> tuple[str, ...]:
+    """The replica order for one partition when a whole topic moves to ``replicas``: its leader first when
+    it stays (no leadership moves), else the list turned by the partition number, so the topic's leaders
+    stay spread rather than all going to the first node named."""
+    if state is not None and state.leader in replicas:
+        return (state.leader, *(n for n in replicas if n != state.leader))
+    turn = partition % len(replicas) if replicas else 0
+    return replicas[turn:] + replicas[:turn]
+
+
+def _preferred(state: PartitionState, live: Collection[str]) -> tuple[PartitionState, bool]:
+    """A finished reassignment, led by its first replica if that one is a live in-sync member (epoch + 1)."""
+    first = state.assignment[0]
+    if state.offline or state.leader == first or first not in state.isr or first not in live:
+        return state, True
+    return elect(state, live, prefer=first), True
 
 
 def reassigned_config(config: TopicConfigRecord, replicas: int, min_insync: int | None) -> TopicConfigRecord:

@@ -50,6 +50,7 @@ from conveyor.broker.cluster.keys import TopicConfigRecord, TopicPartition
 from conveyor.broker.config.addresses import etcd_members
 from conveyor.broker.config.broker_settings import BrokerSettings
 from conveyor.broker.log.data_dir import altered, check_name
+from conveyor.broker.log.topic_log import TopicConfig
 from conveyor.broker.net.security import ClientKeys, ServerSecurity
 from conveyor.broker.server import admin as admin_ops
 from conveyor.broker.server.admin import AdminHost
@@ -60,7 +61,7 @@ from conveyor.broker.server.partition_logs import check_growth
 from conveyor.broker.server.partitions import Partitions, check_client_topic
 from conveyor.broker.wire.partitioning import unknown_partition
 
-from conveyor.errors import ConfigError, ConveyorError, NotLeader, TopicExists, UnknownTopic
+from conveyor.errors import ConfigError, ConveyorError, NotEnoughReplicas, NotLeader, TopicExists, UnknownTopic
 from conveyor.names import partition_log, split_log
 
 CLUSTER_ADMIN = frozenset({"create_topic", "reassign_topic", "delete_topic", "alter_topic", "add_partitions"})
@@ -354,7 +355,11 @@ class ClusterNode:
             self._creating.discard(event.topic)
             log.warning("topic %s was not created: %s", event.topic, event.error)
         if answer is not None:
-            answer(event.error if event.error is not None else _described(event.topic, event.config))
+            answer(
+                event.error
+                if event.error is not None
+                else _described(event.topic, event.config, self.host.store.defaults)
+            )
 
     def _on_deleted(self, event: TopicDeleted) -> None:
         answer = self._answers.pop(event.request_id, None)
@@ -373,7 +378,7 @@ class ClusterNode:
         elif event.topic in self.host.store.logs:
             answer(admin_ops.describe_topic(self.host, event.topic))
         else:
-            answer(_described(event.topic, event.config))
+            answer(_described(event.topic, event.config, self.host.store.defaults))
 
     def _ensure_log(self, topic: str, partition: int = 0) -> None:
         store = self.host.store
@@ -585,6 +590,14 @@ class ClusterNode:
         asked = header.get("partitions")
         wanted = asked if isinstance(asked, int) and not isinstance(asked, bool) else 0
         check_growth(topic, record.partitions, wanted)
+        live = len(self.agent.snapshot().nodes)
+        if live < record.replication_factor:  # as a create: never partitions with fewer replicas than the topic's
+            raise NotEnoughReplicas(
+                f"topic {topic}: {record.replication_factor} replicas per partition, {live} nodes live",
+                topic=topic,
+                requested=record.replication_factor,
+                live=live,
+            )
         dead = self.configs.get(topic + DEAD_LETTER_SUFFIX)
         if dead is not None and dead.partitions < wanted:
             self._answers[self.agent.alter_topic(topic + DEAD_LETTER_SUFFIX, {}, partitions=wanted)] = partial(
@@ -611,8 +624,8 @@ class ClusterNode:
             raise unknown_partition(topic, asked, count)
         numbers = [asked] if asked is not None else list(range(count))
         started: dict[str, Any] = {"name": topic, "partitions": numbers, "replicas": list(replicas)}
-        if len(numbers) == 1:
-            started["partition"] = numbers[0]
+        if count == 1:
+            started["partition"] = 0  # the answer of a topic of one partition, as before partitions
         dead = topic + DEAD_LETTER_SUFFIX
         if not topic.endswith(DEAD_LETTER_SUFFIX) and dead in self.configs:
             for number in [n for n in numbers if n < self.configs[dead].partitions]:
@@ -620,8 +633,11 @@ class ClusterNode:
                 self._answers[moved] = partial(_log_refusal, dead)
             started["dead_letter_topic"] = dead
         waiting = _Pending(len(numbers), lambda error: answer(error or {**started, "state": "started"}))
+        states = self.agent.snapshot().partitions
         for number in numbers:
-            self._answers[self.agent.reassign(TopicPartition(topic, number), replicas, min_insync)] = waiting.answered
+            tp = TopicPartition(topic, number)
+            target = replicas if asked is not None or count == 1 else d.spread_order(replicas, states.get(tp), number)
+            self._answers[self.agent.reassign(tp, target, min_insync)] = waiting.answered
 
     def _on_reassign_stored(self, event: ReassignAnswer) -> None:
         answer = self._answers.pop(event.request_id, None)
@@ -688,16 +704,21 @@ def _count(value: Any, name: str) -> int | None:
     return value
 
 
-def _described(topic: str, config: TopicConfigRecord | None) -> dict[str, Any]:
-    """What ``create_topic`` answers in a cluster: the record the controller wrote."""
+def _described(topic: str, config: TopicConfigRecord | None, defaults: TopicConfig) -> dict[str, Any]:
+    """What ``create_topic`` answers in a cluster: a new topic's description in a single broker's shape
+    (``partitions`` a row each, every setting), with the record's replication factor and in-sync minimum."""
     if config is None:
         return {"name": topic}
+    empty = [{"partition": number, "start_offset": 0, "end_offset": 0} for number in range(config.partitions)]
     return {
         "name": topic,
+        "partition_count": config.partitions,
+        "partitions": empty,
+        "start_offset": 0,
+        "end_offset": 0,
         "replication_factor": config.replication_factor,
         "min_insync_replicas": config.min_insync_replicas,
-        "partitions": config.partitions,
-        "config": dict(config.settings),
+        "config": defaults.with_settings(config.settings).settings(),
     }
 
 

@@ -346,3 +346,12 @@ def test_the_partitions_a_config_names_and_etcd_lacks() -> None:
     held = {TopicPartition("orders", p): PartitionState(("n1",), "n1", 1, ("n1",), False) for p in (0, 2)}
     assert d.missing_partitions("orders", config, held) == [1, 3]
     assert d.missing_partitions("orders", TopicConfigRecord(1, 1), held) == []
+
+
+def test_a_reassignment_to_the_same_replicas_in_another_order_moves_the_leadership() -> None:
+    state = PartitionState(("n1", "n2", "n3"), "n1", 4, ("n1", "n2", "n3"), False)
+    moved, done = d.reassign_step(state, ("n3", "n1", "n2"), {"n1", "n2", "n3"})
+    assert done and moved == PartitionState(("n3", "n1", "n2"), "n3", 5, ("n3", "n1", "n2"), False)
+    assert d.reassign_step(moved, ("n3", "n1", "n2"), {"n1", "n2", "n3"}) == (moved, True)  # nothing more to do
+    lagging = PartitionState(("n1", "n2", "n3"), "n1", 4, ("n1", "n2"), False)
+    assert d.reassign_step(lagging, ("n1", "n2", "n3")[::-1], {"n1", "n2", "n3"})[0].leader == "n1"  # n3 not in sync

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import re
+import shlex
 import signal
 import socket
 import subprocess
@@ -22,6 +23,7 @@ from pathlib import Path
 import pytest
 from conveyor.broker.cli.cluster_local import LocalState, node_count
 from conveyor.broker.client.admin import Admin
+from conveyor.broker.client.metadata import Metadata
 from conveyor.broker.client.producer import Producer
 
 from conveyor.errors import ConfigError
@@ -157,6 +159,30 @@ def test_make_cluster_starts_three_nodes_serves_the_printed_list_and_stops_every
         producer.flush(60)
         assert sorted(future.result(60) for future in futures) == list(range(100))
 
+    # kill -9 one broker: the command says how to start it again, and that line brings the node back
+    n2 = next(pid for pid in pids if b"n2" in Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0"))
+    os.kill(n2, signal.SIGKILL)
+    again_line = wait_for(
+        lambda: re.search(r"^conveyor cluster: to start n2 again: (.+)$", first.text(), re.M),
+        timeout=60,
+        message="the command to print how to start n2 again",
+    )
+    restarted = subprocess.Popen(
+        shlex.split(again_line.group(1)), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+    )
+    try:
+        with Producer(bootstrap) as producer:
+            assert producer.send("orders", b"after-restart").result(60) == 100
+        registered = wait_for(
+            lambda: (lambda nodes: nodes if len(nodes) == 3 else None)(Metadata(bootstrap).refresh().nodes),
+            timeout=60,
+            message="n2 to register again",
+        )
+        assert "n2" in registered
+    finally:
+        restarted.terminate()  # ours, by pid: the command's Ctrl-C stops only its own children
+        restarted.wait(STOP_TIMEOUT)
+
     interrupt(first, pids)
     assert not running_in(directory)
     assert (directory / "n1").is_dir() and (directory / "etcd" / "data").is_dir()
@@ -171,7 +197,7 @@ def test_make_cluster_starts_three_nodes_serves_the_printed_list_and_stops_every
         with Admin(bootstrap) as admin:
             return int(admin.describe_topic("orders")["end_offset"])
 
-    wait_for(lambda: end_offset() == 100, timeout=60, message="the topic to be there after the restart")
+    wait_for(lambda: end_offset() == 101, timeout=60, message="the topic to be there after the restart")
     interrupt(second, again)
     assert not running_in(directory)
 

@@ -27,7 +27,7 @@ from conveyor.broker.client.producer import Producer
 from conveyor.broker.client.subscription import Subscription
 
 from conveyor.cluster_process import ClusterProcess
-from conveyor.errors import InvalidRequest
+from conveyor.errors import InvalidRequest, NotEnoughReplicas
 from tests.helpers import wait_for
 
 PARTITIONS = 8
@@ -59,7 +59,7 @@ def leaders(cluster: ClusterProcess, topic: str, *, asking: str | None = None) -
 def create(cluster: ClusterProcess, topic: str) -> dict[int, str]:
     with Admin(cluster.bootstrap) as admin:
         made = admin.create_topic(topic, partitions=PARTITIONS, replication_factor=3, min_insync_replicas=2)
-    assert made["partitions"] == PARTITIONS
+    assert made["partition_count"] == len(made["partitions"]) == PARTITIONS  # a single broker's shape
     return leaders(cluster, topic)
 
 
@@ -183,6 +183,11 @@ def test_leaders_spread_key_order_and_a_group_of_four_over_8_partitions(cluster:
         assert [cluster.node(n).metric("conveyor_partition_leader", labels) for n in cluster.node_ids] == [
             float(n == leader) for n in cluster.node_ids
         ]
+    moved_to = next(node for node in cluster.node_ids if node != led[3])
+    with Admin(cluster.bootstrap) as admin:  # the same replicas, another first: the leadership moves to it
+        admin.reassign_topic("orders", [moved_to, *(n for n in cluster.node_ids if n != moved_to)], partition=3)
+    wait_for(lambda: leaders(cluster, "orders")[3] == moved_to, timeout=60, message="partition 3's leader to move")
+    led = leaders(cluster, "orders")
     with Admin(cluster.address(led[3])) as admin:
         rows = admin.describe_partitions("orders")["partitions"]
     assert {(row["topic"], row["partition"]) for row in rows if row["role"] == "leader"} == {
@@ -238,6 +243,10 @@ def test_kill_9_of_one_leader_pauses_only_its_partitions_and_loses_nothing(clust
     after = leaders_without(cluster, "payments", victim, survivors)
     assert all(after[p] != victim for p in theirs)
     assert all(after[p] == led[p] for p in others), "a partition the victim did not lead changed leader"
+    with Admin(",".join(cluster.address(n) for n in survivors)) as admin:  # 3 replicas each, 2 nodes live
+        with pytest.raises(NotEnoughReplicas):
+            admin.add_partitions("payments", PARTITIONS + 4)
+        assert admin.describe_topic("payments")["partition_count"] == PARTITIONS
     cluster.node(victim).restart(kill=True)
     wait_for(lambda: confirmed <= members.values(), timeout=120, message="the group to get every confirmed message")
     members.close()
@@ -331,7 +340,11 @@ def test_partitions_added_in_a_cluster_get_leaders_and_the_group_reads_them(clus
     with Admin(cluster.bootstrap) as admin:
         admin.create_topic("growing", partitions=2, replication_factor=3, min_insync_replicas=2)
     members = Members(cluster, "growing", count=2)
-    first = send_keyed(cluster, "growing", 0, keys=50, rounds=1)
+    running = Producer(cluster.bootstrap, delivery_timeout_ms=60_000)  # made before the growth, used after
+    first = [f"early-{i}".encode() for i in range(50)]
+    for value in first:
+        running.send("growing", value, key=value.decode())
+    running.flush(60)
     wait_for(lambda: set(first) <= members.values(), timeout=60, message="the group to read the first two partitions")
     with Admin(cluster.bootstrap) as admin:
         admin.add_partitions("growing", PARTITIONS)
@@ -339,7 +352,17 @@ def test_partitions_added_in_a_cluster_get_leaders_and_the_group_reads_them(clus
             admin.add_partitions("growing", 4)  # partitions are only added
     led = leaders(cluster, "growing")
     assert len(set(led.values())) == 3  # the new partitions' leaders are spread too
-    later = send_keyed(cluster, "growing", 1, keys=200, rounds=1)
+    later = []
+    for round_ in range(2):  # the first round's confirms tell the running producer the new count
+        values = [f"late-{round_}-{i}".encode() for i in range(200)]
+        futures = [running.send("growing", value, key=f"k{i}") for i, value in enumerate(values)]
+        running.flush(60)
+        assert all(future.result(60) is not None for future in futures)
+        later += values
+    assert {int(running.send("growing", b"x", key=f"k{i}").result(60).partition) for i in range(200)} == set(
+        range(PARTITIONS)
+    )
+    running.close()
     partitions = stored(cluster, "growing")
     assert all(partitions[k] for k in range(2, PARTITIONS)), "keys sent after the growth reach the new partitions"
     wait_for(lambda: set(later) <= members.values(), timeout=60, message="the group to read the added partitions")

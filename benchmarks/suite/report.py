@@ -148,7 +148,7 @@ def scenario_section(name: str, runs: list[dict[str, Any]], scenario: dict[str, 
             "<p class=note>Runs (the median one is shown): "
             + "; ".join(
                 f"{escape(short(r))}: {escape(r['repeats']['metric'])} "
-                + ", ".join(_num(v, ".2f" if paced else ",.0f") for v in r["repeats"]["values"])
+                + ", ".join(_num(v, ".2f" if r.get("paced", paced) else ",.0f") for v in r["repeats"]["values"])
                 for r in repeated
             )
             + "</p>"

@@ -23,7 +23,7 @@ from typing import Any
 from conveyor.benchmarks.suite import stats
 from conveyor.benchmarks.suite.procstat import cpu_seconds, machine_busy_seconds, tree_cpu_seconds
 from conveyor.benchmarks.suite.profile import start_profilers, stop_profilers
-from conveyor.benchmarks.suite.scaleout import scale_out
+from conveyor.benchmarks.suite.scaleout import load_matched_identity, load_matched_scenario, per_broker_rate, scale_out
 from conveyor.benchmarks.suite.scenario import Config, Scenario
 from conveyor.benchmarks.suite.summary import process_cpu
 from conveyor.benchmarks.suite.systems import NAMES, System, system
@@ -344,6 +344,9 @@ def add_stored_cpu(
     if not stored:
         return
     result["stored"] = dict(stored)
+    rate = per_broker_rate(result)
+    if rate:
+        result["stored_per_broker_msg_per_s"] = rate
     per = {name: round(server_procs[name] * 1e6 / n, 3) for name, n in stored.items() if n and name in server_procs}
     result["cpu_us_per_stored_message"] = per
     if per:
@@ -583,7 +586,11 @@ def median_runs(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
         if len(runs) > 1:
             name, _ = key_metric(pick)
             pick = {**pick, "repeats": {"metric": name, "values": [key_metric(r)[1] for r in runs]}}
-            for key in ("cpu_us_per_stored_message", "cpu_us_per_stored_message_less_background"):
+            for key in (
+                "cpu_us_per_stored_message",
+                "cpu_us_per_stored_message_less_background",
+                "stored_per_broker_msg_per_s",
+            ):
                 if any(key in r for r in runs):  # the scale-out figures of every run: it takes their medians
                     pick["repeats"][key] = [r.get(key) for r in runs]
         chosen.append(pick)
@@ -623,8 +630,9 @@ def run_bench(
             systems[name] = sys_obj
     runs = plan(config, systems, wanted, repeat)
     missing = missing_variants(config, runs, skipped, wanted, systems)
+    matching = _load_matching(config, runs)
     progress = progress or Progress(len(runs))
-    progress.total = max(1, len(runs))
+    progress.total = max(1, len(runs) + sum(1 for _s, _sys, v in runs if v.id in matching))
     for name, reason in skipped.items():
         progress.message(f"skipping {name}: {reason}")
     for m in missing:
@@ -636,34 +644,27 @@ def run_bench(
         try:
             for n, (scenario, sys_obj, variant) in enumerate(runs):
                 run_name = _safe(f"{scenario.name}-{variant.mode}-{n}")
-                rundir = Path(tmp) / run_name
-                rundir.mkdir()
-                key = sys_obj.name
-                try:
-                    if sys_obj.reuse_server:
-                        if key not in reused:
-                            progress.message(f"starting {sys_obj.title} (kept for every run)")
-                            reused[key] = sys_obj.start(variant, Path(tmp))
-                        server = reused[key]
-                    else:
-                        if variant.explicit:  # a cluster: etcd and several brokers take seconds to start
-                            progress.message(f"starting {variant.id}: {variant.durability}")
-                        server = sys_obj.start(variant, rundir)
-                except Exception as exc:
-                    result = _failed(scenario, variant, f"server did not start: {exc}")
-                else:
-                    try:
-                        result = run_one(sys_obj, variant, server, scenario, run_name, progress, profile)
-                    except Exception as exc:
-                        result = _failed(scenario, variant, f"{type(exc).__name__}: {exc}")
-                    finally:
-                        if not sys_obj.reuse_server:
-                            with contextlib.suppress(Exception):
-                                server.stop()
-                        shutil.rmtree(rundir, ignore_errors=True)  # a run's data is not needed after it
-                result["description"] = scenario.description
+                result = _start_and_run(sys_obj, variant, scenario, run_name, Path(tmp), progress, profile, reused)
                 results.append(result)
                 progress.finish_run(one_line(scenario, result))
+                if on_result is not None:
+                    on_result(result)
+                if variant.id not in matching:
+                    continue
+                paced = load_matched_scenario(scenario, result)
+                if paced is None:  # the run failed: nothing to match
+                    progress.done += 1
+                    continue
+                base = matching[variant.id]
+                progress.message(f"then one broker paced to {paced.total_rate:,.0f} msg/s, each broker's rate here")
+                result = _start_and_run(
+                    sys_obj, base, paced, f"{run_name}-matched", Path(tmp), progress, profile, reused
+                )
+                result.update(
+                    load_matched_identity(base.id, variant.id, matching_k(config, variant.id), paced.total_rate)
+                )
+                results.append(result)
+                progress.finish_run(one_line(paced, result))
                 if on_result is not None:
                     on_result(result)
         finally:
@@ -695,6 +696,72 @@ def run_bench(
     if section is not None:
         report["scale_out"] = section
     return report
+
+
+def _start_and_run(
+    sys_obj: System,
+    variant: Variant,
+    scenario: Scenario,
+    run_name: str,
+    tmp: Path,
+    progress: Progress,
+    profile: Path | None,
+    reused: dict[str, Server],
+) -> dict[str, Any]:
+    """Start the variant's server (or reuse the kept one), run the scenario, stop it: the run's result."""
+    rundir = tmp / _safe(run_name)
+    rundir.mkdir()
+    key = sys_obj.name
+    try:
+        if sys_obj.reuse_server:
+            if key not in reused:
+                progress.message(f"starting {sys_obj.title} (kept for every run)")
+                reused[key] = sys_obj.start(variant, tmp)
+            server = reused[key]
+        else:
+            if variant.explicit:  # a cluster: etcd and several brokers take seconds to start
+                progress.message(f"starting {variant.id}: {variant.durability}")
+            server = sys_obj.start(variant, rundir)
+    except Exception as exc:
+        result = _failed(scenario, variant, f"server did not start: {exc}")
+    else:
+        try:
+            result = run_one(sys_obj, variant, server, scenario, _safe(run_name), progress, profile)
+        except Exception as exc:
+            result = _failed(scenario, variant, f"{type(exc).__name__}: {exc}")
+        finally:
+            if not sys_obj.reuse_server:
+                with contextlib.suppress(Exception):
+                    server.stop()
+            shutil.rmtree(rundir, ignore_errors=True)  # a run's data is not needed after it
+    result["description"] = scenario.description
+    return result
+
+
+def matching_k(config: Config, variant_id: str) -> int:
+    """The partition count a scale-out variant sets (``settings.variants[id].partitions``); 0 when none."""
+    return int(config.settings.get("variants", {}).get(variant_id, {}).get("partitions", 0))
+
+
+def _load_matching(config: Config, runs: Sequence[tuple[Scenario, System, Variant]]) -> dict[str, Variant]:
+    """With ``settings.scale_out.load_matched``: each variant of k > 1 partitions -> the baseline variant to pace.
+
+    Every run of such a variant is followed by a run of the baseline (one
+    broker) paced to the rate each of its brokers stored at
+    (``scaleout.load_matched_scenario``). Empty without the setting or when
+    the baseline is not among the runs' systems' variants.
+    """
+    settings = config.settings.get("scale_out") or {}
+    if not settings.get("load_matched"):
+        return {}
+    out = {}
+    for scenario, sys_obj, variant in runs:
+        if matching_k(config, variant.id) <= 1:
+            continue
+        base = next((v for v in sys_obj.variants(scenario) if v.id == settings.get("baseline")), None)
+        if base is not None:
+            out[variant.id] = base
+    return out
 
 
 def _quiet(fn: Callable[[], str]) -> str:

@@ -8,13 +8,24 @@ each broker spend the same CPU per message it stores as the single broker did?
 If it does, a machine with more cores serves proportionally more, and the
 projection for bigger machines is ``cores / (CPU per message)``. Pure: it
 reads a report dict (``run_bench``'s) and returns plain data, Markdown or HTML.
+
+The shared cores cap the total, so each of k brokers is fed about 1/k of it,
+and a broker's CPU per message depends on its load (fewer batches per loop
+pass and group commit when it is fed less). With ``load_matched`` the runner
+follows every run of k > 1 brokers with one of the single broker paced to the
+rate each of the k brokers stored at (``load_matched_scenario``), and the
+section divides each broker's CPU per message by that paced broker's: the
+cost of partitions and brokers at equal load per broker.
 """
 
 from __future__ import annotations
 
+import math
+from dataclasses import replace
 from html import escape
 from typing import Any
 
+from conveyor.benchmarks.suite.scenario import Scenario
 from conveyor.benchmarks.suite.svg import hbars
 
 Row = dict[str, Any]
@@ -77,6 +88,8 @@ def _row(r: dict[str, Any], k: int) -> Row:
         "e2e_seconds": r.get("e2e_seconds"),
         "repetitions": len(repeats.get("values") or [None]),
         "runs_key": (repeats.get("metric") or "end-to-end msg/s", repeats.get("values") or [r.get("e2e_msg_per_s")]),
+        "per_broker_msg_per_s": _rate_median(r),
+        "runs_per_broker_msg_per_s": _runs(r, "stored_per_broker_msg_per_s"),
     }
 
 
@@ -113,6 +126,50 @@ def _spread(runs: list[dict[str, float] | None]) -> dict[str, list[float]]:
     return out
 
 
+def per_broker_rate(result: dict[str, Any]) -> float | None:
+    """Messages each broker stored per second of the run: the mean of what they stored over the end-to-end time."""
+    stored = result.get("stored") or {}
+    seconds = result.get("e2e_seconds") or 0.0
+    if not stored or not seconds:
+        return None
+    return round(sum(stored.values()) / len(stored) / seconds, 1)
+
+
+def load_matched_scenario(scenario: Scenario, result: dict[str, Any]) -> Scenario | None:
+    """The same workload for one broker, paced to the rate each broker of ``result`` stored at; None: no rate.
+
+    As many messages as each of those brokers stored (the mean), at that rate,
+    so the single broker carries one of them's load for as long. Batches stay
+    the scenario's size: the producer lingers long enough for a full batch at
+    that rate (the k brokers were sent full batches by a producer at full speed).
+    Same credit, fsync and consumers: only the producer's pace changes.
+    """
+    rate = per_broker_rate(result)
+    if not rate or not result.get("ok"):
+        return None
+    stored = result["stored"]
+    messages = max(scenario.producers, round(sum(stored.values()) / len(stored)))
+    linger = max(scenario.conveyor_linger_ms, math.ceil(1500 * scenario.batch_size / rate))
+    return replace(
+        scenario,
+        rate=round(rate),
+        messages=messages,
+        duration=max(scenario.duration, 2 * messages / rate),
+        linger_ms=float(linger),
+        eager=scenario.conveyor_eager,
+    )
+
+
+def load_matched_identity(baseline: str, variant: str, partitions: int, rate: float) -> dict[str, Any]:
+    """What a load-matched run's result says it is: its own variant id (``conveyor:p1@p2``) and what it matches."""
+    return {
+        "variant": f"{baseline}@{variant.split(':', 1)[1]}",
+        "durability": f"1 broker and etcd, 1 partition, paced to {rate:,.0f} msg/s "
+        f"(each broker's stored rate at {partitions} partitions)",
+        "load_matched": {"for": variant, "partitions": partitions, "rate": rate},
+    }
+
+
 def scale_out(report: dict[str, Any]) -> dict[str, Any] | None:
     """The section for every scenario that ran partitioned variants; None when the config asks for none.
 
@@ -138,12 +195,23 @@ def scale_out(report: dict[str, Any]) -> dict[str, Any] | None:
             continue
         rows.sort(key=lambda row: row["partitions"])
         base = next((row for row in rows if row["variant"] == settings.get("baseline")), rows[0])
-        scenarios.append(_scenario(name, rows, base, tolerance, cores, machine_cores))
+        matched = {
+            r["load_matched"]["for"]: r
+            for r in report["results"]
+            if r["scenario"] == name and r.get("load_matched") and "e2e_msg_per_s" in r
+        }
+        scenarios.append(_scenario(name, rows, base, tolerance, cores, machine_cores, matched))
     return {"tolerance": tolerance, "cores": cores, "scenarios": scenarios}
 
 
 def _scenario(
-    name: str, rows: list[Row], base: Row, tolerance: float, cores: list[int], machine: int
+    name: str,
+    rows: list[Row],
+    base: Row,
+    tolerance: float,
+    cores: list[int],
+    machine: int,
+    matched: dict[str, dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
     base_us = base["max_us_per_message"]
     for row in rows:
@@ -156,6 +224,9 @@ def _scenario(
         row["within"] = bool(ratios) and all(abs(x - 1) <= tolerance for x in ratios)
         row["e2e_ratio"] = round(row["e2e_msg_per_s"] / base["e2e_msg_per_s"], 3) if base["e2e_msg_per_s"] else None
         row["one_partition_per_broker"] = _one_each(row)
+        paced = (matched or {}).get(row["variant"])
+        if paced is not None and row is not base:
+            _match(row, paced, tolerance)
     return {
         "scenario": name,
         "baseline": base["variant"],
@@ -163,6 +234,43 @@ def _scenario(
         "checks": _checks(rows, base, tolerance),
         "projection": projection(rows, cores, machine),
     }
+
+
+def _rate_median(r: dict[str, Any]) -> float | None:
+    """The per-broker stored rate, the median over the repetitions."""
+    runs = (r.get("repeats") or {}).get("stored_per_broker_msg_per_s") or [r.get("stored_per_broker_msg_per_s")]
+    return _median([v for v in runs if v is not None])
+
+
+def _match(row: Row, paced: dict[str, Any], tolerance: float) -> None:
+    """Each broker of ``row`` against the single broker paced to its rate: ratios and the checks on them."""
+    single = _row(paced, 1)
+    paced_us = single["max_us_per_message"]
+    for broker in row["brokers"].values():
+        us = broker["us_per_message"]
+        broker["load_matched_ratio"] = round(us / paced_us, 3) if us is not None and paced_us else None
+    ratios = [b["load_matched_ratio"] for b in row["brokers"].values() if b["load_matched_ratio"] is not None]
+    paced_broker = next(iter(single["brokers"].values()), None)
+    row["load_matched"] = {
+        "variant": paced["variant"],
+        "per_broker_msg_per_s": row["per_broker_msg_per_s"],
+        "runs_per_broker_msg_per_s": row["runs_per_broker_msg_per_s"],
+        "target_msg_per_s": paced.get("load_matched", {}).get("rate"),
+        "paced_msg_per_s": single["per_broker_msg_per_s"],
+        "runs_paced_msg_per_s": single["runs_per_broker_msg_per_s"],
+        "us_per_message": paced_us,
+        "runs_us_per_message": paced_broker["runs_us_per_message"] if paced_broker else [],
+        "work": paced_broker["work"] if paced_broker else None,
+        "min_ratio": min(ratios, default=None),
+        "max_ratio": max(ratios, default=None),
+        "within": bool(ratios) and all(abs(x - 1) <= tolerance for x in ratios),
+        "not_above": bool(ratios) and all(x <= 1 + tolerance for x in ratios),
+    }
+
+
+def _runs(r: dict[str, Any], key: str) -> list[float]:
+    values = (r.get("repeats") or {}).get(key) or [r.get(key)]
+    return [v for v in values if v is not None]
 
 
 def _one_each(row: Row) -> bool:
@@ -176,7 +284,8 @@ def _checks(rows: list[Row], base: Row, tolerance: float) -> list[dict[str, Any]
     two = next((row for row in rows if row["partitions"] == 2), None)
     return [
         {
-            "claim": f"each broker's CPU per stored message within {tolerance:.0%} of the single broker's",
+            "claim": f"each broker's CPU per stored message within {tolerance:.0%} of the single broker's "
+            "(at full speed: on shared cores each of k brokers is fed about 1/k of the load)",
             "met": all(row["within"] for row in others) if others else None,
             "measured": "; ".join(
                 f"{row['partitions']} partitions: {row['min_ratio']:.3f}-{row['max_ratio']:.3f}x"
@@ -191,10 +300,45 @@ def _checks(rows: list[Row], base: Row, tolerance: float) -> list[dict[str, Any]
             if two is None
             else f"{two['e2e_msg_per_s']:,.0f} vs {base['e2e_msg_per_s']:,.0f} msg/s ({two['e2e_ratio']:.3f}x)",
         },
+        *_matched_checks(others, tolerance),
         {
             "claim": "one partition leader on each broker",
             "met": all(row["one_partition_per_broker"] for row in rows),
             "measured": "; ".join(f"{row['partitions']}: {', '.join(row['leaders'].values())}" for row in rows),
+        },
+    ]
+
+
+def _matched_checks(others: list[Row], tolerance: float) -> list[dict[str, Any]]:
+    """The CPU claim at equal load per broker: against one broker paced to each row's per-broker rate.
+
+    Two readings: within the tolerance either way (the target's words), and
+    not more than the tolerance above (what adding partitions and brokers costs;
+    below means the k brokers were cheaper than one broker at their rate).
+    None when no load-matched run was made.
+    """
+    matched = [row for row in others if row.get("load_matched")]
+    if not matched:
+        return []
+    measured = "; ".join(
+        f"{row['partitions']} partitions: {m['min_ratio']:.3f}-{m['max_ratio']:.3f}x "
+        f"(at {_f(m['per_broker_msg_per_s'], ',.0f')} msg/s per broker)"
+        for row in matched
+        if (m := row["load_matched"])["max_ratio"] is not None
+    )
+    complete = len(matched) == len(others)
+    return [
+        {
+            "claim": f"load-matched: each broker's CPU per stored message within {tolerance:.0%} of one broker's "
+            "paced to the same per-broker rate",
+            "met": all(row["load_matched"]["within"] for row in matched) if complete else False,
+            "measured": measured,
+        },
+        {
+            "claim": f"load-matched: no broker's CPU per stored message more than {tolerance:.0%} above one broker's "
+            "paced to the same per-broker rate",
+            "met": all(row["load_matched"]["not_above"] for row in matched) if complete else False,
+            "measured": measured,
         },
     ]
 
@@ -296,6 +440,7 @@ def markdown(section: dict[str, Any]) -> str:
                 + "; ".join(spread)
                 + ". Stored, CPU s and end-to-end are those of the run the suite reports (its median by that metric).",
             ]
+        out += _matched_table(s["rows"])
         work = [
             f"| {row['partitions']} | {name} | {w['batches']:,} | {w['cpu_us_per_batch']:,.1f} "
             f"| {w['passes_per_batch']:.2f} | {w['group_commits_per_batch']:.2f} "
@@ -303,6 +448,13 @@ def markdown(section: dict[str, Any]) -> str:
             for row in s["rows"]
             for name, b in sorted(row["brokers"].items())
             if (w := b.get("work"))
+        ]
+        work += [
+            f"| 1 | paced to {row['partitions']} brokers' rate | {w['batches']:,} | {w['cpu_us_per_batch']:,.1f} "
+            f"| {w['passes_per_batch']:.2f} | {w['group_commits_per_batch']:.2f} "
+            f"| {w['fsync_ms_per_batch']:.3f} | {w['system_share']:.0%} |"
+            for row in s["rows"]
+            if row.get("load_matched") and (w := row["load_matched"]["work"])
         ]
         if work:
             out += [
@@ -345,6 +497,44 @@ def markdown(section: dict[str, Any]) -> str:
     return "\n".join(out)
 
 
+def _matched_table(rows: list[Row]) -> list[str]:
+    """Each broker against one broker paced to the rate each of them stored at (the load-matched baseline)."""
+    matched = [row for row in rows if row.get("load_matched")]
+    if not matched:
+        return []
+    out = [
+        "",
+        "Load-matched baseline: after each run of k brokers, one broker (the 1-partition setup, same workload, "
+        "credit and fsync) with the producer paced so that it stores at the rate each of the k brokers stored at "
+        "(their mean, stored messages over the run's seconds), as many messages as each of them stored. "
+        "Medians over the repetitions; the ratio is each broker's CPU per stored message over the paced broker's.",
+        "",
+        "| partitions = brokers | broker | CPU µs per stored message | ratio to 1 broker unpaced "
+        "| per-broker stored msg/s | 1 broker paced: stored msg/s | its CPU µs per stored message | ratio to it |",
+        "|---:|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for row in matched:
+        m = row["load_matched"]
+        for i, (name, b) in enumerate(sorted(row["brokers"].items())):
+            first = i == 0
+            out.append(
+                f"| {row['partitions'] if first else ''} | {name} | {_f(b['us_per_message'])} | {_f(b['ratio'])} "
+                f"| {_f(m['per_broker_msg_per_s'], ',.0f') if first else ''} "
+                f"| {_f(m['paced_msg_per_s'], ',.0f') if first else ''} "
+                f"| {_f(m['us_per_message']) if first else ''} | {_f(b.get('load_matched_ratio'))} |"
+            )
+    spread = [
+        f"{row['partitions']}: per-broker rate {'/'.join(_num(v) for v in m['runs_per_broker_msg_per_s'])}, "
+        f"paced broker {'/'.join(_num(v) for v in m['runs_paced_msg_per_s'])} msg/s at "
+        f"{'/'.join(f'{v:.3f}' for v in m['runs_us_per_message'])} µs"
+        for row in matched
+        if len((m := row["load_matched"])["runs_us_per_message"]) > 1
+    ]
+    if spread:
+        out += ["", "The repetitions, in run order: " + "; ".join(spread) + "."]
+    return out
+
+
 def html(section: dict[str, Any]) -> str:
     """The scale-out section of the HTML report, with its charts."""
     parts = ["<h2 id='scale-out'>Scale-out: CPU per stored message per broker</h2>"]
@@ -358,6 +548,24 @@ def html(section: dict[str, Any]) -> str:
                     bars.append((label, b["us_per_message"], _colour(row["partitions"]), "µs"))
         parts.append("<p class=note>CPU µs per message each broker stored (lower is better; flat is scaling)</p>")
         parts.append(hbars(bars, unit="µs"))
+        matched = []
+        for row in s["rows"]:
+            m = row.get("load_matched")
+            if not m or m["us_per_message"] is None:
+                continue
+            rate = _f(m["paced_msg_per_s"] or m["target_msg_per_s"], ",.0f")
+            matched.append((f"1 broker paced to {rate} msg/s", m["us_per_message"], _colour(1), "µs"))
+            matched += [
+                (f"{_k(row['partitions'])}: {name}", b["us_per_message"], _colour(row["partitions"]), "µs")
+                for name, b in sorted(row["brokers"].items())
+                if b["us_per_message"] is not None
+            ]
+        if matched:
+            parts.append(
+                "<p class=note>Load-matched: each broker's CPU µs per stored message next to one broker's paced to "
+                f"the same per-broker rate (within {section['tolerance']:.0%}: the target at equal load per broker)</p>"
+            )
+            parts.append(hbars(matched, unit="µs"))
         tp = [(_k(row["partitions"]), row["e2e_msg_per_s"], _colour(row["partitions"]), "") for row in s["rows"]]
         parts.append("<p class=note>End-to-end throughput on this machine (its cores are shared by everything)</p>")
         parts.append(hbars(tp))

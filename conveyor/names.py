@@ -14,7 +14,7 @@ from __future__ import annotations
 import hashlib
 import re
 
-from conveyor.errors import InvalidName
+from conveyor.errors import ConfigError, InvalidName
 
 MAX_NAME = 200
 NAME_RE = re.compile(r"[A-Za-z0-9._-]{1,200}")
@@ -63,6 +63,23 @@ LOG_RE = re.compile(r"[A-Za-z0-9._-]{1,200}(#[1-9][0-9]{0,3})?")
 def partition_log(topic: str, partition: int) -> str:
     """The name of the log that holds ``partition`` of ``topic``: ``topic`` itself for partition 0."""
     return topic if partition == 0 else f"{topic}{PARTITION_MARK}{partition}"
+
+
+def check_partition(partition: object, what: str = "partition") -> int:
+    """``partition`` if it is a partition number (an int of 0 or more, not a bool), else ``ConfigError`` (500).
+
+    Clients check it before routing: a string failed deep inside with a ``TypeError``, and a
+    negative number went to the broker.
+    """
+    if not isinstance(partition, int) or isinstance(partition, bool) or partition < 0:
+        raise ConfigError(f"{what} must be an int of 0 or more, not {partition!r}", partition=repr(partition))
+    return partition
+
+
+def log_label(name: str) -> str:
+    """How a message to a user names a log: ``"orders"``, or ``"orders partition 3"`` for ``orders#3``."""
+    topic, partition = split_log(name)
+    return f"{topic} partition {partition}" if partition else topic
 
 
 def split_log(name: str) -> tuple[str, int]:

@@ -102,6 +102,9 @@ def _publish_setup(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("topic")
     parser.add_argument("messages", nargs="*", help="values to send; one per stdin line when none are given")
     parser.add_argument("--key", help="key for every message")
+    parser.add_argument(
+        "--partition", type=int, metavar="N", help="send to this partition (default: the key's, or a batch's)"
+    )
     parser.add_argument("--header", action="append", default=[], metavar="K=V", help="a header (repeatable)")
     parser.add_argument(
         "--format",
@@ -109,7 +112,11 @@ def _publish_setup(parser: argparse.ArgumentParser) -> None:
         default="text",
         help="text: UTF-8 strings; json: parse each value and send it as an object; bytes: raw",
     )
-    parser.add_argument("--quiet", action="store_true", help="do not print offsets")
+    parser.add_argument(
+        "--quiet",
+        action="store_true",
+        help="do not print offsets (printed one a line: OFFSET, or PARTITION:OFFSET for a topic of several partitions)",
+    )
 
 
 @command("publish", "publish messages to a topic", _publish_setup)
@@ -117,7 +124,11 @@ def cmd_publish(args: argparse.Namespace) -> int:
     from conveyor.broker.client.admin import Admin
     from conveyor.broker.client.producer import Producer
 
+    from conveyor.names import check_partition
+
     opts = client_options(args, "publish")
+    if args.partition is not None:
+        check_partition(args.partition, "--partition")
     headers = dict(_pair(h) for h in args.header) or None
     raws = args.messages or (line.rstrip("\n") for line in sys.stdin)
     values = [_parse_value(raw, args.format, number) for number, raw in enumerate(raws, 1)]  # all valid, or none sent
@@ -126,14 +137,20 @@ def cmd_publish(args: argparse.Namespace) -> int:
     futures = []
     with Producer(opts["broker"], request_timeout_ms=5000, delivery_timeout_ms=30_000) as producer:
         for value in values:
-            futures.append(producer.send(args.topic, value, key=args.key, headers=headers))
+            futures.append(producer.send(args.topic, value, key=args.key, headers=headers, partition=args.partition))
         producer.flush(timeout=60)
+        many = producer.partitioner.counts.get(args.topic, 1) > 1
     offsets = [f.result() for f in futures]
     if not args.quiet:
         for offset in offsets:
-            print(offset)
+            print(_where(offset, many))
     print(f"published {len(offsets)} message(s) to {args.topic}", file=sys.stderr)
     return 0
+
+
+def _where(offset: Any, many: bool) -> str:
+    """A published message's place: its offset, or ``partition:offset`` in a topic of several (as ``tail`` prints)."""
+    return f"{getattr(offset, 'partition', 0)}:{int(offset)}" if many else str(int(offset))
 
 
 def _parse_value(raw: str, fmt: str, number: int) -> Any:
@@ -198,7 +215,10 @@ def cmd_tail(args: argparse.Namespace) -> int:
         parts = _tail_partitions(args.topic, info, args.partition)
         many = len(info.get("partitions") or [None]) > 1  # text lines then say partition:offset
         offsets = {
-            p: _start_offset(admin, args.topic, args.start, wait=args.wait, partition=p, info=info) for p in parts
+            p: _start_offset(
+                admin, args.topic, args.start, wait=args.wait, partition=p, info=info, each=args.partition is None
+            )
+            for p in parts
         }
         last_data = time.monotonic()
         quiet = False
@@ -273,22 +293,35 @@ def _overtaken(topic: str, offset: int, start: int) -> int:
 
 
 def _start_offset(
-    admin: Any, topic: str, start: str, *, wait: bool = False, partition: int = 0, info: dict[str, Any] | None = None
+    admin: Any,
+    topic: str,
+    start: str,
+    *,
+    wait: bool = False,
+    partition: int = 0,
+    info: dict[str, Any] | None = None,
+    each: bool = False,
 ) -> int:
+    """Where the tail of ``partition`` starts. ``each``: ``--from`` applies to every partition of a topic of
+    several, and one whose end is below the offset starts at its end (reads what comes next)."""
     info = info or admin.describe_topic(topic)
     rows = info.get("partitions") or [{"start_offset": info["start_offset"], "end_offset": info["end_offset"]}]
-    info = {**info, "start_offset": rows[partition]["start_offset"], "end_offset": rows[partition]["end_offset"]}
+    row = next((r for r in rows if r.get("partition", 0) == partition), rows[0])
+    info = {**info, "start_offset": row["start_offset"], "end_offset": row["end_offset"]}
+    many = len(rows) > 1
     first, end = int(info["start_offset"]), int(info["end_offset"])
     if start == "earliest":
         return first
     if start == "latest":
         return end
     if start.lstrip("-").isdigit():
-        return _checked_offset(topic, int(start), first, end, wait)
+        if each and many and not wait and int(start) > end:
+            return end
+        return _checked_offset(topic, int(start), first, end, wait, partition if many else None)
     return _offset_for_time(admin, topic, _timestamp_ms(start, "--from"), info, partition)
 
 
-def _checked_offset(topic: str, offset: int, first: int, end: int, wait: bool) -> int:
+def _checked_offset(topic: str, offset: int, first: int, end: int, wait: bool, partition: int | None = None) -> int:
     """An offset ``--from`` may start at: below the log start is clamped (with a note), past the end is an error.
 
     Printing nothing and exiting 0 for an offset the topic has not reached
@@ -300,12 +333,14 @@ def _checked_offset(topic: str, offset: int, first: int, end: int, wait: bool) -
         print(f"conveyor tail: offset {offset} was removed by retention; starting at {first}", file=sys.stderr)
         return first
     if offset > end and not wait:
+        where = {} if partition is None else {"partition": partition}
         raise OffsetOutOfRange(
-            f"--from {offset} is past the end of {topic} (its next message gets offset {end}); "
-            f"use --from latest, or --wait to wait for offset {offset}",
+            f"--from {offset} is past the end of {topic}{'' if partition is None else f' partition {partition}'} "
+            f"(its next message gets offset {end}); use --from latest, or --wait to wait for offset {offset}",
             topic=topic,
             offset=offset,
             end_offset=end,
+            **where,
         )
     return offset
 
@@ -420,6 +455,8 @@ def cmd_topics(args: argparse.Namespace) -> int:
                 raise ConfigError(f"topics {args.action} needs a topic name")
             config = dict(_pair(s) for s in args.set)  # sent as typed: the broker's settings table parses them
             check_topic_settings({k: v for k, v in config.items() if k != "storage"})  # the same table, no broker
+            if args.partitions is not None:
+                _check_partitions(args.partitions)
             if args.action == "create":
                 for name in ("replication_factor", "min_insync_replicas"):
                     if getattr(args, name) is not None:
@@ -436,14 +473,75 @@ def cmd_topics(args: argparse.Namespace) -> int:
                     result = admin.alter_topic(args.name, **config)
             elif args.action == "describe":
                 result = admin.describe_topic(args.name)
+                if args.format == "table":
+                    _show_topic(result)
+                    return 0
             elif args.action == "refresh":
                 result = admin.refresh_topic(args.name)
             elif args.action == "reassign":
                 result = _reassign(admin, args, opts["broker"])
             else:
                 result = admin.delete_topic(args.name)
-    _show(result, args.format, ["name", "start_offset", "end_offset", "segments", "size_bytes"])
+    _show(
+        result,
+        args.format,
+        ["name", ("partition_count", "partitions"), "start_offset", "end_offset", "segments", "size_bytes"],
+    )
     return 0
+
+
+def _check_partitions(count: int) -> None:
+    from conveyor.names import MAX_PARTITIONS
+
+    if not 1 <= count <= MAX_PARTITIONS:
+        raise ConfigError(f"--partitions takes 1 to {MAX_PARTITIONS} (partitions in all), not {count}")
+
+
+def _show_topic(info: dict[str, Any]) -> None:
+    """``topics describe`` as a table: the topic's fields, then a row per partition."""
+    config = ", ".join(f"{k}={v}" for k, v in sorted((info.get("config") or {}).items()))
+    fields = [
+        "name",
+        ("partition_count", "partitions"),
+        "start_offset",
+        "end_offset",
+        "durable_offset",
+        "visible_offset",
+        "segments",
+        "size_bytes",
+    ]
+    extra = {"groups": ", ".join(info.get("groups") or []) or "-", "config": config or "-"}
+    if info.get("config_errors"):
+        extra["config_errors"] = json.dumps(info["config_errors"], default=str)
+    _show_block(info, fields, extra)
+    _show_rows(info.get("partitions") or [])
+
+
+def _show_group(info: dict[str, Any]) -> None:
+    """``groups describe`` as a table: the group's fields, then a row per partition."""
+    fields = ["topic", "group", "committed_offset", "next_offset", "end_offset", "lag", "in_flight"]
+    fields += ["pending_redelivery", "skipped_by_retention"]
+    members = ", ".join(
+        f"{m.get('peer', '')[:8]}/{m.get('sub')} credit {m.get('credit')}" for m in info.get("members") or []
+    )
+    _show_block(info, fields, {"members": members or "-"})
+    _show_rows(info.get("partitions") or [])
+
+
+def _show_block(info: dict[str, Any], fields: list[Any], extra: dict[str, str]) -> None:
+    pairs = [(f[1], info.get(f[0], "")) if isinstance(f, tuple) else (f, info.get(f, "")) for f in fields]
+    pairs += list(extra.items())
+    width = max(len(label) for label, _ in pairs)
+    for label, value in pairs:
+        print(f"{label.upper().ljust(width)}  {value}")
+    print()
+
+
+def _show_rows(rows: list[dict[str, Any]]) -> None:
+    columns: list[str] = []
+    for row in rows:
+        columns += [key for key in row if key not in columns]
+    _show(rows, "table", columns)
 
 
 def _reassign(admin: Any, args: argparse.Namespace, broker: str) -> dict[str, Any]:
@@ -486,6 +584,9 @@ def _groups_setup(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("group", nargs="?")
     parser.add_argument("--to", help="reset target: earliest, latest, an offset, or an ISO time")
     parser.add_argument(
+        "--partition", type=int, metavar="N", help="reset: this partition only (default: every partition)"
+    )
+    parser.add_argument(
         "--refresh",
         action="store_true",
         help="on a child broker: first drop and re-mirror the topic from the parent's start",
@@ -506,6 +607,9 @@ def cmd_groups(args: argparse.Namespace) -> int:
                 raise ConfigError(f"groups {args.action} needs TOPIC GROUP")
             if args.action == "describe":
                 result = admin.describe_group(args.topic, args.group)
+                if args.format == "table":
+                    _show_group(result)
+                    return 0
             elif args.action == "delete":
                 result = admin.delete_group(args.topic, args.group)
             else:
@@ -516,7 +620,9 @@ def cmd_groups(args: argparse.Namespace) -> int:
                 elif not args.to:
                     raise ConfigError("groups reset needs --to earliest|latest|OFFSET|ISO-TIME, or --refresh")
                 else:
-                    result = admin.reset_offsets(args.topic, args.group, _reset_target(args.to))
+                    result = admin.reset_offsets(
+                        args.topic, args.group, _reset_target(args.to), partition=_reset_partition(args.partition)
+                    )
     _show(result, args.format, ["topic", "group", "committed_offset", "end_offset", "lag", "in_flight"])
     return 0
 
@@ -525,17 +631,28 @@ def _reset_target(text: str) -> Any:
     if text in ("earliest", "latest"):
         return text
     if text.lstrip("-").isdigit():
+        if int(text) < 0:
+            raise ConfigError(f"--to takes earliest, latest, an offset of 0 or more, or an ISO time, not {text}")
         return int(text)
     return {"timestamp": _timestamp_ms(text, "--to")}
 
 
-def _show(result: Any, fmt: str, columns: list[str]) -> None:
+def _reset_partition(partition: int | None) -> int | None:
+    from conveyor.names import check_partition
+
+    return None if partition is None else check_partition(partition, "--partition")
+
+
+def _show(result: Any, fmt: str, columns: list[Any]) -> None:
+    """A list as a table (``columns``: keys, or ``(key, header)``); anything else, and ``--format json``, as JSON."""
     if fmt == "json" or not isinstance(result, list):
         print(json.dumps(result, indent=None if isinstance(result, list) else 2, default=str))
         return
-    rows = [[str(item.get(c, "")) for c in columns] for item in result]
-    widths = [max(len(c), *(len(r[i]) for r in rows)) if rows else len(c) for i, c in enumerate(columns)]
-    print("  ".join(c.upper().ljust(w) for c, w in zip(columns, widths, strict=True)))
+    keys = [c[0] if isinstance(c, tuple) else c for c in columns]
+    heads = [c[1] if isinstance(c, tuple) else c for c in columns]
+    rows = [[str(item.get(c, "")) for c in keys] for item in result]
+    widths = [max(len(c), *(len(r[i]) for r in rows)) if rows else len(c) for i, c in enumerate(heads)]
+    print("  ".join(c.upper().ljust(w) for c, w in zip(heads, widths, strict=True)))
     for row in rows:
         print("  ".join(v.ljust(w) for v, w in zip(row, widths, strict=True)))
 

@@ -18,7 +18,21 @@ from conveyor.broker.wire import commands
 from conveyor.broker.wire.protocol import Command, Frame, encode
 
 from conveyor.errors import BrokerUnavailable, ConveyorError, NotEnoughReplicas, NotLeader, UnknownTopic
-from conveyor.names import check_name, partition_log
+from conveyor.names import check_name, check_partition, partition_log
+
+# Top-level fields of describe_topic / describe_group that are sums over the partitions' rows.
+SUMMED = (
+    "end_offset",
+    "durable_offset",
+    "visible_offset",
+    "segments",
+    "size_bytes",
+    "committed_offset",
+    "next_offset",
+    "lag",
+    "in_flight",
+    "pending_redelivery",
+)
 
 
 def leaders_of(view: ClusterView) -> dict[str, set[str]]:
@@ -184,16 +198,22 @@ class Admin:
         return self._admin("delete_topic", topic=name)
 
     def list_topics(self) -> list[dict[str, Any]]:
-        return self._admin("list_topics")
+        """Every topic's description; in a cluster, a topic whose partitions have several leaders is
+        described whole (``describe_topic`` merges each leader's rows), not by the node that answered."""
+        topics = self._admin("list_topics")
+        return [self.describe_topic(row["name"]) if self._leaders(row["name"]) else row for row in topics]
 
     def describe_topic(self, name: str) -> dict[str, Any]:
         """The topic, with ``partitions`` (start and end offset of each) and ``end_offset`` (their sum)."""
-        return self._merged("describe_topic", name, "end_offset")
+        return self._merged("describe_topic", name)
 
-    def _merged(self, op: str, topic: str, total: str, **args: Any) -> dict[str, Any]:
+    def _merged(self, op: str, topic: str, **args: Any) -> dict[str, Any]:
         """``op`` about ``topic``, answered by partition 0's leader; in a cluster whose partitions of ``topic``
-        have several leaders, each answers for the ones it leads and their ``partitions`` rows are merged
-        (``total``: the field that sums them)."""
+        have several leaders, each answers for the ones it leads and their ``partitions`` rows are merged.
+
+        Every top-level field that is a sum over the partitions (``SUMMED``, where the rows have it) is
+        computed again from the merged rows, so it is the whole topic's, not the first leader's share.
+        """
         first = self._admin(op, topic=topic, **args)
         leaders = self._leaders(topic)
         if not leaders or not isinstance(first, dict):
@@ -205,7 +225,8 @@ class Admin:
             answer = self._to_once(address, partial(commands.admin, op, {"topic": topic, **args}))
             rows.update({row["partition"]: row for row in answer.get("partitions", []) if row["partition"] in numbers})
         merged = [rows[number] for number in sorted(rows)]
-        return {**first, "partitions": merged, total: sum(row[total] for row in merged)}
+        totals = {key: sum(row[key] for row in merged) for key in SUMMED if merged and all(key in r for r in merged)}
+        return {**first, "partitions": merged, **totals}
 
     def _leaders(self, topic: str) -> dict[str, list[int]]:
         """Each leader of ``topic``'s partitions and the partitions it leads; empty on one broker, or
@@ -225,14 +246,19 @@ class Admin:
         """Every group (of ``topic``, if given). A topic's groups live on its leader, so with a list of
         brokers each leader is asked for the groups of the topics it leads."""
         if topic or self.metadata.single:
-            return self._admin("list_groups", **({"topic": topic} if topic else {}))
+            return self._whole(self._admin("list_groups", **({"topic": topic} if topic else {})))
         with self._lock:
             view = self.metadata.refresh()
         rows: list[dict[str, Any]] = []
         for address, topics in sorted(leaders_of(view).items()):
             answer = self._to_once(address, partial(commands.admin, "list_groups", {}))
             rows += [row for row in answer if row.get("topic") in topics]
-        return sorted(rows, key=lambda row: (row["topic"], row["group"]))
+        return self._whole(sorted(rows, key=lambda row: (row["topic"], row["group"])))
+
+    def _whole(self, groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """Each group of a topic whose partitions have several leaders, described whole (merged rows and sums)."""
+        several = {topic: bool(self._leaders(topic)) for topic in {row["topic"] for row in groups}}
+        return [self.describe_group(row["topic"], row["group"]) if several[row["topic"]] else row for row in groups]
 
     def _to_once(self, address: str, frames_for: FramesFor) -> Any:
         with self._lock:
@@ -240,11 +266,21 @@ class Admin:
 
     def describe_group(self, topic: str, group: str) -> dict[str, Any]:
         """The group, with ``partitions`` (committed offset and lag of each) and ``lag`` (their sum)."""
-        return self._merged("describe_group", topic, "lag", group=group)
+        return self._merged("describe_group", topic, group=group)
 
-    def reset_offsets(self, topic: str, group: str, to: str | int | dict[str, int]) -> dict[str, Any]:
-        """``to``: ``"earliest"``, ``"latest"``, an offset, or ``{"timestamp": ms}``: applied to every partition."""
-        return self._merged("reset_offsets", topic, "lag", group=group, to=to)
+    def reset_offsets(
+        self, topic: str, group: str, to: str | int | dict[str, int], *, partition: int | None = None
+    ) -> dict[str, Any]:
+        """``to``: ``"earliest"``, ``"latest"``, an offset (0 or more), or ``{"timestamp": ms}``: applied to
+        every partition, or to ``partition`` alone (sent to that partition's leader). The group after."""
+        if partition is None:
+            return self._merged("reset_offsets", topic, group=group, to=to)
+        check_partition(partition)
+        request = partial(
+            commands.admin, "reset_offsets", {"topic": topic, "group": group, "to": to, "partition": partition}
+        )
+        answer = self._call(request, topic=partition_log(topic, partition)).get("result")  # at partition k's leader
+        return self.describe_group(topic, group) if self._leaders(topic) else answer
 
     def delete_group(self, topic: str, group: str) -> dict[str, Any]:
         return self._admin("delete_group", topic=topic, group=group)
@@ -299,6 +335,7 @@ class Admin:
         partition: int = 0,
     ) -> tuple[list[Message], dict[str, Any]]:
         """Messages and the reply header (``start_offset``, ``end_offset`` of that partition)."""
+        check_partition(partition)
         request = partial(
             commands.fetch,
             partition_log(check_name(topic), partition),  # "T#k" is no alias of a partition: INVALID_NAME

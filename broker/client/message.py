@@ -147,9 +147,10 @@ class Message:
         return self.headers.get(CONTENT_TYPE)
 
     def __repr__(self) -> str:
+        where = f"partition={self.partition!r}, " if self.partition else ""  # a single-partition repr as it was
         return (
-            f"Message(topic={self.topic!r}, offset={self.offset!r}, timestamp={self.timestamp!r}, key={self.key!r}, "
-            f"headers={self.headers!r}, body={self.body!r}, attempt={self.attempt!r})"
+            f"Message(topic={self.topic!r}, {where}offset={self.offset!r}, timestamp={self.timestamp!r}, "
+            f"key={self.key!r}, headers={self.headers!r}, body={self.body!r}, attempt={self.attempt!r})"
         )
 
     def __reduce__(self) -> tuple[Any, ...]:

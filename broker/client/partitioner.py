@@ -43,7 +43,7 @@ from collections.abc import Callable
 from conveyor.broker.wire.partitioning import partition_for_key, unknown_partition
 
 from conveyor.errors import ConveyorError
-from conveyor.names import check_name, partition_log, split_log
+from conveyor.names import check_name, check_partition, partition_log, split_log
 
 log = logging.getLogger("conveyor.producer")
 
@@ -130,7 +130,12 @@ class Partitioner:
                 self._asking.discard(topic)
 
     def route(self, topic: str, key: str | bytes | None, partition: int | None) -> str:
-        """The log name (``topic`` or ``topic#k``) this message's batch is for."""
+        """The log name (``topic`` or ``topic#k``) this message's batch is for.
+
+        ``partition`` not an int of 0 or more (a str, a bool, -1): ``ConfigError``, before anything is asked.
+        """
+        if partition is not None:
+            check_partition(partition)
         count = self.counts.get(topic) or self.count(topic)
         if partition is not None:
             if not 0 <= partition < count and not (partition >= 0 and self.guessed(topic)):

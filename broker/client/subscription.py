@@ -333,7 +333,12 @@ class Subscription:
             if event[0] == "PARTITIONS" and frame.get("sub") == 1 and isinstance(frame.get("partitions"), int):
                 self._subscribe_partitions(frame.get("partitions"), first=self.partitions)
             self.events.append(event)
-            log.info("consumer %s/%s: %s at offset %d", self.topic, self.group, *event)
+            if event[0] == "PARTITIONS":  # its offset says nothing; its count is the news
+                log.info(
+                    "consumer %s/%s: the topic has %s partitions now", self.topic, self.group, frame.get("partitions")
+                )
+            else:
+                log.info("consumer %s/%s: %s at offset %d", self.topic, self.group, *event)
             if self.on_event is not None:
                 self.on_event(*event)
         elif frame.command is Command.ERROR:
@@ -446,23 +451,35 @@ class Subscription:
 
     # --- settling --------------------------------------------------------------------------
 
-    def ack(self, messages: Iterable[Message | int]) -> None:
+    def ack(self, messages: Message | int | Iterable[Message | int]) -> None:
         self._settle(commands.ack, messages)
 
     def nack(
-        self, messages: Iterable[Message | int], *, delay_ms: int = 0, error: str = "", release: bool = False
+        self,
+        messages: Message | int | Iterable[Message | int],
+        *,
+        delay_ms: int = 0,
+        error: str = "",
+        release: bool = False,
     ) -> None:
         """Give messages back; ``release`` for ones never tried (not counted as a delivery)."""
         self._settle(commands.nack, messages, delay_ms=int(delay_ms), error=error[:4096], release=release)
 
-    def in_progress(self, messages: Iterable[Message | int]) -> None:
+    def in_progress(self, messages: Message | int | Iterable[Message | int]) -> None:
         self._settle(commands.in_progress, messages)
 
-    def term(self, messages: Iterable[Message | int], *, reason: str = "") -> None:
+    def term(self, messages: Message | int | Iterable[Message | int], *, reason: str = "") -> None:
         self._settle(commands.term, messages, reason=reason[:4096])
 
-    def _settle(self, settle: Callable[..., list[Any]], messages: Iterable[Message | int], **extra: Any) -> None:
-        """``settle``: the encoder of ACK, NACK, IN_PROGRESS or TERM (``broker/wire/commands.py``)."""
+    def _settle(
+        self, settle: Callable[..., list[Any]], messages: Message | int | Iterable[Message | int], **extra: Any
+    ) -> None:
+        """``settle``: the encoder of ACK, NACK, IN_PROGRESS or TERM (``broker/wire/commands.py``).
+
+        ``messages``: messages or ``Message.ref`` ints, or one of either.
+        """
+        if isinstance(messages, (Message, int)):
+            messages = [messages]
         if self.children:
             for partition, offsets in by_partition(messages).items():
                 owner = self.children.get(partition) if partition else self  # partition 0: this one's own

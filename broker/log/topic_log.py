@@ -22,6 +22,7 @@ from conveyor.broker.log.tail_cache import TailCache
 from conveyor.broker.wire.record import NO_PRODUCER, Batch, encode_header
 
 from conveyor.errors import ConfigError, ConveyorError, OffsetOutOfRange, StorageIOError
+from conveyor.names import log_label, split_log
 
 if TYPE_CHECKING:
     from conveyor.broker.log.io_health import IoHealth
@@ -253,9 +254,11 @@ class TopicLog(ABC):
         ``OffsetOutOfRange``; a read at the end returns nothing.
         """
         if offset < self.start_offset or offset > self.end_offset:
+            topic, partition = split_log(self.name)  # a user's names: "orders partition 3", never the log orders#3
             raise OffsetOutOfRange(
-                f"offset {offset} is outside [{self.start_offset}, {self.end_offset}] of {self.name}",
-                topic=self.name,
+                f"offset {offset} is outside [{self.start_offset}, {self.end_offset}] of {log_label(self.name)}",
+                topic=topic,
+                **({"partition": partition} if partition else {}),
                 offset=offset,
                 start_offset=self.start_offset,
                 end_offset=self.end_offset,

@@ -16,7 +16,7 @@ from conveyor.broker.server.metadata import SINGLE_NODE_ID
 from conveyor.broker.server.partition_logs import add_partition_logs, create_partitioned, set_partition_count
 from conveyor.broker.server.partition_status import describe_partitions
 
-from conveyor.errors import ConfigError, InvalidRequest, PartitionsUnsupported, UnknownGroup
+from conveyor.errors import ConfigError, InvalidRequest, PartitionsUnsupported, UnknownGroup, UnknownPartition
 from conveyor.names import PARTITION_MARK, dead_letter_topic, partition_log
 
 if TYPE_CHECKING:
@@ -66,62 +66,95 @@ def answered_here(host: AdminHost, topic: str) -> list[int]:
     return led or held
 
 
+TOPIC_SUMS = ("end_offset", "durable_offset", "visible_offset", "segments", "size_bytes")  # summed over partitions
+
+
 def describe_topic(host: AdminHost, name: str) -> dict[str, Any]:
-    """The topic; ``end_offset`` is its one partition's, or the sum over its partitions (``partitions``)."""
+    """The topic; for one partition, that log's fields as always. For several, ``end_offset``,
+    ``durable_offset``, ``visible_offset``, ``segments`` and ``size_bytes`` are sums over the
+    partitions answered here, and each row of ``partitions`` has its own (docs/partitions.md)."""
     numbers = answered_here(host, name)
     log = host.store.topic(partition_log(name, numbers[0]) if numbers and host.partitions is not None else name)
-    partitions = [
-        {
-            "partition": number,
-            "start_offset": host.store.topic(partition_log(name, number)).start_offset,
-            "end_offset": host.store.topic(partition_log(name, number)).end_offset,
-        }
-        for number in numbers
-    ]
-    return {
-        "name": name,
-        "partition_count": host.partition_count(name),  # in a cluster ``partitions`` has the ones led here
-        "partitions": partitions,
-        "start_offset": log.start_offset,
-        "end_offset": sum(p["end_offset"] for p in partitions),
+    count = host.partition_count(name)
+    partitions = [_topic_row(host.store.topic(partition_log(name, number)), number, count > 1) for number in numbers]
+    single = {
         "durable_offset": log.durable_offset,
         "visible_offset": log.visible_offset,
         "segments": log.segment_count(),
         "size_bytes": log.size_bytes(),
+    }
+    sums = {key: sum(row[key] for row in partitions) for key in TOPIC_SUMS[1:]} if count > 1 else single
+    return {
+        "name": name,
+        "partition_count": count,  # in a cluster ``partitions`` has the ones led here
+        "partitions": partitions,
+        "start_offset": log.start_offset,
+        "end_offset": sum(p["end_offset"] for p in partitions),
+        **sums,
         "config": log.config.settings(),
         "config_errors": [error.to_dict() for error in host.store.config_errors.get(name, [])],
         "groups": host.groups.names_of_topic(name),
     }
 
 
+def _topic_row(log: Any, number: int, full: bool) -> dict[str, Any]:
+    """One partition's row: its bounds, and (of a topic with several) its durable and visible ends and size."""
+    row = {"partition": number, "start_offset": log.start_offset, "end_offset": log.end_offset}
+    if full:
+        row.update(
+            durable_offset=log.durable_offset,
+            visible_offset=log.visible_offset,
+            segments=log.segment_count(),
+            size_bytes=log.size_bytes(),
+        )
+    return row
+
+
+GROUP_SUMS = ("committed_offset", "next_offset", "end_offset", "lag", "in_flight", "pending_redelivery")
+
+
 def describe_group(host: AdminHost, topic: str, name: str) -> dict[str, Any]:
-    """Partition 0's group as before, plus ``partitions`` (lag of each) and ``lag`` summed over them."""
+    """Partition 0's group, with ``partitions`` (a row each); for one partition its fields as always.
+
+    For several, ``committed_offset``, ``next_offset``, ``end_offset``, ``lag``, ``in_flight`` and
+    ``pending_redelivery`` are sums over the partitions (each row has its own); ``members`` are
+    partition 0's (each member subscribes to every partition).
+    """
     if host.partitions is not None:
         return _describe_led(host, topic, name)
     described = _describe_one(host, topic, name)
     if host.store.partition_count(topic) == 1:
-        return {**described, "partitions": [_partition_lag(0, described)]}
-    rows = [_partition_lag(0, described)]
+        return {**described, "partitions": [_partition_row(0, described, False)]}
+    rows = [_partition_row(0, described, True)]
     for number in range(1, host.store.partition_count(topic)):
         log_name = partition_log(topic, number)
         if host.groups.get((log_name, name)) is not None:
-            rows.append(_partition_lag(number, _describe_one(host, log_name, name)))
-    return {**described, "lag": sum(row["lag"] for row in rows), "partitions": rows}
+            rows.append(_partition_row(number, _describe_one(host, log_name, name), True))
+    return _summed(described, rows)
+
+
+def _summed(described: dict[str, Any], rows: list[dict[str, Any]]) -> dict[str, Any]:
+    return {**described, **{key: sum(row[key] for row in rows) for key in GROUP_SUMS}, "partitions": rows}
 
 
 def _describe_led(host: AdminHost, topic: str, name: str) -> dict[str, Any]:
     """In a cluster: the group on the partitions this node answers for (the first one's fields as the
-    group's; the client merges every leader's ``partitions`` rows)."""
+    group's, summed over them for a topic of several; the client merges every leader's ``partitions`` rows)."""
     numbers = [n for n in answered_here(host, topic) if host.groups.get((partition_log(topic, n), name)) is not None]
     if not numbers:
         _group(host, topic, name)  # UNKNOWN_TOPIC or UNKNOWN_GROUP, as a single node says
-    rows = [_partition_lag(n, _describe_one(host, partition_log(topic, n), name)) for n in numbers]
+    full = host.partition_count(topic) > 1
+    rows = [_partition_row(n, _describe_one(host, partition_log(topic, n), name), full) for n in numbers]
     described = {**_describe_one(host, partition_log(topic, numbers[0]), name), "topic": topic}
-    return {**described, "lag": sum(row["lag"] for row in rows), "partitions": rows}
+    if not full:
+        return {**described, "lag": sum(row["lag"] for row in rows), "partitions": rows}
+    return _summed(described, rows)
 
 
-def _partition_lag(number: int, described: dict[str, Any]) -> dict[str, Any]:
-    keys = ("committed_offset", "end_offset", "lag", "in_flight")
+def _partition_row(number: int, described: dict[str, Any], full: bool) -> dict[str, Any]:
+    """A partition's row: committed offset, end, lag and in flight; of a topic with several, also its
+    next offset and pending redeliveries (a single-partition topic's row is as it was)."""
+    keys = GROUP_SUMS if full else ("committed_offset", "end_offset", "lag", "in_flight")
     return {"partition": number, **{key: described[key] for key in keys}}
 
 
@@ -156,16 +189,54 @@ def _group(host: AdminHost, topic: str, name: str) -> Group:
     return group
 
 
-def reset_offsets(host: AdminHost, topic: str, name: str, to: Any) -> dict[str, Any]:
-    """Applies ``to`` to every partition of the topic (an offset: the same offset in each)."""
+def reset_offsets(host: AdminHost, topic: str, name: str, to: Any, partition: int | None = None) -> dict[str, Any]:
+    """Applies ``to`` to every partition of the topic (an offset: the same offset in each), or to
+    ``partition`` alone. A negative offset is refused before anything changes."""
+    _check_position(to)
+    count = host.partition_count(topic)
+    if partition is not None and not 0 <= partition < count:
+        host.store.topic(topic)  # UNKNOWN_TOPIC first
+        raise UnknownPartition(
+            f"topic {topic} has {count} partition{'s' if count != 1 else ''}: no partition {partition}",
+            topic=topic,
+            partition=partition,
+            partitions=count,
+        )
     if host.partitions is not None:  # the partitions led here; the client asks every leader
+        if partition is not None and host.partitions.leader_of(partition_log(topic, partition)) is None:
+            host.partitions.check_group_admin(partition_log(topic, partition))  # followed here: NOT_LEADER
         for number in answered_here(host, topic):
-            _reset_one(host, partition_log(topic, number), name, to)
+            if partition in (None, number):
+                _reset_one(host, partition_log(topic, number), name, to)
+        return describe_group(host, topic, name)
+    if partition is not None:
+        _reset_one(host, partition_log(topic, partition), name, to)
         return describe_group(host, topic, name)
     for number in range(1, host.store.partition_count(topic)):
         _reset_one(host, partition_log(topic, number), name, to)
     _reset_one(host, topic, name, to)
     return describe_group(host, topic, name)
+
+
+def _check_position(to: Any) -> None:
+    """A negative offset is no position: refused (it was taken as the start of every partition)."""
+    offset = to.get("offset") if isinstance(to, dict) else to
+    if isinstance(offset, str) and offset.lstrip("-").isdigit():
+        offset = int(offset)
+    if isinstance(offset, int) and not isinstance(offset, bool) and offset < 0:
+        raise InvalidRequest(
+            f"reset_offsets: an offset is 0 or more, not {offset} (or earliest, latest, {{'timestamp': ms}})",
+            field="to",
+        )
+
+
+def _partition_arg(header: dict[str, Any]) -> int | None:
+    value = header.get("partition")
+    if value is None:
+        return None
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise InvalidRequest(f"ADMIN 'partition' must be an int of 0 or more, not {value!r}", field="partition")
+    return value
 
 
 def _reset_one(host: AdminHost, topic: str, name: str, to: Any) -> None:
@@ -341,7 +412,7 @@ OPS: dict[str, Callable[[AdminHost, dict[str, Any]], Any]] = {
         if h.get("topic") in (None, t) and PARTITION_MARK not in t
     ],
     "describe_group": lambda b, h: describe_group(b, _topic(h), _arg(h, "group", str)),
-    "reset_offsets": lambda b, h: reset_offsets(b, _topic(h), _arg(h, "group", str), h.get("to")),
+    "reset_offsets": lambda b, h: reset_offsets(b, _topic(h), _arg(h, "group", str), h.get("to"), _partition_arg(h)),
     "delete_group": lambda b, h: delete_group(b, _topic(h), _arg(h, "group", str)),
     "refresh_topic": lambda b, h: refresh_topic(b, _topic(h)),
     "mirror_status": lambda b, h: b.mirror.health() if b.mirror else None,

@@ -28,7 +28,7 @@ from conveyor.broker.wire.ranges import count as count_offsets
 from conveyor.broker.wire.record import Batch, pack_records, unpack_records
 
 from conveyor.errors import ConveyorError
-from conveyor.names import dead_letter_log, dead_letter_topic
+from conveyor.names import dead_letter_log, dead_letter_topic, split_log
 
 if TYPE_CHECKING:
     from conveyor.broker.server.group_log import DeliveryGate
@@ -36,6 +36,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("conveyor.broker")
 
 ORIGIN_TOPIC = "x-origin-topic"
+ORIGIN_PARTITION = "x-origin-partition"  # only for partition k > 0: a single-partition dead letter is unchanged
 ORIGIN_OFFSET = "x-origin-offset"
 ORIGIN_GROUP = "x-origin-group"
 ORIGIN_TIMESTAMP = "x-origin-timestamp"
@@ -69,11 +70,14 @@ def dead_letter_body(
 
 
 def _origin(
-    headers: dict[str, Any] | None, topic: str, offset: int, batch: Batch, group: str, deliveries: int, reason: str
+    headers: dict[str, Any] | None, log: str, offset: int, batch: Batch, group: str, deliveries: int, reason: str
 ) -> dict[str, Any]:
+    """The origin headers: the topic's name (never the log ``T#k``), and its partition when it is not 0."""
+    topic, partition = split_log(log)
+    where = {ORIGIN_TOPIC: topic, ORIGIN_PARTITION: str(partition)} if partition else {ORIGIN_TOPIC: topic}
     return {
         **(headers or {}),
-        ORIGIN_TOPIC: topic,
+        **where,
         ORIGIN_OFFSET: str(offset),
         ORIGIN_GROUP: group,
         ORIGIN_TIMESTAMP: str(batch.timestamp_ms),
@@ -270,7 +274,7 @@ class DeadLetters:
                 offset=part[0].first,
                 reason=letter.reason,
                 deliveries=letter.deliveries,
-                dead_letter_topic=write.log.name,
+                dead_letter_topic=split_log(write.log.name)[0],  # the topic's name; the frame's ``p`` says which
                 entries=[e.to_wire() for e in part],
                 bodies=[e.batch.body for e in part],
             )

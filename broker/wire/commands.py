@@ -306,7 +306,7 @@ def dead_lettered(
     """An EVENT ``DEAD_LETTERED``: the messages the broker moved past ``max_deliveries``, as DELIVER carries them."""
     header = {
         "sub": sub,
-        "topic": topic,
+        **_topic(topic),  # a log name: partition k > 0 is ``p`` (the messages' partition)
         "event": "DEAD_LETTERED",
         "offset": offset,
         "reason": reason,

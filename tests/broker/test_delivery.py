@@ -123,6 +123,7 @@ def test_max_deliveries_moves_messages_to_the_dead_letter_topic(conveyor_broker)
             (dead,) = admin.fetch("fragile.dlq", 0, 10)
         assert dead.value == "poison"
         assert dead.headers["x-origin-topic"] == "fragile"
+        assert "x-origin-partition" not in dead.headers  # only a partition k > 0 names its partition
         assert dead.headers["x-origin-offset"] == "0"
         assert dead.headers["x-delivery-count"] == "3"
         assert dead.headers["x-last-error"] == "ValueError: bad poison"

@@ -555,3 +555,174 @@ def test_a_long_poll_fetch_of_a_partition_that_times_out_answers_from_that_parti
         waiter.join(10)
         assert conveyor_broker.metric("conveyor_internal_errors_total") == 0
         assert [m.value for m in admin.fetch("polled", 0, 10)] == ["in-zero"]
+
+
+# --- what a user sees of a partitioned topic: names, sums, the command line -------------------------
+
+
+def cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "conveyor", *args], capture_output=True, text=True, timeout=timeout)
+
+
+def test_dead_letters_of_a_partition_name_its_topic_and_partition_never_its_log(conveyor_broker):
+    """x-origin-topic was the log's name ('dl1#1'); DEAD_LETTERED named 'dl1.dlq#1' and said partition 0."""
+    address = conveyor_broker.address
+    told: list = []
+    with Admin(address) as admin:
+        admin.create_topic("dl1", partitions=2)
+        with Producer(address) as producer:
+            producer.send("dl1", b"poison", partition=1, headers={"origin": "test"}).result(30)
+        sub = Subscription(
+            "dl1", "g", address=address, max_deliveries=1, on_dead_letter=lambda m, e: told.append((m, e))
+        )
+        try:
+            (_sub, message), *_ = receive_all([sub], 1, ack=False)
+            assert message.partition == 1 and "partition=1" in repr(message)
+            sub.nack(message, error="bad")  # one Message, not a list: the broker dead-letters it (max_deliveries 1)
+            wait_for(lambda: sub.receive(timeout=0.05) == [] and told, timeout=30, message="DEAD_LETTERED")
+        finally:
+            sub.close()
+        ((dead_messages, exc),) = told
+        assert [m.partition for m in dead_messages] == [1] and exc.dead_letter_topic == "dl1.dlq"
+        (dead,) = admin.fetch("dl1.dlq", 0, 10, partition=1)
+        assert dead.headers["x-origin-topic"] == "dl1" and dead.headers["x-origin-partition"] == "1"
+        assert dead.headers["x-origin-offset"] == "0" and dead.headers["origin"] == "test"
+    out = cli("tail", "dl1.dlq", "--broker", address, "--from", "earliest", "--count", "1", "--format", "json")
+    assert json.loads(out.stdout)["headers"]["x-origin-topic"] == "dl1", out.stderr
+
+
+def test_describe_sums_every_partition_and_resets_one_partition_or_all(conveyor_broker):
+    """durable/visible/segments/size and the group's committed/next/end were partition 0's, next to summed
+    lags; a negative --to reset every partition to earliest; one partition could not be reset alone."""
+    from conveyor.errors import InvalidRequest
+
+    address = conveyor_broker.address
+    with Admin(address) as admin:
+        admin.create_topic("sums", partitions=3)
+        with Producer(address) as producer:
+            for p, n in enumerate((2, 3, 4)):
+                for i in range(n):
+                    producer.send("sums", f"{p}-{i}", partition=p).result(30)
+        info = admin.describe_topic("sums")
+        rows = info["partitions"]
+        assert [(r["end_offset"], r["durable_offset"], r["visible_offset"]) for r in rows] == [
+            (2, 2, 2),
+            (3, 3, 3),
+            (4, 4, 4),
+        ]
+        assert (info["end_offset"], info["durable_offset"], info["visible_offset"]) == (9, 9, 9)
+        assert info["segments"] == sum(r["segments"] for r in rows) == 3
+        assert info["size_bytes"] == sum(r["size_bytes"] for r in rows) > rows[0]["size_bytes"]
+        admin.reset_offsets("sums", "g", "earliest")
+        group = admin.reset_offsets("sums", "g", 2, partition=1)  # that partition alone
+        assert [r["committed_offset"] for r in group["partitions"]] == [0, 2, 0]
+        assert (group["committed_offset"], group["next_offset"], group["end_offset"], group["lag"]) == (2, 2, 9, 7)
+        assert {"in_flight", "pending_redelivery", "next_offset"} <= set(group["partitions"][1])
+        with pytest.raises(InvalidRequest):
+            admin.reset_offsets("sums", "g", -5)
+        with pytest.raises(UnknownPartition):
+            admin.reset_offsets("sums", "g", 0, partition=3)
+        assert [r["committed_offset"] for r in admin.describe_group("sums", "g")["partitions"]] == [0, 2, 0]
+    base = ["--broker", address]
+    refused = cli("groups", "reset", "sums", "g", "--to", "-5", *base)
+    assert refused.returncode == 2 and "[CONFIG_ERROR]" in refused.stderr and "-5" in refused.stderr, refused.stderr
+    one = cli("groups", "reset", "sums", "g", "--to", "latest", "--partition", "2", "--format", "json", *base)
+    assert [r["committed_offset"] for r in json.loads(one.stdout)["partitions"]] == [0, 2, 4], one.stderr
+    listed = cli("groups", "list", *base).stdout.splitlines()
+    assert listed[0].split() == ["TOPIC", "GROUP", "COMMITTED_OFFSET", "END_OFFSET", "LAG", "IN_FLIGHT"]
+    assert listed[1].split() == ["sums", "g", "6", "9", "3", "0"]
+    topics = cli("topics", "list", *base).stdout.splitlines()
+    assert topics[0].split()[:2] == ["NAME", "PARTITIONS"] and topics[1].split()[:4] == ["sums", "3", "0", "9"]
+    described = cli("topics", "describe", "sums", *base).stdout
+    assert not described.lstrip().startswith("{") and "PARTITIONS" in described, described
+    table = described.split("\n\n", 1)[1].splitlines()
+    assert table[0].split()[:3] == ["PARTITION", "START_OFFSET", "END_OFFSET"] and len(table) == 4
+    assert json.loads(cli("topics", "describe", "sums", "--format", "json", *base).stdout)["end_offset"] == 9
+    group_table = cli("groups", "describe", "sums", "g", *base).stdout
+    assert "LAG" in group_table and not group_table.lstrip().startswith("{"), group_table
+    assert [line.split()[0] for line in group_table.split("\n\n", 1)[1].splitlines()[1:]] == ["0", "1", "2"]
+
+
+def test_tail_from_an_offset_applies_to_each_partition_and_publish_prints_partition_and_offset(conveyor_broker):
+    """--from 1 failed when any partition was shorter; publish printed Offset(0, partition=2) or 0."""
+    address = conveyor_broker.address
+    base = ["--broker", address]
+    with Admin(address) as admin:
+        admin.create_topic("tf", partitions=3)
+    sent = cli("publish", "tf", "a", "b", "c", "--partition", "1", *base)
+    assert sent.stdout.split() == ["1:0", "1:1", "1:2"], sent.stderr
+    keyed = cli("publish", "tf", "k", "--key", key_for(2, 3), *base)
+    assert keyed.stdout.split() == ["2:0"], keyed.stderr
+    assert cli("publish", "plain-tf", "x", *base).stdout.split() == ["0"]
+    assert cli("publish", "plain-tf", "y", "--partition", "0", *base).stdout.split() == ["1"]
+    refused = cli("publish", "tf", "x", "--partition", "-1", *base)
+    assert refused.returncode == 2 and "--partition" in refused.stderr, refused.stderr
+    tail = ["tail", "tf", *base, "--from", "1", "--format", "json", "--idle-timeout", "3"]
+    out = cli(*tail, "--count", "2")
+    assert sorted((r["partition"], r["offset"]) for r in map(json.loads, out.stdout.splitlines())) == [(1, 1), (1, 2)]
+    past = cli("tail", "tf", *base, "--from", "5", "--partition", "2", "--count", "1")
+    assert past.returncode != 0 and "tf partition 2" in past.stderr and "#" not in past.stderr, past.stderr
+
+
+def test_the_command_line_checks_a_partition_count_itself(conveyor_broker):
+    base = ["--broker", conveyor_broker.address]
+    for count in ("0", "2000"):
+        for action in ("create", "alter"):
+            result = cli("topics", action, "pc", "--partitions", count, *base)
+            assert result.returncode == 2 and "[CONFIG_ERROR]" in result.stderr, result.stderr
+            assert f"--partitions takes 1 to 1024 (partitions in all), not {count}" in result.stderr
+
+
+def test_a_partition_that_is_no_partition_number_is_a_config_error_in_every_producer(conveyor_broker):
+    """partition="2" was a TypeError from a comparison; -1 went to the broker."""
+    import asyncio
+
+    from conveyor.errors import ConfigError
+
+    address = conveyor_broker.address
+    with Admin(address) as admin:
+        admin.create_topic("pn", partitions=3)
+        with pytest.raises(ConfigError):
+            admin.fetch("pn", 0, 1, partition=-1)
+    with Producer(address) as producer:
+        for bad in ("2", -1, True, 1.0):
+            with pytest.raises(ConfigError, match="partition must be an int of 0 or more"):
+                producer.send("pn", b"x", partition=bad)
+        assert producer.send("pn", b"x", partition=2).result(30) == Offset(0, 2)
+
+    async def main() -> None:
+        producer = AsyncProducer(address)
+        try:
+            for bad in ("2", -1, False):
+                with pytest.raises(ConfigError):
+                    await producer.send("pn", b"x", partition=bad)
+        finally:
+            await producer.close()
+
+    asyncio.run(main())
+
+
+def test_a_subscription_says_the_new_partition_count_and_settles_single_messages(conveyor_broker, caplog):
+    """It logged 'PARTITIONS at offset 0'; ack(message) raised TypeError from inside by_partition."""
+    import logging
+
+    address = conveyor_broker.address
+    caplog.set_level(logging.INFO, logger="conveyor.consumer")
+    with Admin(address) as admin:
+        admin.create_topic("grow2", partitions=2)
+        sub = Subscription("grow2", "g", address=address)
+        try:
+            wait_for(lambda: sub.receive(timeout=0.05) == [] and sub.partitions == 2, timeout=30, message="subscribed")
+            admin.add_partitions("grow2", 3)
+            wait_for(lambda: sub.receive(timeout=0.05) == [] and sub.partitions == 3, timeout=30, message="grown")
+            assert "the topic has 3 partitions now" in caplog.text and "PARTITIONS at offset" not in caplog.text
+            with Producer(address) as producer:
+                producer.send("grow2", b"a", partition=2).result(30)
+                producer.send("grow2", b"b", partition=0).result(30)
+            got = [m for _s, m in receive_all([sub], 2, ack=False)]
+            for message in got:
+                sub.ack(message)
+            sub.ack(got[0].ref)  # an int as well (settling twice is ignored)
+            wait_for(lambda: admin.describe_group("grow2", "g")["lag"] == 0, timeout=30, message="acked")
+        finally:
+            sub.close()

@@ -386,3 +386,45 @@ def test_right_after_a_create_keys_route_by_the_count_and_one_node_s_address_rea
         with Admin(cluster.address(node)) as admin:
             got = [m.value for k in range(3) for m in admin.fetch("at-once", 0, 1000, partition=k)]
         assert sorted(got) == sorted(f"v{i}" for i in range(300))
+
+
+def test_describe_sums_every_leader_s_rows_and_one_partition_resets_at_its_leader(cluster: ClusterProcess) -> None:
+    """The merge summed end_offset and lag only (durable, visible, size, committed: the first leader's share);
+    a reset could not name one partition; a negative offset reset every partition to earliest."""
+    with Admin(cluster.bootstrap) as admin:
+        admin.create_topic("summed", partitions=3, replication_factor=1)
+    led = wait_for(
+        lambda: (lambda parts: parts if len(parts) == 3 and all(p.leader for p in parts.values()) else None)(
+            Metadata(cluster.bootstrap).refresh(["summed"]).topics.get("summed", {})
+        ),
+        timeout=60,
+        message="3 leaders",
+    )
+    assert len({p.leader for p in led.values()}) == 3  # one partition per node: three answers to merge
+    with Producer(cluster.bootstrap) as producer:
+        for partition, count in enumerate((2, 3, 4)):
+            for i in range(count):
+                producer.send("summed", f"{partition}-{i}", partition=partition).result(60)
+    with Admin(cluster.bootstrap) as admin:
+        info = wait_for(
+            lambda: (lambda i: i if i["visible_offset"] == 9 else None)(admin.describe_topic("summed")),
+            timeout=60,
+            message="every partition visible",
+        )
+        rows = info["partitions"]
+        assert [r["end_offset"] for r in rows] == [2, 3, 4] and (info["end_offset"], info["durable_offset"]) == (9, 9)
+        assert info["size_bytes"] == sum(r["size_bytes"] for r in rows) and info["segments"] == 3
+        admin.reset_offsets("summed", "g", "earliest")
+        with pytest.raises(InvalidRequest):
+            admin.reset_offsets("summed", "g", -5)
+        group = admin.reset_offsets("summed", "g", "latest", partition=2)  # at partition 2's leader only
+        assert [r["committed_offset"] for r in group["partitions"]] == [0, 0, 4]
+        assert (group["committed_offset"], group["end_offset"], group["lag"]) == (4, 9, 5)
+        again = admin.describe_group("summed", "g")
+        assert (again["committed_offset"], again["next_offset"], again["end_offset"], again["lag"]) == (4, 4, 9, 5)
+        (listed,) = [row for row in admin.list_groups() if row["topic"] == "summed"]
+        assert (listed["committed_offset"], listed["end_offset"], listed["lag"]) == (4, 9, 5)
+        assert [(t["end_offset"], t["size_bytes"]) for t in admin.list_topics() if t["name"] == "summed"] == [
+            (9, info["size_bytes"])
+        ]
+        admin.delete_topic("summed")

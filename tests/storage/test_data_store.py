@@ -244,3 +244,20 @@ def test_a_deleted_topic_leaves_nothing_behind(data_dir):
     store.create_topic("t").append(random_body(random.Random(0), 1), 1)
     store.delete_topic("t")
     assert list((data_dir / "topics").iterdir()) == []
+
+
+def test_a_read_outside_a_partition_log_names_the_topic_and_partition_never_the_log(data_dir):
+    """A user reads partition 3 of orders; the error said 'of orders#3' (the broker's name for the log)."""
+    from conveyor.errors import OffsetOutOfRange
+
+    store = Store(data_dir)
+    for name in ("orders", "orders#3"):
+        store.create_topic(name).append(random_body(random.Random(1), 2), 2)
+    with pytest.raises(OffsetOutOfRange) as raised:
+        store.topic("orders#3").read(5)
+    assert raised.value.message == "offset 5 is outside [0, 2] of orders partition 3"
+    assert raised.value.fields == {"topic": "orders", "partition": 3, "offset": 5, "start_offset": 0, "end_offset": 2}
+    with pytest.raises(OffsetOutOfRange) as plain:
+        store.topic("orders").read(5)
+    assert plain.value.message == "offset 5 is outside [0, 2] of orders" and "partition" not in plain.value.fields
+    store.close()

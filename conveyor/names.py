@@ -82,6 +82,12 @@ def log_label(name: str) -> str:
     return f"{topic} partition {partition}" if partition else topic
 
 
+def log_fields(name: str) -> dict[str, object]:
+    """An error's fields for a log: ``topic`` (the topic's name), and ``partition`` when it is not 0."""
+    topic, partition = split_log(name)
+    return {"topic": topic, "partition": partition} if partition else {"topic": topic}
+
+
 def split_log(name: str) -> tuple[str, int]:
     """``(topic, partition)`` of a log name (``"orders#3"`` -> ``("orders", 3)``; ``"orders"`` -> partition 0)."""
     topic, mark, number = name.rpartition(PARTITION_MARK)

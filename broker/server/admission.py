@@ -17,6 +17,7 @@ from conveyor.broker.server.peers import Peers
 from conveyor.broker.wire.record import validate_body
 
 from conveyor.errors import ConveyorError, MessageTooLarge, ReadOnlyTopic, UnknownTopic
+from conveyor.names import log_fields, log_label
 
 
 class Admission:
@@ -62,7 +63,7 @@ class Admission:
             self.store.create_topic(topic, background=True)  # no fsync here: see log/topic_creator.py
         log_ = self.store.topic(topic)
         if log_.config.read_only:
-            raise ReadOnlyTopic(f"topic {topic} is read-only", topic=topic)
+            raise ReadOnlyTopic(f"topic {log_label(topic)} is read-only", **log_fields(topic))
         return log_
 
     def _admit_auto_create(self, topic: str, identity: bytes | None) -> None:

@@ -22,6 +22,7 @@ from conveyor.broker.log.topic_log import TopicLog
 from conveyor.broker.server.groups import DeadLetter, Group, GroupSettings
 
 from conveyor.errors import ConveyorError, GroupLimit, InvalidName, InvalidRequest
+from conveyor.names import log_fields, log_label
 
 log = logging.getLogger("conveyor.broker")
 
@@ -200,9 +201,9 @@ class GroupTable(GroupIndex):
         """GROUP_LIMIT when the broker already holds ``--max-groups`` groups."""
         if len(self) >= self.max_groups:
             raise GroupLimit(
-                f"cannot create group {name} on {topic}: the broker holds {len(self)} groups "
+                f"cannot create group {name} on {log_label(topic)}: the broker holds {len(self)} groups "
                 f"(--max-groups {self.max_groups})",
-                topic=topic,
+                **log_fields(topic),
                 group=name,
                 limit=self.max_groups,
             )

@@ -56,6 +56,11 @@ def test_a_read_only_topic_and_an_oversized_message_are_refused(store):
     checks = admission(store)
     with pytest.raises(ReadOnlyTopic):
         checks.topic_for_write("mirrored")
+    store.create_topic("mirrored#2", read_only=True)  # partition 2 of it: the error names the topic and partition
+    with pytest.raises(ReadOnlyTopic) as partition:
+        checks.topic_for_write("mirrored#2")
+    assert "#" not in partition.value.message and "mirrored partition 2" in partition.value.message
+    assert partition.value.fields == {"topic": "mirrored", "partition": 2}
     assert checks.validate(pack_records([(None, None, b"small")])) == 1
     with pytest.raises(MessageTooLarge) as refused:
         checks.validate(pack_records([(None, None, b"x" * 11)]))

@@ -56,6 +56,10 @@ def test_a_group_past_the_log_end_starts_at_the_end_and_the_room_is_bounded(stor
     assert groups.make("t", "g", {"committed_offset": 99}).next_offset == 5  # the log lost a tail
     with pytest.raises(GroupLimit):
         groups.check_room("t", "other")
+    with pytest.raises(GroupLimit) as partition:  # a partition's group names the topic and partition, not t#3
+        groups.check_room("t#3", "other")
+    assert "t partition 3" in partition.value.message and "#" not in partition.value.message
+    assert (partition.value.fields["topic"], partition.value.fields["partition"]) == ("t", 3)
 
 
 def test_a_reset_topic_moves_its_groups_and_dispatches_them(store):

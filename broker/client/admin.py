@@ -17,7 +17,7 @@ from conveyor.broker.net.requester import FramesFor, Requester
 from conveyor.broker.wire import commands
 from conveyor.broker.wire.protocol import Command, Frame, encode
 
-from conveyor.errors import BrokerUnavailable, ConveyorError, NotEnoughReplicas, NotLeader, UnknownTopic
+from conveyor.errors import BrokerUnavailable, ConveyorError, NotEnoughReplicas, NotLeader, UnknownGroup, UnknownTopic
 from conveyor.names import check_name, check_partition, partition_log
 
 # Top-level fields of describe_topic / describe_group that are sums over the partitions' rows.
@@ -280,7 +280,12 @@ class Admin:
             commands.admin, "reset_offsets", {"topic": topic, "group": group, "to": to, "partition": partition}
         )
         answer = self._call(request, topic=partition_log(topic, partition)).get("result")  # at partition k's leader
-        return self.describe_group(topic, group) if self._leaders(topic) else answer
+        if not self._leaders(topic):
+            return answer
+        try:
+            return self.describe_group(topic, group)
+        except UnknownGroup:  # a group this reset made: the other leaders have not got it yet
+            return answer
 
     def delete_group(self, topic: str, group: str) -> dict[str, Any]:
         return self._admin("delete_group", topic=topic, group=group)

@@ -211,6 +211,9 @@ def reset_offsets(host: AdminHost, topic: str, name: str, to: Any, partition: in
         return describe_group(host, topic, name)
     if partition is not None:
         _reset_one(host, partition_log(topic, partition), name, to)
+        for number in range(host.store.partition_count(topic)):  # a group it made: at the start elsewhere
+            if host.groups.get((partition_log(topic, number), name)) is None:
+                _reset_one(host, partition_log(topic, number), name, "earliest")
         return describe_group(host, topic, name)
     for number in range(1, host.store.partition_count(topic)):
         _reset_one(host, partition_log(topic, number), name, to)

@@ -32,6 +32,7 @@ SUMMED = (
     "lag",
     "in_flight",
     "pending_redelivery",
+    "skipped_by_retention",
 )
 
 

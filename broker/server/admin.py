@@ -110,15 +110,23 @@ def _topic_row(log: Any, number: int, full: bool) -> dict[str, Any]:
     return row
 
 
-GROUP_SUMS = ("committed_offset", "next_offset", "end_offset", "lag", "in_flight", "pending_redelivery")
+GROUP_SUMS = (
+    "committed_offset",
+    "next_offset",
+    "end_offset",
+    "lag",
+    "in_flight",
+    "pending_redelivery",
+    "skipped_by_retention",
+)
 
 
 def describe_group(host: AdminHost, topic: str, name: str) -> dict[str, Any]:
     """Partition 0's group, with ``partitions`` (a row each); for one partition its fields as always.
 
-    For several, ``committed_offset``, ``next_offset``, ``end_offset``, ``lag``, ``in_flight`` and
-    ``pending_redelivery`` are sums over the partitions (each row has its own); ``members`` are
-    partition 0's (each member subscribes to every partition).
+    For several, ``committed_offset``, ``next_offset``, ``end_offset``, ``lag``, ``in_flight``,
+    ``pending_redelivery`` and ``skipped_by_retention`` are sums over the partitions (each row has its
+    own); ``members`` are partition 0's (each member subscribes to every partition).
     """
     if host.partitions is not None:
         return _describe_led(host, topic, name)

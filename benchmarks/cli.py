@@ -21,7 +21,8 @@ def _setup(parser: argparse.ArgumentParser) -> None:
         "--scale-out",
         action="store_true",
         help="the scale-out run: 1, 2 and 4 partitions on as many brokers, CPU per stored message per broker "
-        "and a projection for 8 and 32 cores (benchmarks/scaleout.json; needs etcd)",
+        "(also against one broker paced to the same per-broker rate) and a projection for 8 and 32 cores "
+        "(benchmarks/scaleout.json; needs etcd)",
     )
     parser.add_argument("--report", metavar="HTML", help="write the HTML report here")
     parser.add_argument("--json", metavar="PATH", help="write every number as JSON here")

@@ -288,7 +288,7 @@ def error(exc: ConveyorError, rid: Any = None) -> list[Any]:
 
 def event(sub: int, topic: str, event: str, offset: int, *, partitions: int | None = None) -> list[Any]:
     """An EVENT without messages: ``RESET`` or ``READY`` of a mirrored topic, ``PARTITIONS`` (the new count)."""
-    header = {"sub": sub, "topic": topic, "event": event, "offset": offset}
+    header = {"sub": sub, **_topic(topic), "event": event, "offset": offset}  # a log name: partition k is ``p``
     return encode(Command.EVENT, _with(header, partitions=partitions))
 
 

@@ -267,6 +267,17 @@ def test_event_reset() -> None:
     assert got == frames(0x27, {"sub": 1, "topic": "orders", "event": "RESET", "offset": 0})
 
 
+def test_an_event_of_a_partition_log_names_the_topic_and_p_never_the_log() -> None:
+    """A mirror's RESET of partition 2 went out as topic 'orders#2' (the broker's log name) with no ``p``."""
+    got = commands.event(3, "orders#2", "RESET", 5)
+    assert got == frames(0x27, {"sub": 3, "topic": "orders", "p": 2, "event": "RESET", "offset": 5})
+    dead = commands.dead_lettered(
+        3, "orders#2", offset=0, reason="r", deliveries=1, dead_letter_topic="orders.dlq", entries=[], bodies=[]
+    )
+    header = msgpack.unpackb(dead[2])
+    assert (header["topic"], header["p"], header["dead_letter_topic"]) == ("orders", 2, "orders.dlq")
+
+
 def test_event_dead_lettered_carries_the_messages_as_deliver_does() -> None:
     got = commands.dead_lettered(
         1,

@@ -15,8 +15,9 @@ from conveyor.broker.server.group_table import GroupTable, resolve_position
 from conveyor.broker.server.metadata import SINGLE_NODE_ID
 from conveyor.broker.server.partition_logs import add_partition_logs, create_partitioned, set_partition_count
 from conveyor.broker.server.partition_status import describe_partitions
+from conveyor.broker.wire.partitioning import unknown_partition
 
-from conveyor.errors import ConfigError, InvalidRequest, PartitionsUnsupported, UnknownGroup, UnknownPartition
+from conveyor.errors import ConfigError, InvalidRequest, PartitionsUnsupported, UnknownGroup
 from conveyor.names import PARTITION_MARK, dead_letter_topic, partition_log
 
 if TYPE_CHECKING:
@@ -204,12 +205,7 @@ def reset_offsets(host: AdminHost, topic: str, name: str, to: Any, partition: in
     count = host.partition_count(topic)
     if partition is not None and not 0 <= partition < count:
         host.store.topic(topic)  # UNKNOWN_TOPIC first
-        raise UnknownPartition(
-            f"topic {topic} has {count} partition{'s' if count != 1 else ''}: no partition {partition}",
-            topic=topic,
-            partition=partition,
-            partitions=count,
-        )
+        raise unknown_partition(topic, partition, count)
     if host.partitions is not None:  # the partitions led here; the client asks every leader
         if partition is not None and host.partitions.leader_of(partition_log(topic, partition)) is None:
             host.partitions.check_group_admin(partition_log(topic, partition))  # followed here: NOT_LEADER

@@ -416,11 +416,14 @@ class Producer:
 
     def _result_timed_out(self, topic: str, timeout: float | None) -> RequestTimeout:
         """What ``future.result(timeout)`` raises when the caller's wait ran out (the message may still go)."""
+        name, partition = split_log(topic)  # a batch goes by its partition's log name, "T#k": say topic and partition
+        where = f"{name!r} partition {partition}" if partition else repr(name)
         return RequestTimeout(
-            f"no confirm from {self.address} for a message to {topic!r} within {timeout or 0:g} s "
+            f"no confirm from {self.address} for a message to {where} within {timeout or 0:g} s "
             f"(the producer keeps trying for delivery_timeout_ms); {self._io.heard()}",
             address=self.address,
-            topic=topic,
+            topic=name,
+            partition=partition,
         )
 
     def close(self, timeout: float | None = None) -> None:

@@ -33,6 +33,7 @@ from conveyor.broker.wire.protocol import Frame
 from conveyor.broker.wire.protocol import field as hfield
 
 from conveyor.errors import ConveyorError, InvalidName, NotLeader
+from conveyor.names import split_log
 
 log = logging.getLogger("conveyor.partitions")
 
@@ -277,12 +278,13 @@ class Partitions:
 
     def not_leader(self, topic: str, partition: int = 0) -> NotLeader:
         following = self.following.get((topic, partition))
+        name, number = split_log(topic)  # the log T#k is partition k of T: clients know it by those
         if following is None:
-            return NotLeader(f"{topic}/{partition} is not led by this node", topic=topic, partition=partition)
+            return NotLeader(f"{name}/{number} is not led by this node", topic=name, partition=number)
         return NotLeader(
-            f"{topic}/{partition} is led by {following.leader}",
-            topic=topic,
-            partition=partition,
+            f"{name}/{number} is led by {following.leader}",
+            topic=name,
+            partition=number,
             leader=following.leader,
             leader_addr=following.address,
             leader_epoch=following.epoch,
@@ -311,8 +313,9 @@ class Partitions:
         check_client_topic(topic)
         leader = self.check_leader(topic, partition)
         if self.draining:  # a controlled shutdown: appends stop so a follower can catch up to the end
+            name, number = split_log(topic)
             raise NotLeader(
-                f"{topic}/{partition}: its leader {self.node_id} is shutting down", topic=topic, partition=partition
+                f"{name}/{number}: its leader {self.node_id} is shutting down", topic=name, partition=number
             )
         leader.check_publish()
         return leader.epoch

@@ -24,6 +24,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
 from conveyor.errors import FencedLeaderEpoch, NotEnoughReplicas, UnknownLeaderEpoch
+from conveyor.names import split_log
 
 log = logging.getLogger("conveyor.replication")
 
@@ -243,10 +244,11 @@ class PartitionLeader:
 
     def check_publish(self) -> None:
         if not may_advance(len(self.isr), self.min_insync):
+            name, number = split_log(self.topic)  # the log T#k is partition k of T
             raise NotEnoughReplicas(
-                f"{self.topic}/{self.partition}: {len(self.isr)} in-sync replicas, {self.min_insync} needed",
-                topic=self.topic,
-                partition=self.partition,
+                f"{name}/{number}: {len(self.isr)} in-sync replicas, {self.min_insync} needed",
+                topic=name,
+                partition=number,
                 isr=sorted(self.isr),
                 min_insync_replicas=self.min_insync,
             )

@@ -13,6 +13,7 @@ from conveyor.broker.cluster.keys import TopicConfigRecord
 from conveyor.broker.config.broker_settings import BrokerSettings
 from conveyor.broker.log.data_dir import Store
 from conveyor.broker.server.cluster_node import ClusterNode
+from conveyor.broker.server.partition_logs import create_partitioned
 from conveyor.broker.wire.record import pack_records
 
 from conveyor.errors import UnknownTopic
@@ -30,8 +31,8 @@ class Agent:
     def snapshot(self) -> Any:
         return SimpleNamespace(nodes={"n1": None}, topics={})  # one registered node: n1
 
-    def create_topic(self, topic: str, *args: Any, existing: Any = None) -> int:
-        self.creates.append((topic, *args, existing))
+    def create_topic(self, topic: str, *args: Any, existing: Any = None, partitions: int = 1) -> int:
+        self.creates.append((topic, *args, existing, *([partitions] if partitions != 1 else [])))
         return len(self.creates)
 
 
@@ -47,22 +48,26 @@ def test_local_topics_unknown_to_the_cluster_are_registered_with_their_data_once
     try:
         for topic in ("legacy", "known", "__internal"):
             store.create_topic(topic)
+        create_partitioned(store, "split", 3)
         store.topic("legacy").append(pack_records([(None, {}, b"a"), (None, {}, b"b")]), 2)
         agent = Agent([TopicChanged("known", TopicConfigRecord(3, 2)), Registered("n1", 7, 10)])
         node = node_on(store, agent)
         node.pump()
         settings = store.topic("legacy").config.settings()
-        assert agent.creates == [("legacy", 1, 1, settings, (("n1",), 1))]  # RF 1 on n1, epoch 1
+        assert agent.creates == [
+            ("legacy", 1, 1, settings, (("n1",), 1)),  # RF 1 on n1, epoch 1
+            ("split", 1, 1, settings, (("n1",), 1), 3),  # its partitions with it, never split#1 on its own
+        ]
 
         agent.queued.append(Registered("n1", 8, 20))  # registered again after a lost lease: nothing new
         node.pump()
         node.auto_create("legacy")  # asked already
-        assert len(agent.creates) == 1
+        assert len(agent.creates) == 2
 
         store.create_topic("early")  # held here, named by a client before the registration asked for it
         node.auto_create("early")
         node.auto_create("fresh")  # not held here: placed by the controller
-        assert agent.creates[1:] == [
+        assert agent.creates[2:] == [
             ("early", 1, 1, store.topic("early").config.settings(), (("n1",), 1)),
             ("fresh", 1, 1, None),  # the node's defaults, capped at the one registered node
         ]

@@ -201,8 +201,18 @@ class Admin:
     def list_topics(self) -> list[dict[str, Any]]:
         """Every topic's description; in a cluster, a topic whose partitions have several leaders is
         described whole (``describe_topic`` merges each leader's rows), not by the node that answered."""
-        topics = self._admin("list_topics")
-        return [self.describe_topic(row["name"]) if self._leaders(row["name"]) else row for row in topics]
+        view = ask_metadata(self.metadata.bootstrap, None, context=self._ctx, timeout=self.timeout)
+        if len(view.nodes) <= 1:  # one broker: its own list
+            topics = self._admin("list_topics")
+            return [self.describe_topic(row["name"]) if self._leaders(row["name"]) else row for row in topics]
+        # A cluster: every topic it has (a node lists only those it holds partition 0 of), each described whole
+        described = []
+        for name in sorted(topic for topic in view.topics if not topic.startswith("__")):
+            try:
+                described.append(self.describe_topic(name))
+            except UnknownTopic:
+                continue  # deleted meanwhile
+        return described
 
     def describe_topic(self, name: str) -> dict[str, Any]:
         """The topic, with ``partitions`` (start and end offset of each) and ``end_offset`` (their sum)."""
@@ -223,7 +233,10 @@ class Admin:
         for address, numbers in sorted(leaders.items()):
             if all(number in rows for number in numbers):
                 continue
-            answer = self._to_once(address, partial(commands.admin, op, {"topic": topic, **args}))
+            try:
+                answer = self._to_once(address, partial(commands.admin, op, {"topic": topic, **args}))
+            except (UnknownGroup, UnknownTopic):
+                continue  # no state of the group there yet (partitions added, no member since): no rows
             rows.update({row["partition"]: row for row in answer.get("partitions", []) if row["partition"] in numbers})
         merged = [rows[number] for number in sorted(rows)]
         totals = {key: sum(row[key] for row in merged) for key in SUMMED if merged and all(key in r for r in merged)}
@@ -289,7 +302,14 @@ class Admin:
             return answer
 
     def delete_group(self, topic: str, group: str) -> dict[str, Any]:
-        return self._admin("delete_group", topic=topic, group=group)
+        """The group goes from every partition (in a cluster, from each partition's leader)."""
+        answer: dict[str, Any] = self._admin("delete_group", topic=topic, group=group)
+        for address in sorted(self._leaders(topic)):
+            try:
+                self._to_once(address, partial(commands.admin, "delete_group", {"topic": topic, "group": group}))
+            except (UnknownGroup, UnknownTopic):
+                pass  # that leader's partitions had no state of the group (or went with the first answer)
+        return answer
 
     def refresh_topic(self, topic: str) -> dict[str, Any]:
         """On a child broker: drop the topic and mirror it again from the parent's start.

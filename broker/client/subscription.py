@@ -331,7 +331,7 @@ class Subscription:
                 self._dead_lettered(frame)
                 return []
             if event[0] == "PARTITIONS" and frame.get("sub") == 1 and isinstance(frame.get("partitions"), int):
-                self._subscribe_partitions(frame.get("partitions"), first=self.partitions)
+                self._subscribe_partitions(frame.get("partitions"), first=self.partitions, added=True)
             self.events.append(event)
             if event[0] == "PARTITIONS":  # its offset says nothing; its count is the news
                 log.info(
@@ -363,7 +363,7 @@ class Subscription:
                 raise exc
         return []
 
-    def _subscribe_partitions(self, partitions: int, first: int = 1) -> None:
+    def _subscribe_partitions(self, partitions: int, first: int = 1, *, added: bool = False) -> None:
         """Partition 0 answered: the topic has ``partitions``. Each has a subscription of its own (its own
         group state on the broker) with an equal share of the credit, so the total stays ``credit``.
 
@@ -381,7 +381,7 @@ class Subscription:
             for child in self.children.values():
                 child.credit, child.batch_size = credit, batch_size
                 child._send(commands.credit(1, credit, batch_size=batch_size))
-            self._children(partitions, credit, batch_size, added=first > 1)
+            self._children(partitions, credit, batch_size, added=added)
             return
         for partition in range(first):
             self._send(commands.credit(partition + 1, credit, batch_size=batch_size))

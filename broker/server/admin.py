@@ -208,7 +208,7 @@ def reset_offsets(host: AdminHost, topic: str, name: str, to: Any, partition: in
         raise unknown_partition(topic, partition, count)
     if host.partitions is not None:  # the partitions led here; the client asks every leader
         if partition is not None and host.partitions.leader_of(partition_log(topic, partition)) is None:
-            host.partitions.check_group_admin(partition_log(topic, partition))  # followed here: NOT_LEADER
+            raise host.partitions.not_leader(partition_log(topic, partition))  # led elsewhere: never a no-op
         for number in answered_here(host, topic):
             if partition in (None, number):
                 _reset_one(host, partition_log(topic, number), name, to)
@@ -259,6 +259,14 @@ def _reset_one(host: AdminHost, topic: str, name: str, to: Any) -> None:
 
 
 def delete_group(host: AdminHost, topic: str, name: str) -> dict[str, Any]:
+    if host.partitions is not None:  # in a cluster: the partitions led here; the client asks every leader
+        led = [partition_log(topic, n) for n in answered_here(host, topic)]
+        found = [log_name for log_name in led if host.groups.get((log_name, name)) is not None]
+        if not found:
+            _group(host, topic, name)  # UNKNOWN_TOPIC or UNKNOWN_GROUP, as a single node says
+        for log_name in found:
+            _delete_one(host, log_name, name)
+        return {"deleted": name, "topic": topic}
     _group(host, topic, name)
     for number in range(1, host.store.partition_count(topic)):
         if host.groups.get((partition_log(topic, number), name)) is not None:

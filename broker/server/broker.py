@@ -580,7 +580,7 @@ class Broker:
                 committed_offset=group.committed_offset,
                 end_offset=log_.end_offset,
                 heartbeat_ms=self.settings.heartbeat_ms,
-                partitions=self.store.partition_count(topic) if self.store.partition_count(topic) > 1 else None,
+                partitions=count if (count := self.partition_count(topic)) > 1 else None,  # in a cluster: its record's
             ),
         )
 

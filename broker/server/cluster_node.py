@@ -483,16 +483,27 @@ class ClusterNode:
         """Ask the controller for ``topic`` unless known or asked already (``auto_create`` without the
         setting: a dead-letter topic is made whatever ``--auto-create-topics`` says, as on a single node)."""
         topic = split_log(topic)[0]  # a dead-letter topic's partition: the topic, with its source's count
+        source = self.configs.get(topic.removesuffix(DEAD_LETTER_SUFFIX))
+        count = source.partitions if source is not None and topic.endswith(DEAD_LETTER_SUFFIX) else 1
+        held = self.configs.get(topic)
+        if held is not None and held.partitions < count and topic not in self._creating:
+            self._creating.add(topic)  # once: the grown config's TopicChanged (or an error) ends it
+            request = self.agent.alter_topic(topic, {}, partitions=count)  # a shared or older DLQ: as many partitions
+            self._answers[request] = partial(self._grown_dead_letters, topic)
+            return
         if topic in self.configs or topic in self._creating or is_group_log(topic):
             return
         if topic in self.host.store.logs and not self._cluster_copy(topic):
             self._register_local(topic)  # a single node's data: kept, this node leading it
             return
-        source = self.configs.get(topic.removesuffix(DEAD_LETTER_SUFFIX))
-        count = source.partitions if source is not None and topic.endswith(DEAD_LETTER_SUFFIX) else 1
         self._creating.add(topic)
         # a copy left here is dropped for it
         self.agent.create_topic(topic, *self.replication(None, None), partitions=count)
+
+    def _grown_dead_letters(self, topic: str, answer: Any) -> None:
+        self._creating.discard(topic)
+        if isinstance(answer, ConveyorError):
+            log.warning("dead-letter topic %s not grown: %s", topic, answer)
 
     def _cluster_copy(self, topic: str) -> bool:
         """This node's log of ``topic`` is a replica of a cluster topic (its ``topic.json`` names a topic id)."""
@@ -626,18 +637,24 @@ class ClusterNode:
         started: dict[str, Any] = {"name": topic, "partitions": numbers, "replicas": list(replicas)}
         if count == 1:
             started["partition"] = 0  # the answer of a topic of one partition, as before partitions
+        states = self.agent.snapshot().partitions
+        targets = {  # a whole topic: each partition's list turned so its leaders stay spread
+            n: replicas
+            if asked is not None or count == 1
+            else d.spread_order(replicas, states.get(TopicPartition(topic, n)), n)
+            for n in numbers
+        }
         dead = topic + DEAD_LETTER_SUFFIX
         if not topic.endswith(DEAD_LETTER_SUFFIX) and dead in self.configs:
             for number in [n for n in numbers if n < self.configs[dead].partitions]:
-                moved = self.agent.reassign(TopicPartition(dead, number), replicas, min_insync)
+                # the same order as its source partition: one node leads both, so dead letters are written
+                moved = self.agent.reassign(TopicPartition(dead, number), targets[number], min_insync)
                 self._answers[moved] = partial(_log_refusal, dead)
             started["dead_letter_topic"] = dead
         waiting = _Pending(len(numbers), lambda error: answer(error or {**started, "state": "started"}))
-        states = self.agent.snapshot().partitions
         for number in numbers:
-            tp = TopicPartition(topic, number)
-            target = replicas if asked is not None or count == 1 else d.spread_order(replicas, states.get(tp), number)
-            self._answers[self.agent.reassign(tp, target, min_insync)] = waiting.answered
+            request = self.agent.reassign(TopicPartition(topic, number), targets[number], min_insync)
+            self._answers[request] = waiting.answered
 
     def _on_reassign_stored(self, event: ReassignAnswer) -> None:
         answer = self._answers.pop(event.request_id, None)

@@ -112,6 +112,7 @@ def dead_letter_target(store: Store, log_name: str, target: str) -> TopicLog:
         dlq_topic, _ = split_log(target)
         if dlq_topic not in store.logs:
             create_partitioned(store, dlq_topic, count)
-        if target not in store.logs:  # the DLQ topic was there with fewer partitions
-            store.create_topic(target, extra={"partition_of": dlq_topic})
+        if target not in store.logs:  # the DLQ topic was there with fewer partitions: it grows to its origin's
+            add_partition_logs(store, dlq_topic, max(count, store.partition_count(dlq_topic)))
+            set_partition_count(store, dlq_topic, max(count, store.partition_count(dlq_topic)))
     return store.topic(target)

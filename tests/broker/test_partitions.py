@@ -728,3 +728,22 @@ def test_a_subscription_says_the_new_partition_count_and_settles_single_messages
             wait_for(lambda: admin.describe_group("grow2", "g")["lag"] == 0, timeout=30, message="acked")
         finally:
             sub.close()
+
+
+def test_a_dead_letter_topic_shared_with_a_smaller_topic_grows_to_take_partition_k(conveyor_broker):
+    """Dead letters of partition 3 went to a log 'shared#3' while 'shared' still counted 1 partition: unreadable."""
+    address = conveyor_broker.address
+    with Admin(address) as admin:
+        admin.create_topic("shared")  # made first, with one partition (a single-partition topic's DLQ, say)
+        admin.create_topic("four", partitions=4)
+        with Producer(address) as producer:
+            producer.send("four", b"poison", partition=3).result(30)
+        sub = Subscription("four", "g", address=address, dead_letter_topic="shared")
+        try:
+            (_sub, message), *_ = receive_all([sub], 1, ack=False)
+            sub.term([message], reason="cannot")
+            wait_for(lambda: admin.describe_topic("shared")["end_offset"] == 1, timeout=30, message="the dead letter")
+        finally:
+            sub.close()
+        assert admin.describe_topic("shared")["partition_count"] == 4
+        assert [m.value for m in admin.fetch("shared", 0, 10, partition=3)] == [b"poison"]

@@ -386,6 +386,15 @@ def test_right_after_a_create_keys_route_by_the_count_and_one_node_s_address_rea
         with Admin(cluster.address(node)) as admin:
             got = [m.value for k in range(3) for m in admin.fetch("at-once", 0, 1000, partition=k)]
         assert sorted(got) == sorted(f"v{i}" for i in range(300))
+    # A consumer given one node's address too: each partition is subscribed at its own leader
+    received: set[str] = set()
+    with Subscription("at-once", "one-address", address=cluster.address(led_by_first := "n1"), credit=300) as sub:
+        deadline = time.monotonic() + 60
+        while len(received) < 300 and time.monotonic() < deadline:
+            messages = sub.receive(timeout=0.5)
+            received.update(str(m.value) for m in messages)
+            sub.ack(messages)
+    assert len(received) == 300, f"{len(received)} of 300 through {led_by_first}'s address"
 
 
 def test_describe_sums_every_leader_s_rows_and_one_partition_resets_at_its_leader(cluster: ClusterProcess) -> None:

@@ -46,7 +46,7 @@ class AdminHost(Protocol):
     @property
     def partitions(self) -> Partitions | None: ...  # cluster mode only
 
-    def check_topic_room(self, topic: str) -> None: ...  # TOPIC_LIMIT
+    def check_topic_room(self, topic: str, logs: int = 1) -> None: ...  # TOPIC_LIMIT for ``logs`` more logs
     def partition_count(self, topic: str) -> int: ...  # in a cluster, its config record's count
     def topic_deleted(self, topic: str) -> None: ...  # answer what waited on it, forget its metrics
     def group_deleted(self, topic: str, name: str) -> None: ...
@@ -306,7 +306,7 @@ def delete_log(host: AdminHost, log_name: str) -> None:
 def create_topic(host: AdminHost, name: str, config: Any, partitions: int = 1) -> dict[str, Any]:
     """Every setting is checked by the topic settings table before the topic's directory is made."""
     if name not in host.store.logs:
-        host.check_topic_room(name)  # TOPIC_EXISTS stays the answer for a topic that is there
+        host.check_topic_room(name, partitions)  # each partition is a log; TOPIC_EXISTS stays for one that is there
         host.store.defaults.with_settings(config)  # a bad setting is refused before any partition is made
     # durable when it answers: an operator may restart right after
     create_partitioned(host.store, check_name(name), partitions, config)
@@ -329,7 +329,7 @@ def add_partitions(host: AdminHost, name: str, partitions: int) -> dict[str, Any
     log_ = host.store.topic(name)
     if log_.config.extra.get("mirror_of"):
         raise InvalidRequest(f"topic {name} is mirrored: add partitions on the parent; this broker follows", topic=name)
-    host.check_topic_room(name)  # TOPIC_LIMIT, as for a create: each partition is a log
+    host.check_topic_room(name, partitions - host.store.partition_count(name))  # TOPIC_LIMIT: each new one is a log
     for group in host.groups.of_topic(name):
         target = dead_letter_topic(name, group.settings.dead_letter_topic)
         if target in host.store.logs and host.store.partition_count(target) < partitions:

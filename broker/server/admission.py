@@ -76,6 +76,7 @@ class Admission:
         client = peer.creations if peer is not None and peer.creations is not None else TokenBucket(1e9)
         self.limits.check_rate(topic, client)
 
-    def check_room(self, topic: str) -> None:
-        """For ADMIN create_topic: the topic limit holds there too (its rate does not: an operator asks)."""
-        self.limits.check_room(len(self.store.logs), topic)
+    def check_room(self, topic: str, logs: int = 1) -> None:
+        """For ADMIN create_topic and add_partitions: the topic limit holds there too, for every log the op
+        makes (a partition is a log); its rate does not: an operator asks."""
+        self.limits.check_room(len(self.store.logs) + max(0, logs - 1), topic)

@@ -539,8 +539,8 @@ class Broker:
     def _partition_logs(self, topic: str) -> list[str]:
         return [partition_log(topic, number) for number in range(self.partition_count(topic))]
 
-    def check_topic_room(self, topic: str) -> None:
-        self.admission.check_room(topic)
+    def check_topic_room(self, topic: str, logs: int = 1) -> None:
+        self.admission.check_room(topic, logs)
 
     def _on_subscribe(self, peer: bytes, frame: Frame) -> None:
         topic = log_for(self.store, frame, self.partition_count)  # a member subscribes to each partition apart

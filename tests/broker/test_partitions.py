@@ -747,3 +747,19 @@ def test_a_dead_letter_topic_shared_with_a_smaller_topic_grows_to_take_partition
             sub.close()
         assert admin.describe_topic("shared")["partition_count"] == 4
         assert [m.value for m in admin.fetch("shared", 0, 10, partition=3)] == [b"poison"]
+
+
+def test_the_topic_limit_counts_every_partition_a_create_or_an_add_would_make(conveyor_broker_factory):
+    """Each partition is a log (files, descriptors): a create of 8 under --max-topics 5 made all 8."""
+    from conveyor.errors import TopicLimit
+
+    broker = conveyor_broker_factory(extra=["--max-topics", "5"])
+    with Admin(broker.address) as admin:
+        with pytest.raises(TopicLimit):
+            admin.create_topic("wide", partitions=8)
+        admin.create_topic("narrow", partitions=3)
+        with pytest.raises(TopicLimit):
+            admin.add_partitions("narrow", 6)
+        assert admin.describe_topic("narrow")["partition_count"] == 3
+        assert [t["name"] for t in admin.list_topics()] == ["narrow"]
+        admin.add_partitions("narrow", 5)  # exactly the limit

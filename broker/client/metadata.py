@@ -43,6 +43,7 @@ from conveyor.names import split_log
 __all__ = ["ClusterView", "Metadata", "PartitionInfo", "ask_metadata", "broker_addresses"]
 
 STAGGER = 0.5  # seconds before the next bootstrap broker is asked too
+NO_LEADER_POLL = 0.2  # seconds between METADATA asks while a partition has no leader in the last answer
 
 
 def ask_metadata(
@@ -153,6 +154,7 @@ class Metadata:
         self._hints: dict[tuple[str, int], str] = {}  # leader addresses NOT_LEADER named since the last refresh
         self._stale = False
         self._dead: set[str] = set()  # addresses lost since the last answer: asked last
+        self._refreshed_at = 0.0
 
     def partition_count(self, topic: str) -> int:
         """How many partitions ``topic`` has (1 for a topic no broker has yet); one METADATA, the cache untouched.
@@ -195,8 +197,11 @@ class Metadata:
         assert self.view is not None
         address = self.view.leader_address(topic, partition)
         if address is None:
-            # Offline, or a partition this answer does not list yet (added since): the next routing asks again.
-            self._stale = True
+            # Offline, or a partition this answer does not list yet (added since): a routing asks again, at
+            # most every NO_LEADER_POLL seconds, so the other partitions' batches do not wait on METADATA
+            # at every retry while one partition elects a leader.
+            if time.monotonic() - self._refreshed_at >= NO_LEADER_POLL:
+                self._stale = True
             raise NotLeader(f"{topic!r} partition {partition} has no leader now", topic=topic, partition=partition)
         return address
 
@@ -216,6 +221,7 @@ class Metadata:
             self._order(), topics, context=self._ctx, keys=self._keys, timeout=self.timeout, stagger=self.stagger
         )
         self.view, self._stale = view, False
+        self._refreshed_at = time.monotonic()
         self._hints.clear()
         self._dead.discard(view.source)
         return view

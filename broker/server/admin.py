@@ -129,35 +129,23 @@ def describe_group(host: AdminHost, topic: str, name: str) -> dict[str, Any]:
     ``pending_redelivery`` and ``skipped_by_retention`` are sums over the partitions (each row has its
     own); ``members`` are partition 0's (each member subscribes to every partition).
     """
-    if host.partitions is not None:
-        return _describe_led(host, topic, name)
-    described = _describe_one(host, topic, name)
-    if host.store.partition_count(topic) == 1:
-        return {**described, "partitions": [_partition_row(0, described, False)]}
-    rows = [_partition_row(0, described, True)]
-    for number in range(1, host.store.partition_count(topic)):
-        log_name = partition_log(topic, number)
-        if host.groups.get((log_name, name)) is not None:
-            rows.append(_partition_row(number, _describe_one(host, log_name, name), True))
-    return _summed(described, rows)
-
-
-def _summed(described: dict[str, Any], rows: list[dict[str, Any]]) -> dict[str, Any]:
-    return {**described, **{key: sum(row[key] for row in rows) for key in GROUP_SUMS}, "partitions": rows}
-
-
-def _describe_led(host: AdminHost, topic: str, name: str) -> dict[str, Any]:
-    """In a cluster: the group on the partitions this node answers for (the first one's fields as the
-    group's, summed over them for a topic of several; the client merges every leader's ``partitions`` rows)."""
-    numbers = [n for n in answered_here(host, topic) if host.groups.get((partition_log(topic, n), name)) is not None]
-    if not numbers:
-        _group(host, topic, name)  # UNKNOWN_TOPIC or UNKNOWN_GROUP, as a single node says
+    numbers = _group_partitions(host, topic, name)
     full = host.partition_count(topic) > 1
     rows = [_partition_row(n, _describe_one(host, partition_log(topic, n), name), full) for n in numbers]
     described = {**_describe_one(host, partition_log(topic, numbers[0]), name), "topic": topic}
     if not full:
-        return {**described, "lag": sum(row["lag"] for row in rows), "partitions": rows}
-    return _summed(described, rows)
+        return {**described, "partitions": rows}
+    return {**described, **{key: sum(row[key] for row in rows) for key in GROUP_SUMS}, "partitions": rows}
+
+
+def _group_partitions(host: AdminHost, topic: str, name: str) -> list[int]:
+    """The partitions answered here (``answered_here``) that hold the group; ``UNKNOWN_TOPIC`` or
+    ``UNKNOWN_GROUP`` when none does, or, on a single broker, when partition 0 does not (as before partitions).
+    In a cluster the first is whichever this node leads: the client merges every leader's rows."""
+    numbers = [n for n in answered_here(host, topic) if host.groups.get((partition_log(topic, n), name)) is not None]
+    if not numbers or (host.partitions is None and numbers[0] != 0):
+        _group(host, topic, name)  # raises, as a single node says
+    return numbers
 
 
 def _partition_row(number: int, described: dict[str, Any], full: bool) -> dict[str, Any]:
@@ -259,19 +247,11 @@ def _reset_one(host: AdminHost, topic: str, name: str, to: Any) -> None:
 
 
 def delete_group(host: AdminHost, topic: str, name: str) -> dict[str, Any]:
-    if host.partitions is not None:  # in a cluster: the partitions led here; the client asks every leader
-        led = [partition_log(topic, n) for n in answered_here(host, topic)]
-        found = [log_name for log_name in led if host.groups.get((log_name, name)) is not None]
-        if not found:
-            _group(host, topic, name)  # UNKNOWN_TOPIC or UNKNOWN_GROUP, as a single node says
-        for log_name in found:
-            _delete_one(host, log_name, name)
-        return {"deleted": name, "topic": topic}
-    _group(host, topic, name)
-    for number in range(1, host.store.partition_count(topic)):
-        if host.groups.get((partition_log(topic, number), name)) is not None:
-            _delete_one(host, partition_log(topic, number), name)
-    return _delete_one(host, topic, name)
+    """The group on every partition answered here (in a cluster, those led here: the client asks every leader)."""
+    numbers = _group_partitions(host, topic, name)
+    for number in [*numbers[1:], numbers[0]]:  # the first (partition 0 on a single broker) last, as before
+        _delete_one(host, partition_log(topic, number), name)
+    return {"deleted": name, "topic": topic}
 
 
 def _delete_one(host: AdminHost, topic: str, name: str) -> dict[str, Any]:

@@ -113,6 +113,7 @@ def dead_letter_target(store: Store, log_name: str, target: str) -> TopicLog:
         if dlq_topic not in store.logs:
             create_partitioned(store, dlq_topic, count)
         if target not in store.logs:  # the DLQ topic was there with fewer partitions: it grows to its origin's
-            add_partition_logs(store, dlq_topic, max(count, store.partition_count(dlq_topic)))
-            set_partition_count(store, dlq_topic, max(count, store.partition_count(dlq_topic)))
+            grown = max(count, store.partition_count(dlq_topic))
+            add_partition_logs(store, dlq_topic, grown)
+            set_partition_count(store, dlq_topic, grown)
     return store.topic(target)

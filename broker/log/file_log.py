@@ -276,6 +276,8 @@ class FileLog(TopicLog):
         self._unsynced.clear()
 
     def _sync_segments(self, segments: list[Segment]) -> None:
+        for segment in segments:  # a failed cut is not a failed fsync: nothing synced is in doubt
+            segment.cut_torn_tail()
         try:
             for segment in segments:
                 segment.sync()

@@ -81,10 +81,7 @@ class Segment:
     def append(self, header: bytes, body: bytes, base_offset: int, count: int, timestamp_ms: int) -> None:
         """One ``writev`` per batch: header and body, never copied together."""
         position = self.size
-        if self._torn:  # an earlier failed write left bytes past ``size``: they go before anything is added
-            with storage_errors(str(self.path)):
-                syscalls.ftruncate(self._fd, position)
-            self._torn = False
+        self.cut_torn_tail()  # O_APPEND would write after them
         try:
             with storage_errors(str(self.path)):
                 written = syscalls.writev(self._fd, (header, body))
@@ -105,6 +102,17 @@ class Segment:
         except OSError:
             self._torn = True  # O_APPEND would write after the partial bytes: the next append cuts them first
             log.exception("%s: could not cut a partial write at %d", self.path, position)
+
+    def cut_torn_tail(self) -> None:
+        """Bytes a failed write left past ``size`` go before the file grows or is synced.
+
+        Recovery cuts a torn tail only in the newest segment: a sealed segment must be whole, and
+        a roll syncs the segment it seals, so the log cuts before every sync too.
+        """
+        if self._torn:
+            with storage_errors(str(self.path)):
+                syscalls.ftruncate(self._fd, self.size)
+            self._torn = False
 
     def _maybe_index(self, offset: int, position: int, size: int) -> None:
         if self._bytes_since_index >= self.index_interval:

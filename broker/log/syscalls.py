@@ -118,6 +118,7 @@ class _Layer:
         self.shadow: Path | None = None
         if journal:
             self.journal_fd = os.open(journal, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            end_torn_line(journal, self.journal_fd)
             self.shadow = Path(f"{journal}.shadow")
             self.shadow.mkdir(exist_ok=True)
         self.static = FaultPlan.parse(faults or "")
@@ -328,13 +329,24 @@ class PowerLoss:
         return sum(self.truncated.values())
 
 
+def end_torn_line(journal: str | os.PathLike[str], fd: int) -> None:
+    """A kill can cut the journal's last line: the next writer's first event must not be glued to it."""
+    with open(journal, "rb") as f:
+        f.seek(0, os.SEEK_END)
+        if f.tell() == 0:
+            return
+        f.seek(-1, os.SEEK_END)
+        if f.read(1) != b"\n":
+            os.write(fd, b"\n")
+
+
 def read_journal(journal: str | os.PathLike[str]) -> list[dict[str, Any]]:
     events = []
     for line in Path(journal).read_bytes().splitlines():
         try:
             events.append(json.loads(line))
         except ValueError:
-            break  # a line cut by the kill: everything before it is whole
+            continue  # a line cut by a kill; the next writer started a line of its own
     return events
 
 
@@ -352,7 +364,8 @@ def simulate_power_loss(root: str | os.PathLike[str], journal: str | os.PathLike
     and a truncate below the last synced size is assumed durable. Files are
     known by inode; an unlink through this layer ends what is known of one
     (a file deleted otherwise, and a new file reusing its inode, would
-    inherit its synced size).
+    inherit its synced size). Each cut ends by recording what it left as
+    durable, so cuts in a row start from the disk, not from the journal's past.
     """
     root = Path(root).resolve()
     report = PowerLoss()
@@ -365,7 +378,11 @@ def simulate_power_loss(root: str | os.PathLike[str], journal: str | os.PathLike
         if op == "dirsync":
             listings[event["path"]] = event["entries"]
             continue
-        if op not in ("sync", "fsync_failed", "truncate", "unlink"):
+        if op not in ("sync", "fsync_failed", "truncate", "unlink", "baseline"):
+            continue
+        if op == "baseline":  # an earlier cut: what it left is the durable state, whatever came before
+            synced = {int(ino): size for ino, size in event["files"].items()}
+            doubt, listings = {}, dict(event["dirs"])
             continue
         key = event["ino"]
         if op == "unlink":  # a file created later may get this inode: it starts with a clean slate
@@ -419,7 +436,35 @@ def simulate_power_loss(root: str | os.PathLike[str], journal: str | os.PathLike
                         zeroed += b - a
             if zeroed:
                 report.holes[file] = zeroed
+    _record_baseline(root, journal, shadow, listings)
     return report
+
+
+def _record_baseline(root: Path, journal: str | os.PathLike[str], shadow: Path, listings: dict[str, Any]) -> None:
+    """After a cut, what is on disk is durable: the next cut starts from it, not from the journal's past.
+
+    Without this, a file the cut brought back (old bytes under the new file's inode) would be cut
+    again to the new file's synced size, and an inode freed and reused would inherit a stale size.
+    """
+    files = {}
+    for dirpath, _dirs, names in os.walk(root):
+        for name in names:
+            st = os.stat(os.path.join(dirpath, name))
+            files[str(st.st_ino)] = st.st_size
+    dirs = {
+        directory: {entry.name: entry.inode() for entry in os.scandir(directory)}
+        for directory in listings
+        if os.path.isdir(directory)
+    }
+    fd = os.open(journal, os.O_WRONLY | os.O_APPEND)
+    try:
+        end_torn_line(journal, fd)
+        os.write(fd, json.dumps({"op": "baseline", "files": files, "dirs": dirs}).encode() + b"\n")
+    finally:
+        os.close(fd)
+    if shadow.is_dir():  # the old files it kept are not coming back any more
+        for old in shadow.iterdir():
+            old.unlink()
 
 
 configure_from_env()

@@ -157,3 +157,55 @@ def test_what_is_known_of_a_deleted_file_does_not_stick_to_its_inode(tmp_path, l
     loss = syscalls.simulate_power_loss(root, journal)
     assert (root / "seg.log").read_bytes() == b"fresh"
     assert not loss.holes
+
+
+def durable_write(path, data: bytes, *, sync_directory: bool = True) -> None:
+    """atomic_write's steps through the layer; without the directory sync the rename is not durable."""
+    tmp = path.with_name(path.name + ".tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
+    try:
+        syscalls.write(fd, data)
+        syscalls.fsync(fd)
+    finally:
+        os.close(fd)
+    syscalls.replace(tmp, path)
+    if sync_directory:
+        dirsync(path.parent)
+
+
+def test_a_file_a_cut_brought_back_keeps_its_old_bytes_at_the_next_cut(tmp_path, layer):
+    # The first cut brings back the old file's bytes under the new file's inode: what the
+    # journal says of that inode (its new, shorter synced size) must not cut them at the next cut.
+    journal, _control = layer
+    root = tmp_path / "data"
+    root.mkdir()
+    old, new = b'{"group": "%s"}' % (b"o" * 200), b'{"g": 1}'
+    durable_write(root / "groups.json", old)
+    durable_write(root / "groups.json", new, sync_directory=False)
+    first = syscalls.simulate_power_loss(root, journal)
+    assert first.restored == [str(root / "groups.json")]
+    assert (root / "groups.json").read_bytes() == old
+    # The restarted writer touches something else only, then the power goes again
+    fd = os.open(root / "other.log", os.O_RDWR | os.O_CREAT | os.O_APPEND)
+    syscalls.write(fd, b"x")
+    syscalls.fsync(fd)
+    os.close(fd)
+    dirsync(root)
+    syscalls.simulate_power_loss(root, journal)
+    assert (root / "groups.json").read_bytes() == old
+    assert (root / "other.log").read_bytes() == b"x"
+
+
+def test_a_journal_line_cut_by_a_kill_does_not_hide_what_comes_after(tmp_path, layer):
+    journal, _control = layer
+    root = tmp_path / "data"
+    root.mkdir()
+    durable_write(root / "a.json", b"first")
+    syscalls.simulate_power_loss(root, journal)
+    with open(journal, "ab") as f:  # what a kill in the middle of a journal write leaves
+        f.write(b'{"op": "sync", "pa')
+    syscalls.configure(journal=str(journal))  # the writer starts again, appending to the same journal
+    durable_write(root / "b.json", b"second")
+    syscalls.simulate_power_loss(root, journal)
+    assert (root / "a.json").read_bytes() == b"first"
+    assert (root / "b.json").read_bytes() == b"second"

@@ -31,8 +31,8 @@ def _setup(parser: argparse.ArgumentParser) -> None:
         "--systems",
         default="",
         metavar="LIST",
-        help="comma-separated: conveyor, redis, nats, rabbitmq, or a variant like redis:always or nats:r3 "
-        "(default: all found)",
+        help="comma-separated: conveyor, redis, nats, rabbitmq, forwarder (the bare pyzmq floor), or a variant "
+        "like redis:always, nats:r3 or forwarder:fsync (default: all found)",
     )
     parser.add_argument("--scenarios", default="", metavar="LIST", help="comma-separated scenario names to run")
     parser.add_argument("--quick", action="store_true", help="each scenario's smaller 'quick' form (a 1-2 minute run)")
@@ -50,6 +50,24 @@ def _setup(parser: argparse.ArgumentParser) -> None:
         help="run everything N times, interleaved, and report each run's median (p99 for paced scenarios)",
     )
     parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    parser.add_argument(
+        "--compare",
+        metavar="OLD.json",
+        help="after the run, print new/old ratios (throughput, p50, p99) for every scenario and variant also in "
+        "OLD.json (an earlier --json), flagging regressions",
+    )
+    parser.add_argument(
+        "--regression-threshold",
+        type=float,
+        default=10.0,
+        metavar="PCT",
+        help="with --compare: a change worse than this many percent is a regression (default 10)",
+    )
+    parser.add_argument(
+        "--fail-on-regression",
+        action="store_true",
+        help="with --compare: exit 1 when there is a regression (default: the comparison is informational)",
+    )
 
 
 HELP = "run benchmark scenarios and write a report"
@@ -73,6 +91,12 @@ def run(args: argparse.Namespace) -> int:
             "conveyor bench: --scale-out runs benchmarks/scaleout.json; give it or --config, not both", file=sys.stderr
         )
         return 2
+    old: dict[str, Any] | None = None
+    if args.compare:
+        try:
+            old = json.loads(Path(args.compare).read_text())
+        except (OSError, ValueError) as exc:
+            raise ConfigError(f"--compare {args.compare}: {exc}", path=args.compare) from None
     args.config = args.config or str(SCALE_OUT_CONFIG if args.scale_out else DEFAULT_CONFIG)
     try:
         config = load_config(args.config, quick=args.quick)
@@ -117,4 +141,13 @@ def run(args: argparse.Namespace) -> int:
     print(markdown_table(report))
     if args.report:
         print(f"\nreport: {args.report}", file=sys.stderr)
-    return 0 if all(r.get("ok") for r in report["results"]) else 1
+    ok = all(r.get("ok") for r in report["results"])
+    if old is not None:
+        from conveyor.benchmarks.suite.compare import compare, comparison_table
+
+        threshold = args.regression_threshold / 100
+        rows = compare(report, old, threshold)
+        print("\n" + comparison_table(rows, threshold, args.compare))
+        if args.fail_on_regression and any(r.regressions for r in rows):
+            ok = False
+    return 0 if ok else 1

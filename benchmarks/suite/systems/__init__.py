@@ -1,4 +1,4 @@
-"""The systems a scenario runs against: Conveyor and its peers.
+"""The systems a scenario runs against: Conveyor, its peers, and the floor (a bare pyzmq forwarder).
 
 Each module holds one ``System`` (the server side, run by the orchestrator)
 and ``make_producer`` / ``make_consumer`` (the client side, run inside each
@@ -12,12 +12,13 @@ from types import ModuleType
 
 from conveyor.benchmarks.suite.systems.base import System
 
-NAMES = ("conveyor", "redis", "nats", "rabbitmq")
+NAMES = ("conveyor", "redis", "nats", "rabbitmq", "forwarder")
 MODULES = {
     "conveyor": "conveyor.benchmarks.suite.systems.conveyor",
     "redis": "conveyor.benchmarks.suite.systems.redis_streams",
     "nats": "conveyor.benchmarks.suite.systems.nats_jetstream",
     "rabbitmq": "conveyor.benchmarks.suite.systems.rabbitmq",
+    "forwarder": "conveyor.benchmarks.suite.systems.zmq_forwarder",
 }
 
 

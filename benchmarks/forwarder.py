@@ -34,7 +34,8 @@ Wire (all frames are single ZeroMQ frames; ``ROUTER`` adds/strips the peer id):
   group). Batches that arrive before any consumer said hello wait.
 
 Run: ``python -m conveyor.benchmarks.forwarder --in 5555 --out 5556 [--log FILE]``
-(binds 127.0.0.1). It stops on SIGTERM. It imports nothing of Conveyor.
+(binds 127.0.0.1). It stops on SIGTERM. Its code uses nothing of Conveyor but
+the package it lives in: only pyzmq and the standard library.
 """
 
 from __future__ import annotations
@@ -119,16 +120,22 @@ class Forwarder:
                 os.writev(self.fd, [LENGTH.pack(len(body)), body])
             os.fdatasync(self.fd)  # one per burst: the group commit
         for peer, batch_id, body in frames:
-            if self.consumers:
-                self._forward(body)
-            else:
-                self.waiting.append(body)
+            self._forward(body)
             self.inbound.send_multipart([peer, batch_id])
 
     def _forward(self, body: bytes) -> None:
-        peer = self.consumers[self.turn % len(self.consumers)]
-        self.turn += 1
-        self.outbound.send_multipart([peer, body])
+        """To the next consumer in turn; one that went away leaves the turn (what it had is lost: no redelivery)."""
+        while self.consumers:
+            peer = self.consumers[self.turn % len(self.consumers)]
+            self.turn += 1
+            try:
+                self.outbound.send_multipart([peer, body])
+                return
+            except zmq.ZMQError as exc:
+                if exc.errno != zmq.EHOSTUNREACH:
+                    raise
+                self.consumers.remove(peer)
+        self.waiting.append(body)
 
 
 def main(argv: list[str] | None = None) -> None:

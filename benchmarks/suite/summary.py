@@ -33,8 +33,9 @@ def check_targets(report: dict[str, Any]) -> list[dict[str, Any]]:
     """The targets in the config's settings, each with what was measured and whether it was met.
 
     A target is ``{"scenario", "system", "metric", "vs" (another variant) and "min_ratio"}``
-    (``system`` at least ``min_ratio`` times ``vs``), ``{... "vs", "lower": true}`` (``system``
-    below ``vs``), or an absolute ``"min"`` / ``"max"`` bound.
+    (``system`` at least ``min_ratio`` times ``vs``), ``{... "vs", "max_ratio"}`` (``system`` at
+    most ``max_ratio`` times ``vs``: a latency within 1.25x of the floor's), ``{... "vs", "lower": true}``
+    (``system`` below ``vs``), or an absolute ``"min"`` / ``"max"`` bound.
     """
     checks = []
     for t in report.get("settings", {}).get("targets", []):
@@ -56,6 +57,9 @@ def check_targets(report: dict[str, Any]) -> list[dict[str, Any]]:
             elif t.get("lower"):
                 check["ratio"] = round(peer_value / value, 2) if value else None
                 check["met"] = value < peer_value
+            elif "max_ratio" in t:
+                check["ratio"] = round(value / peer_value, 2) if peer_value else None
+                check["met"] = check["ratio"] is not None and check["ratio"] <= t["max_ratio"]
             else:
                 check["ratio"] = round(value / peer_value, 2) if peer_value else None
                 check["met"] = check["ratio"] is not None and check["ratio"] >= t["min_ratio"]
@@ -81,16 +85,19 @@ METRIC_NAMES = {"e2e_msg_per_s": "end-to-end msg/s", "leader_changes": "leader c
 
 def describe_target(t: dict[str, Any]) -> str:
     what = METRIC_NAMES.get(t["metric"], t["metric"])
+    why = f" ({t['why']})" if t.get("why") else ""
     if "vs" in t:
         if t.get("lower"):
-            return f"{t['scenario']}: {t['system']} {what} below {t['vs']}"
-        return f"{t['scenario']}: {t['system']} {what} >= {t['min_ratio']}x {t['vs']}"
+            return f"{t['scenario']}: {t['system']} {what} below {t['vs']}{why}"
+        if "max_ratio" in t:
+            return f"{t['scenario']}: {t['system']} {what} <= {t['max_ratio']}x {t['vs']}{why}"
+        return f"{t['scenario']}: {t['system']} {what} >= {t['min_ratio']}x {t['vs']}{why}"
     bounds = []
     if "min" in t:
         bounds.append(f">= {t['min']:,}")
     if "max" in t:
         bounds.append(f"<= {t['max']:,}")
-    return f"{t['scenario']}: {t['system']} {what} {' and '.join(bounds)}" + (f" ({t['why']})" if t.get("why") else "")
+    return f"{t['scenario']}: {t['system']} {what} {' and '.join(bounds)}{why}"
 
 
 def target_cell(t: dict[str, Any]) -> str:

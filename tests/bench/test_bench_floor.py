@@ -114,3 +114,20 @@ def test_both_forwarders_deliver_every_message_exactly_once_and_compare(tmp_path
     assert "| floor-max | forwarder:ram |" in informational.stdout and "REGRESSION (throughput)" in informational.stdout
     failing = subprocess.run([*cmd, "--fail-on-regression"], capture_output=True, text=True, timeout=110)
     assert failing.returncode == 1, failing.stdout + failing.stderr
+
+
+def test_a_max_ratio_target_holds_a_latency_within_a_factor_of_the_floor() -> None:
+    from conveyor.benchmarks.suite.summary import check_targets, describe_target
+
+    target = {"scenario": "l", "system": "conveyor:batch", "metric": "p99", "vs": "forwarder:fsync", "max_ratio": 1.25}
+    report = {
+        "settings": {"targets": [target, {**target, "metric": "p50"}]},
+        "results": [
+            {**result("l", "conveyor:batch", 5000, 1.3, 2.4, paced=True), "system": "conveyor"},
+            {**result("l", "forwarder:fsync", 5000, 1.0, 2.0, paced=True), "system": "forwarder"},
+        ],
+    }
+    p99, p50 = check_targets(report)
+    assert (p99["ratio"], p99["met"]) == (1.2, True)
+    assert (p50["ratio"], p50["met"]) == (1.3, False)
+    assert describe_target(target) == "l: conveyor:batch p99 <= 1.25x forwarder:fsync"

@@ -131,3 +131,12 @@ def test_a_max_ratio_target_holds_a_latency_within_a_factor_of_the_floor() -> No
     assert (p99["ratio"], p99["met"]) == (1.2, True)
     assert (p50["ratio"], p50["met"]) == (1.3, False)
     assert describe_target(target) == "l: conveyor:batch p99 <= 1.25x forwarder:fsync"
+
+
+def test_an_unreadable_compare_file_is_a_config_error_before_anything_runs(tmp_path: Path) -> None:
+    bad = tmp_path / "old.json"
+    bad.write_text("{not json")
+    for path in (bad, tmp_path / "nosuch.json"):
+        cmd = [sys.executable, "-m", "conveyor", "bench", "--systems", "forwarder", "--compare", str(path)]
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+        assert done.returncode == 2 and "CONFIG_ERROR" in done.stderr and path.name in done.stderr, done.stderr

@@ -100,7 +100,7 @@ class AsyncProducer:
         buffer_memory: int = 32 << 20,
         max_block_ms: float = 60_000,
         close_timeout_ms: float = 5000,
-        eager: bool = False,
+        eager: bool = True,
         retry_wait: Any = None,
     ) -> None:
         check_producer_options(

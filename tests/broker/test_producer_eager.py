@@ -1,8 +1,9 @@
-"""When a batch that is not full goes out with ``eager=True``: at once while the topic has nothing in flight.
+"""When a batch that is not full goes out: by default (``eager=True``) at once while the topic has nothing in flight.
 
 An idle producer adds no linger to a message; a busy one lets the open batch
 fill until a confirm returns, so batches grow with the broker's answer time.
-The default keeps Kafka's rule: wait out ``linger_ms`` every time.
+``eager=False`` keeps Kafka's rule: wait out ``linger_ms`` every time. With one
+broker, the caller's thread sends such a batch itself when the I/O thread is idle.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import signal
+import threading
 import time
 from pathlib import Path
 
@@ -28,12 +30,12 @@ def batches(broker: BrokerProcess, topic: str) -> float:
 
 
 @pytest.mark.timeout(60)
-def test_an_eager_idle_producer_sends_at_once_and_the_default_waits_out_the_linger(tmp_path: Path) -> None:
+def test_an_idle_producer_sends_at_once_by_default_and_eager_false_waits_out_the_linger(tmp_path: Path) -> None:
     with BrokerProcess(tmp_path / "data") as broker:
         Admin(broker.address).create_topic("idle")
-        with Producer(broker.address, linger_ms=LONG_LINGER_MS, eager=True) as eager:
+        with Producer(broker.address, linger_ms=LONG_LINGER_MS) as eager:
             assert eager.send("idle", b"now").result(timeout=LONG_LINGER_MS / 2000) == 0
-        with Producer(broker.address, linger_ms=LONG_LINGER_MS) as patient:
+        with Producer(broker.address, linger_ms=LONG_LINGER_MS, eager=False) as patient:
             started = time.monotonic()
             future = patient.send("idle", b"later")
             with pytest.raises(concurrent.futures.TimeoutError):
@@ -59,6 +61,49 @@ def test_messages_sent_while_a_batch_is_in_flight_go_as_one_batch_when_it_is_con
             assert first.result(timeout=10) == 0
             assert [f.result(timeout=10) for f in rest] == list(range(1, 100))
         assert batches(broker, "busy") == 2
+
+
+@pytest.mark.timeout(60)
+def test_an_idle_producer_sends_from_the_callers_thread(tmp_path: Path) -> None:
+    with BrokerProcess(tmp_path / "data") as broker, Producer(broker.address) as producer:
+        producer.send("direct", b"warm").result(timeout=10)
+        senders = []
+        real = producer._io._publish
+
+        def publish(topic, buf):
+            senders.append(threading.current_thread().name)
+            real(topic, buf)
+
+        producer._io._publish = publish  # type: ignore[method-assign]
+        for i in range(20):
+            assert producer.send("direct", f"m{i}".encode()).result(timeout=10) == i + 1
+        assert senders.count(threading.current_thread().name) >= 15, senders  # the I/O thread may be busy at times
+
+
+@pytest.mark.timeout(120)
+def test_many_threads_sending_at_once_lose_nothing_and_keep_each_threads_order(tmp_path: Path) -> None:
+    # The caller's threads and the I/O thread share the socket (under the I/O lock): every message
+    # must be stored once, each thread's in the order it sent them, and every future resolved.
+    with BrokerProcess(tmp_path / "data") as broker, Producer(broker.address, batch_size=7) as producer:
+
+        def sender(n: int) -> list:
+            out = []
+            for i in range(400):
+                out.append(producer.send("many", f"{n}:{i}".encode()))
+                if i % 50 == 0:
+                    time.sleep(0.001)  # idle moments: the caller's thread sends itself
+            return out
+
+        with concurrent.futures.ThreadPoolExecutor(6) as pool:
+            futures = [f for fs in pool.map(sender, range(6)) for f in fs]
+        offsets = [f.result(timeout=30) for f in futures]
+        assert sorted(offsets) == list(range(6 * 400))
+        stored = Admin(broker.address).fetch("many", 0, 6 * 400)
+        values = [m.value.decode() for m in stored]
+        assert len(values) == len(set(values)) == 6 * 400
+        for n in range(6):
+            mine = [int(v.split(":")[1]) for v in values if v.startswith(f"{n}:")]
+            assert mine == list(range(400))
 
 
 @pytest.mark.timeout(60)

@@ -149,14 +149,14 @@ def load_matched_scenario(scenario: Scenario, result: dict[str, Any]) -> Scenari
         return None
     stored = result["stored"]
     messages = max(scenario.producers, round(sum(stored.values()) / len(stored)))
-    linger = max(scenario.conveyor_linger_ms, math.ceil(1500 * scenario.batch_size / rate))
+    linger = max(scenario.linger_ms or 5.0, math.ceil(1500 * scenario.batch_size / rate))
     return replace(
         scenario,
         rate=round(rate),
         messages=messages,
         duration=max(scenario.duration, 2 * messages / rate),
         linger_ms=float(linger),
-        eager=scenario.conveyor_eager,
+        eager=False,  # wait out the linger: full batches, as the k brokers got
     )
 
 

@@ -28,8 +28,9 @@ class Scenario:
     fsync: str = "batch"
     duration: float = 30.0  # producers stop sending after this many seconds even if messages are left
     credit: int = 0  # unacked messages each consumer may hold (0: twice the batch size)
-    linger_ms: float | None = None  # Conveyor producer linger (None: 5 ms at max rate, 1 ms paced)
-    eager: bool | None = None  # Conveyor producer eager sends (None: when paced with fsync=none)
+    linger_ms: float | None = None  # Conveyor producer linger (None: the producer's default)
+    eager: bool | None = None  # Conveyor producer eager sends (None: the producer's default)
+    send_many: bool = False  # Conveyor producer: send_many() per list of values instead of send() per value
     systems: tuple[str, ...] = ()  # system ids to run (``conveyor``, ``redis:always``...); empty: every match
     description: str = ""
     quick: dict[str, Any] = field(default_factory=dict)  # overrides under --quick
@@ -73,17 +74,14 @@ class Scenario:
         return self.credit or 2 * self.batch_size
 
     @property
-    def conveyor_linger_ms(self) -> float:
+    def conveyor_producer_options(self) -> dict[str, Any]:
+        """What the scenario sets of the Conveyor producer; the rest stays at the defaults a user gets."""
+        options: dict[str, Any] = {"batch_size": self.batch_size}
         if self.linger_ms is not None:
-            return self.linger_ms
-        return 1.0 if self.paced else 5.0
-
-    @property
-    def conveyor_eager(self) -> bool:
-        """Eager batches pay where a broker pass is cheap: paced, without fsync (see ``Producer``)."""
+            options["linger_ms"] = self.linger_ms
         if self.eager is not None:
-            return self.eager
-        return self.paced and self.fsync == "none"
+            options["eager"] = self.eager
+        return options
 
     def label(self) -> str:
         pace = "max rate" if not self.paced else f"{self.total_rate:,.0f} msg/s"
@@ -131,6 +129,7 @@ _KINDS: dict[str, Any] = {
     "credit": int,
     "linger_ms": (*_NUMBER, type(None)),
     "eager": (bool, type(None)),
+    "send_many": bool,
     "systems": list,
     "description": str,
     "quick": dict,

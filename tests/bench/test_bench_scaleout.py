@@ -244,7 +244,7 @@ def test_a_run_of_k_brokers_is_matched_by_one_broker_paced_to_each_brokers_store
     assert paced is not None and paced.paced and paced.total_rate == 150_000
     assert paced.messages == 1_500_000 and paced.duration >= 10.0  # what each broker stored, not cut short
     assert paced.linger_ms == 10.0  # a full batch of 1,000 at 150,000 msg/s takes 6.7 ms: linger 1.5x that
-    assert not paced.conveyor_eager
+    assert paced.eager is False and paced.send_many  # full batches, as the k brokers got
     same = ("batch_size", "credit", "fsync", "consumers", "groups", "producers", "message_size", "name")
     assert all(getattr(paced, f) == getattr(scenario, f) for f in same)
     slow = {**two, "e2e_seconds": 37.5}  # 40,000 msg/s: a longer linger, never below the max-rate one

@@ -1,7 +1,7 @@
 """Conveyor: a broker process per run (fresh data directory, the scenario's fsync policy), or ``--broker ADDR``.
 
-Producer: ``conveyor.Producer.send_many()`` (the fastest public producer
-call; one list of values per call, batches by size and linger). Consumer: the
+Producer: ``conveyor.Producer.send()`` per value with the producer's defaults,
+as a user writes it (``send_many()`` when the scenario says so). Consumer: the
 low-level ``conveyor.broker.client.subscription.Subscription`` (receive a delivered batch, ack
 it as a range).
 """
@@ -374,28 +374,23 @@ class System(base.System):
             return "conveyor"
 
     def client_api(self) -> str:
-        return "conveyor.Producer.send_many(); conveyor.Subscription receive()/ack()"
+        return "conveyor.Producer.send() (send_many() where a scenario says); conveyor.Subscription receive()/ack()"
 
 
 # --- clients ------------------------------------------------------------------------------------
 
 
 class Producer(base.ProducerClient):
-    api = "Producer.send_many()"
+    api = "Producer.send()"
 
     def __init__(self, endpoint: dict[str, Any], scenario: Scenario) -> None:
         from conveyor.broker.client.producer import Producer as ConveyorProducer
 
         self.topic = endpoint["topic"]
-        self.producer = ConveyorProducer(
-            endpoint["address"],
-            linger_ms=scenario.conveyor_linger_ms,
-            batch_size=scenario.batch_size,
-            eager=scenario.conveyor_eager,
-        )
-        self.send_many = getattr(self.producer, "send_many", None)
-        if self.send_many is None:  # an older client: one send() per value
-            self.api = "Producer.send()"
+        self.producer = ConveyorProducer(endpoint["address"], **scenario.conveyor_producer_options)
+        self.send_many = getattr(self.producer, "send_many", None) if scenario.send_many else None
+        if self.send_many is not None:
+            self.api = "Producer.send_many()"
 
     def send(self, values: list[bytes]) -> None:
         if self.send_many is not None:

@@ -284,13 +284,12 @@ class Producer:
             buf.body += record
             index = buf.count
             buf.count = index + 1
-            full = index + 1 >= self.batch_size
-            if full:
-                self._hand_off(topic, wake=not self._direct)
+            if index + 1 >= self.batch_size:
+                self._hand_off(topic)
             batch = buf.batch
         finally:
             lock.release()
-        if self._direct and (index == 0 or full):
+        if index == 0 and self._direct:
             self._send_now(topic, buf)
         return new_future(batch, index)
 
@@ -691,7 +690,8 @@ class _ProducerIO:
         now = time.monotonic()
         deadlines = [now + 1.0]
         with self.p._lock:
-            deadlines += [b.opened + self._linger(t) for t, b in self.p._buffers.items() if not self._blocked(t)]
+            open_batches = [(t, b) for t, b in self.p._buffers.items() if not self._blocked(t)]
+            deadlines += [b.opened + self._linger(t, b, now) for t, b in open_batches]
         deadlines += [f.sent_at + self.p.request_timeout for f in self.in_flight.values()]
         deadlines += list(self.retry_at.values())
         return max(0, math.ceil((min(deadlines) - now) * 1000))  # not a whole extra ms past the linger
@@ -705,9 +705,19 @@ class _ProducerIO:
             resend_pending=any(self.in_flight[rid].topic == topic for rid in self.retry_at),
         )
 
-    def _linger(self, topic: str) -> float:
-        """How long a topic's open batch waits: nothing when eager and none of its batches is in flight."""
-        return 0.0 if self.p.eager and not self.per_topic.get(topic) else self.p.linger
+    def _linger(self, topic: str, buf: _Buffer, now: float) -> float:
+        """How long a topic's open batch waits.
+
+        Eager and none of its batches in flight: nothing, unless the batch fills within ``linger_ms``
+        at the pace it is filling; then it waits to be full. A fast sender so gets full batches
+        (one broker pass, one fsync per 1,000 messages, not per the dozens a round trip gathers), and a
+        slow one pays no wait: with 1,000-message batches and 5 ms the two meet at 200,000 msg/s.
+        """
+        if not self.p.eager or self.per_topic.get(topic):
+            return self.p.linger
+        if buf.count > 1 and (now - buf.opened) * self.p.batch_size < self.p.linger * buf.count:
+            return self.p.linger
+        return 0.0
 
     def _collect_lingering(self) -> None:
         """Hand off buffers whose linger is over, except where ``max_in_flight`` batches await a confirm.
@@ -718,7 +728,7 @@ class _ProducerIO:
         now = time.monotonic()
         with self.p._lock:
             for topic, buf in list(self.p._buffers.items()):
-                if now - buf.opened >= self._linger(topic) - _POLL_SLACK and not self._blocked(topic):
+                if now - buf.opened >= self._linger(topic, buf, now) - _POLL_SLACK and not self._blocked(topic):
                     self.p._hand_off(topic, wake=False)  # this is the I/O thread
             while self.ready:
                 self.queued.append(self.ready.popleft())

@@ -1,4 +1,4 @@
-"""Consuming: the ``Message`` handlers receive, the ``Runner``, and handler exceptions."""
+"""Consuming: the ``Message`` handlers receive, the ``Runner``, and handler exceptions (``InvalidMessage``)."""
 
 if __name__ != "conveyor.consumers":
     raise ImportError(f"import conveyor.consumers, not {__name__} (the repository's folders install under conveyor)")
@@ -6,9 +6,9 @@ if __name__ != "conveyor.consumers":
 
 from conveyor.broker.client.message import Message
 from conveyor.broker.client.subscription import DeadLettered
-from conveyor.decorators.exceptions import Nack, Reject
+from conveyor.decorators.exceptions import InvalidMessage, Nack, Reject
 
-__all__ = ["DeadLettered", "Message", "Nack", "Reject", "Runner", "Subscription"]
+__all__ = ["DeadLettered", "InvalidMessage", "Message", "Nack", "Reject", "Runner", "Subscription"]
 
 
 def __getattr__(name: str) -> object:

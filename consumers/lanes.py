@@ -21,8 +21,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from conveyor.broker.client.message import Message
+from conveyor.consumers.typed import handler_call
 from conveyor.decorators.consumer import AckPolicy, Consumer
-from conveyor.decorators.exceptions import Nack, Reject
+from conveyor.decorators.exceptions import InvalidMessage, Nack, Reject
 from conveyor.decorators.retry import describe
 
 log = logging.getLogger("conveyor.runner")
@@ -42,6 +43,7 @@ class Report:
     durations: list[float] = field(default_factory=list)
     ok: int = 0  # handled without an exception
     dropped: int = 0  # failed for good, not dead-lettered (dead_letter=False)
+    invalid: int = 0  # did not decode into the handler's model: dead-lettered at once (or dropped)
 
 
 _NO_HEAD = -1
@@ -115,6 +117,9 @@ def handle_outcome(
         report.acked += offsets
         report.ok += len(offsets)
         return
+    if isinstance(exc, InvalidMessage):
+        _invalid(consumer, messages, exc, report, gate)
+        return
     if isinstance(exc, Nack):
         report.retried += [(o, _delay_ms(exc.delay), exc.reason) for o in offsets]
         if _comes_again(consumer):
@@ -133,6 +138,25 @@ def handle_outcome(
             gate.block(messages)
         return
     _dead(consumer, messages, exc, decision.reason, report)
+
+
+def _invalid(consumer: Consumer, messages: list[Message], exc: InvalidMessage, report: Report, gate: KeyGate) -> None:
+    """Messages that did not decode: dead-lettered now, never retried; the rest of a batch as its handler did."""
+    invalid = exc.invalid if exc.invalid is not None else [(m, exc.error) for m in messages]
+    bad = {id(m) for m, _ in invalid}
+    report.invalid += len(invalid)
+    for message, error in invalid:
+        log.warning(
+            "%s: %s offset %d does not decode, dead-lettered without retry: %s",
+            consumer.name,
+            message.topic,
+            message.offset,
+            error,
+        )
+        _dead(consumer, [message], InvalidMessage(error), f"invalid message: {error}", report)
+    rest = [m for m in messages if id(m) not in bad]
+    if rest:
+        handle_outcome(consumer, rest, exc.handler_error, report, gate)
 
 
 def _comes_again(consumer: Consumer) -> bool:
@@ -221,6 +245,7 @@ class ThreadLane:
         self.queue: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
         self.gate = KeyGate()
         self.busy = 0
+        self.call = handler_call(consumer)
         self.thread = threading.Thread(target=self._run, name=name, daemon=True)
         self.thread.start()
 
@@ -249,7 +274,7 @@ class ThreadLane:
             work.add(chunk)
         else:
             work.dead_lettered(chunk, dead)
-        fn, batch = self.consumer.fn, self.consumer.batch
+        fn, batch = self.call, self.consumer.batch
         while (unit := work.next()) is not None:
             started = time.perf_counter()
             exc: BaseException | None = None
@@ -263,7 +288,7 @@ class ThreadLane:
     def _process_plain(self, slot: Any, chunk: list[Message]) -> Report:
         """The common case, one message per call, kept lean: it runs once per message."""
         report = Report(slot)
-        fn, clock, stopping = self.consumer.fn, time.perf_counter, self.stopping
+        fn, clock, stopping = self.call, time.perf_counter, self.stopping
         acked, durations = report.acked, report.durations
         for i, message in enumerate(chunk):
             if stopping.is_set():
@@ -298,6 +323,7 @@ class AsyncLane:
         self.loop = loop
         self.gate = KeyGate()
         self.busy = 0
+        self.call = handler_call(consumer)
         self.queue: asyncio.Queue[Job | None] = asyncio.Queue()
         self.task = asyncio.run_coroutine_threadsafe(self._run(), loop)
 
@@ -328,7 +354,7 @@ class AsyncLane:
             work.add(chunk)
         else:
             work.dead_lettered(chunk, dead)
-        fn: Callable[[Any], Awaitable[Any]] = self.consumer.fn
+        fn: Callable[[Any], Awaitable[Any]] = self.call
         batch = self.consumer.batch
         while (unit := work.next()) is not None:
             started = time.perf_counter()

@@ -168,6 +168,7 @@ class Runner:
         for outcome in ("ok", "retried", "dead_lettered", "failed"):
             self.metrics.handled.labels(*labels, outcome)
         self.metrics.retries.labels(*labels)
+        self.metrics.invalid.labels(*labels)
         self.metrics.duration.labels(*labels)
         self.metrics.in_process.labels(*labels)
 
@@ -315,6 +316,8 @@ class Runner:
                 m.handled.labels(*labels, outcome).inc(count)
         if report.retried:
             m.retries.labels(*labels).inc(len(report.retried))
+        if report.invalid:
+            m.invalid.labels(*labels).inc(report.invalid)
         observe_many(m.duration.labels(*labels), report.durations)
 
     def _renewal_due(self) -> float:

@@ -35,7 +35,7 @@ if TYPE_CHECKING:
     from conveyor.broker.client.subscription import DeadLettered, Subscription
     from conveyor.consumers.runner import Runner
     from conveyor.decorators.consumer import consumer, error_handler
-    from conveyor.decorators.exceptions import Nack, Reject
+    from conveyor.decorators.exceptions import InvalidMessage, Nack, Reject
     from conveyor.decorators.retry import retry_policy
     from conveyor.errors import ConveyorError
 
@@ -45,6 +45,7 @@ _EXPORTS = {
     "AsyncProducer": "conveyor.broker.client.async_producer",
     "ConveyorError": "conveyor.errors",
     "DeadLettered": "conveyor.broker.client.subscription",
+    "InvalidMessage": "conveyor.decorators.exceptions",
     "Message": "conveyor.broker.client.message",
     "Nack": "conveyor.decorators.exceptions",
     "Producer": "conveyor.broker.client.producer",
@@ -61,6 +62,7 @@ __all__ = [
     "AsyncProducer",
     "ConveyorError",
     "DeadLettered",
+    "InvalidMessage",
     "Message",
     "Nack",
     "Producer",

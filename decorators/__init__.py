@@ -5,7 +5,7 @@ if __name__ != "conveyor.decorators":
 
 
 from conveyor.decorators.consumer import AckPolicy, Consumer, consumer, error_handler
-from conveyor.decorators.exceptions import Nack, Reject
+from conveyor.decorators.exceptions import InvalidMessage, Nack, Reject
 from conveyor.decorators.policy import Decision, RetryPolicy
 from conveyor.decorators.retry import retry_policy
 
@@ -13,6 +13,7 @@ __all__ = [
     "AckPolicy",
     "Consumer",
     "Decision",
+    "InvalidMessage",
     "Nack",
     "Reject",
     "RetryPolicy",

@@ -599,6 +599,12 @@ class RunnerMetrics:
         self.retries = Counter(
             "conveyor_runner_retries", "Retries scheduled (nacks with a delay)", labels, registry=registry
         )
+        self.invalid = Counter(
+            "conveyor_runner_invalid_messages",
+            "Messages that did not decode into their typed handler's model: dead-lettered at once, never retried",
+            labels,
+            registry=registry,
+        )
         self.duration = Histogram(
             "conveyor_runner_handler_duration_seconds",
             "Time spent in the handler per call (one message, or one batch for batch handlers)",

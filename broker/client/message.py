@@ -5,11 +5,14 @@ from __future__ import annotations
 from collections import deque
 from itertools import repeat
 from operator import attrgetter, itemgetter
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from conveyor.broker.wire.entry import entries_from_wire
+from conveyor.broker.wire.models import model_kind, to_builtins
 from conveyor.broker.wire.record import unpack_records
 from conveyor.broker.wire.values import CONTENT_TYPE, decode_value
+
+T = TypeVar("T")  # Message[Order]: what ``value`` holds for a typed handler (consumers/typed.py)
 
 PARTITION_STRIDE = 1 << 52  # Message.ref: partition k's offsets start at k * 2**52 (an offset stays below it)
 
@@ -34,11 +37,12 @@ class _Origin:
         self.partition = partition
 
 
-class Message:
+class Message(Generic[T]):
     """One record: where it lives, what it carries, and how often it came.
 
     ``value`` is decoded from ``body`` by the ``content-type`` header (bytes
-    when there is none); ``attempt`` is the broker's delivery count, so it
+    when there is none); a handler annotated ``message: Message[Order]`` gets
+    it validated into an ``Order`` (consumers/typed.py); ``attempt`` is the broker's delivery count, so it
     survives a consumer that was killed mid-message; ``first_delivered`` is
     when the broker first delivered it (``stop_after_delay`` measures from it).
 
@@ -135,12 +139,17 @@ class Message:
         self._headers = value
 
     @property
-    def value(self) -> Any:
+    def value(self) -> T:
         try:
             return self._value
         except AttributeError:
             self._value = value = decode_value(self.body, self.headers.get(CONTENT_TYPE))
             return value
+
+    @value.setter
+    def value(self, value: T) -> None:
+        """The decoded value, as a typed handler's runner sets it (the body stays as it came)."""
+        self._value = value
 
     @property
     def content_type(self) -> str | None:
@@ -168,9 +177,11 @@ class Message:
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-friendly view, as ``conveyor tail --format json`` prints it."""
-        value = self.value
+        value: Any = self.value
         if isinstance(value, bytes):
             value = value.decode("utf-8", errors="replace")
+        elif model_kind(type(value)) is not None:  # a typed handler's Message[Order]
+            value = to_builtins(value)
         key = self.key.decode("utf-8", errors="replace") if isinstance(self.key, bytes) else self.key
         return {
             "topic": self.topic,

@@ -1,7 +1,10 @@
 """Message values on the wire: bytes as they are, str as UTF-8, the rest msgpack.
 
 The content type travels in the record's headers so any consumer, in any
-language, can decode the value without guessing.
+language, can decode the value without guessing. A model (pydantic, dataclass,
+msgspec Struct: ``broker/wire/models.py``) is sent as the msgpack map it dumps
+to, its content type ``application/msgpack; model=<module.Class>``: a plain
+msgpack map to any reader, the parameter only says where it came from.
 """
 
 from __future__ import annotations
@@ -10,6 +13,7 @@ import json
 from typing import Any
 
 import msgpack
+from conveyor.broker.wire.models import model_name, to_builtins
 
 from conveyor.errors import InvalidRequest
 
@@ -28,7 +32,14 @@ def encode_value(value: Any) -> tuple[bytes, str | None]:
         return bytes(value), None
     if isinstance(value, str):
         return value.encode(), TEXT
-    return msgpack.packb(value, use_bin_type=True), MSGPACK
+    body = msgpack.packb(value, use_bin_type=True, default=to_builtins)
+    if type(value) in _PLAIN:
+        return body, MSGPACK
+    name = model_name(value)
+    return body, (f"{MSGPACK}; model={name}" if name else MSGPACK)
+
+
+_PLAIN = frozenset({dict, list, tuple, int, float, bool, type(None)})  # surely no model: no look at its class
 
 
 def decode_value(body: bytes, content_type: str | None) -> Any:

@@ -71,6 +71,7 @@ BROKER: dict[str, tuple[str, str, tuple[str, ...]]] = {
 RUNNER: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "handled": ("conveyor_runner_messages", "counter", (*HANDLER, "outcome")),
     "retries": ("conveyor_runner_retries", "counter", HANDLER),
+    "invalid": ("conveyor_runner_invalid_messages", "counter", HANDLER),
     "duration": ("conveyor_runner_handler_duration_seconds", "histogram", HANDLER),
     "in_process": ("conveyor_runner_in_process_messages", "gauge", HANDLER),
 }

@@ -32,14 +32,12 @@ def encode_value(value: Any) -> tuple[bytes, str | None]:
         return bytes(value), None
     if isinstance(value, str):
         return value.encode(), TEXT
-    body = msgpack.packb(value, use_bin_type=True, default=to_builtins)
-    if type(value) in _PLAIN:
-        return body, MSGPACK
+    try:
+        return msgpack.packb(value, use_bin_type=True), MSGPACK
+    except TypeError:  # a model, or one inside plain data: plain data pays nothing for models
+        body = msgpack.packb(value, use_bin_type=True, default=to_builtins)
     name = model_name(value)
     return body, (f"{MSGPACK}; model={name}" if name else MSGPACK)
-
-
-_PLAIN = frozenset({dict, list, tuple, int, float, bool, type(None)})  # surely no model: no look at its class
 
 
 def decode_value(body: bytes, content_type: str | None) -> Any:

@@ -14,16 +14,18 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 from conveyor.monitoring.metrics import BrokerMetrics, ClusterCollector, HealthCollector, RunnerMetrics, StateCollector
 from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.helpers import free_port, http_get
+from tests.helpers import free_port, http_get, wait_for
 from tests.runner.runner_helpers import RunnerProcess
 
 __all__ = ["RunnerProcess", "start_runner"]
 
 APPS = Path(__file__).parent / "apps"
+ALERT_RULES = Path(__file__).resolve().parents[2] / "monitoring" / "alerts.yml"
 RUNNER_READY = re.compile(r"\(metrics (http://\S+/metrics)\)")
 SUFFIXES = {
     "counter": ("_total", "_created"),
@@ -100,17 +102,36 @@ def exposed_names() -> set[str]:
     return {name + suffix for name, kind in registered_families().items() for suffix in SUFFIXES[kind]}
 
 
+# --- the shipped alert rules ------------------------------------------------------------------------------
+
+
+def alert_rules() -> list[dict[str, Any]]:
+    """The alerting rules of monitoring/alerts.yml, every group's, in file order."""
+    groups = yaml.safe_load(ALERT_RULES.read_text())["groups"]
+    return [rule for group in groups for rule in group["rules"] if "alert" in rule]
+
+
 # --- a real Prometheus ------------------------------------------------------------------------------------
 
 
 class PrometheusServer:
-    """Debian's ``prometheus`` on a free loopback port, scraping some targets every second."""
+    """Debian's ``prometheus`` on a free loopback port, scraping some targets every second.
 
-    def __init__(self, workdir: Path, targets: dict[str, list[str]], *, scrape_interval: str = "1s") -> None:
+    ``rule_files`` are loaded as prometheus.yml's ``rule_files`` and evaluated at the scrape interval.
+    """
+
+    def __init__(
+        self,
+        workdir: Path,
+        targets: dict[str, list[str]],
+        *,
+        scrape_interval: str = "1s",
+        rule_files: tuple[Path, ...] = (),
+    ) -> None:
         self.workdir = workdir
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.config = workdir / "prometheus.yml"
-        self.config.write_text(_config(targets, scrape_interval))
+        self.config.write_text(_config(targets, scrape_interval, rule_files))
         self.port = 0
         self.proc: subprocess.Popen[bytes] | None = None
         self.log = workdir / "prometheus.log"
@@ -175,6 +196,34 @@ class PrometheusServer:
     def label_values(self, label: str, match: str) -> list[str]:
         return list(self.api(f"label/{label}/values", **{"match[]": match}))
 
+    def rules(self) -> list[dict[str, Any]]:
+        """Every loaded rule, each with its group's name under ``group``: ``health``, ``lastError``, ``alerts``."""
+        return [{**rule, "group": group["name"]} for group in self.api("rules")["groups"] for rule in group["rules"]]
+
+    def rules_evaluated(self) -> list[dict[str, Any]]:
+        """The rules once each has been evaluated (health no longer ``unknown``), else an empty list."""
+        rules = self.rules()
+        return rules if rules and all(rule["health"] != "unknown" for rule in rules) else []
+
+    def active_alerts(self, name: str) -> list[dict[str, Any]]:
+        """The pending or firing alerts of the rule ``name``."""
+        return [alert for rule in self.rules() if rule.get("name") == name for alert in rule.get("alerts", [])]
+
+    def rule_problems(self) -> list[str]:
+        """Once every rule has been evaluated: each one not evaluated cleanly (health "ok"), or one missing.
+
+        A rule's query can be valid and still fail on real series (a many-to-many match, say); only
+        evaluating it against what the brokers export shows that.
+        """
+        rules = wait_for(self.rules_evaluated, timeout=30, message="every alert rule evaluated once")
+        problems = [
+            f"{r['group']}/{r['name']}: {r['health']} {r.get('lastError', '')}" for r in rules if r["health"] != "ok"
+        ]
+        missing = {rule["alert"] for rule in alert_rules()} - {r["name"] for r in rules}
+        if missing:
+            problems.append(f"rules Prometheus did not load: {sorted(missing)}")
+        return problems
+
     def targets_up(self) -> bool:
         active = self.api("targets")["activeTargets"]
         return bool(active) and all(t["health"] == "up" for t in active)
@@ -186,12 +235,13 @@ class PrometheusServer:
         self.stop()
 
 
-def _config(targets: dict[str, list[str]], scrape_interval: str) -> str:
+def _config(targets: dict[str, list[str]], scrape_interval: str, rule_files: tuple[Path, ...] = ()) -> str:
+    rules = f"rule_files: [{', '.join(repr(str(path)) for path in rule_files)}]\n" if rule_files else ""
     jobs = "".join(
         f"  - job_name: {job}\n    static_configs:\n      - targets: [{', '.join(repr(t) for t in hosts)}]\n"
         for job, hosts in targets.items()
     )
     return (
         f"global:\n  scrape_interval: {scrape_interval}\n  evaluation_interval: {scrape_interval}\n"
-        f"scrape_configs:\n{jobs}"
+        f"{rules}scrape_configs:\n{jobs}"
     )

@@ -5,7 +5,9 @@ scrapes the three every second; one follower is then killed, so the
 under-replicated, below-min-ISR and follower-lag panels have something to
 show. Each panel query and the ``topic`` variable are evaluated through
 Prometheus' HTTP API as Grafana would, and must return at least one series;
-the cluster-wide sums must be the cluster's.
+the cluster-wide sums must be the cluster's. Prometheus also loads the shipped alert rules: each must
+evaluate cleanly on a cluster's series, and the partitions below min ISR and under-replicated must
+raise their (pending) alerts.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from tests.monitoring.dashboard_helpers import (
     variable_query,
     variables,
 )
-from tests.monitoring.monitoring_helpers import PrometheusServer
+from tests.monitoring.monitoring_helpers import ALERT_RULES, PrometheusServer
 
 DASHBOARD = "conveyor-cluster.json"
 VALUES = {"__rate_interval": "15s", "topic": "orders|strict"}
@@ -71,7 +73,9 @@ def test_every_cluster_dashboard_query_returns_data(tmp_path: Path) -> None:
         leaders = {t: wait_for(lambda t=t: in_sync(cluster, t), message=f"{t} in sync") for t in ("orders", "strict")}
         # And Prometheus scraping the three every second
         targets = [target(cluster.node(node).metrics_url) for node in cluster.node_ids]
-        prometheus = PrometheusServer(tmp_path / "prometheus", {"conveyor-broker": targets}).start()
+        prometheus = PrometheusServer(
+            tmp_path / "prometheus", {"conveyor-broker": targets}, rule_files=(ALERT_RULES,)
+        ).start()
         wait_for(prometheus.targets_up, timeout=20, message="all targets up")
         # When traffic flows, then a follower of both topics is killed and traffic goes on
         traffic(cluster.bootstrap, 3.0)
@@ -101,6 +105,12 @@ def test_every_cluster_dashboard_query_returns_data(tmp_path: Path) -> None:
             if not prometheus.query(substitute(query.expr, VALUES)):
                 problems.append(f"no data: {query}")
         assert not problems, "\n".join(problems)
+        # And every alert rule evaluates cleanly; the partitions' alerts are raised (pending: they have a `for`)
+        rule_problems = prometheus.rule_problems()
+        assert not rule_problems, "\n".join(rule_problems)
+        below = [a["labels"]["topic"] for a in prometheus.active_alerts("ConveyorPartitionBelowMinInsync")]
+        under_alerts = [a["labels"]["topic"] for a in prometheus.active_alerts("ConveyorPartitionUnderReplicated")]
+        assert below == ["strict"] and sorted(under_alerts) == ["orders", "strict"], (below, under_alerts)
     finally:
         if prometheus is not None:
             prometheus.stop()

@@ -7,7 +7,9 @@ a child broker mirrors every topic from it (`--upstream`, after reconnecting onc
 down) and Prometheus scrapes the three every second. Then each panel query and each template variable
 query is evaluated through Prometheus' HTTP API, with the variables substituted as Grafana would, and
 must return at least one series. The `topic` variable lists topics, never a partition's log, and a
-per-topic panel adds a topic's partitions up.
+per-topic panel adds a topic's partitions up. Prometheus also loads the shipped alert rules
+(monitoring/alerts.yml): every rule must evaluate cleanly on these series, and the torn tail and the
+dead letters must raise their alerts.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ from tests.monitoring.dashboard_helpers import (
     variable_query,
     variables,
 )
-from tests.monitoring.monitoring_helpers import PrometheusServer, runner_metrics_url
+from tests.monitoring.monitoring_helpers import ALERT_RULES, PrometheusServer, runner_metrics_url
 
 TRAFFIC_SECONDS = 8.0
 PAYMENT_PARTITIONS = 3
@@ -150,6 +152,7 @@ def test_every_dashboard_query_returns_data(tmp_path: Path, runner_factory: Any)
                 "conveyor-broker": [parent_target, child_target],
                 "conveyor-runner": [target(runner_metrics_url(runner))],
             },
+            rule_files=(ALERT_RULES,),
         ).start()
         wait_for(prometheus.targets_up, timeout=20, message="all targets up")
         # When traffic flows, with a malformed request and a resent batch
@@ -182,12 +185,26 @@ def test_every_dashboard_query_returns_data(tmp_path: Path, runner_factory: Any)
         assert not behind, f"the child did not catch up: {behind}"
         link = f'instance="{child_target}", upstream="{broker.address}"'
         assert float(prometheus.query(f"conveyor_mirror_reconnects_total{{{link}}}")[0]["value"][1]) >= 1
+        # And every alert rule evaluates cleanly; the torn tail and the dead letters raise their alerts
+        rule_problems = prometheus.rule_problems()
+        assert not rule_problems, "\n".join(rule_problems)
+        check_alerts(prometheus, parent_target)
     finally:
         if prometheus is not None:
             prometheus.stop()
         if child is not None:
             child.stop()
         broker.stop()
+
+
+def check_alerts(prometheus: PrometheusServer, parent: str) -> None:
+    """The alerts this traffic must raise, each on the series that caused it (neither waits out a ``for``)."""
+    torn = [a["labels"] for a in prometheus.active_alerts("ConveyorTornTailAtStartup")]
+    assert [(a["instance"], a["topic"]) for a in torn] == [(parent, "orders")], torn
+    dead = {
+        (a["labels"]["instance"], a["labels"]["group"]) for a in prometheus.active_alerts("ConveyorDeadLettersArriving")
+    }
+    assert (parent, "graveyard") in dead, dead
 
 
 def panel_query(queries: list[Query], title: str) -> str:

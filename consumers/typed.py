@@ -15,6 +15,7 @@ it at once with the validation error (consumers/lanes.py).
 from __future__ import annotations
 
 import inspect
+import types
 import typing
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -36,16 +37,7 @@ class Payload:
 
 def payload_of(fn: Callable[..., Any], *, batch: bool = False) -> Payload | None:
     """The model the handler's first parameter is annotated with, or None for an untyped handler."""
-    try:
-        params = [
-            p
-            for p in inspect.signature(fn).parameters.values()
-            if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
-        ]
-        hints = typing.get_type_hints(fn) if params else {}
-    except Exception:  # a hint imported under TYPE_CHECKING only, a builtin, ...: untyped, as before
-        return None
-    hint = hints.get(params[0].name) if params else None
+    hint = _first_hint(fn)
     if hint is None:
         return None
     if batch:
@@ -57,6 +49,30 @@ def payload_of(fn: Callable[..., Any], *, batch: bool = False) -> Payload | None
     if model_kind(model) is None:
         return None  # Message, Message[dict], list[Message], ...: the message as it is
     return Payload(model, in_message)
+
+
+def _first_hint(fn: Callable[..., Any]) -> Any:
+    """The resolved annotation of the handler's first parameter; None without one, or when it does not resolve.
+
+    Only that one is resolved: a return or later hint that names something imported under ``TYPE_CHECKING``
+    must not make a typed handler untyped.
+    """
+    try:
+        params = [
+            p
+            for p in inspect.signature(fn).parameters.values()
+            if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+        ]
+    except (TypeError, ValueError):  # a builtin, or a callable without a signature
+        return None
+    if not params or params[0].annotation is inspect.Parameter.empty:
+        return None
+    target = inspect.unwrap(fn)
+    holder = types.SimpleNamespace(__annotations__={"hint": params[0].annotation})
+    try:
+        return typing.get_type_hints(holder, globalns=getattr(target, "__globals__", {}))["hint"]
+    except Exception:  # a name imported under TYPE_CHECKING only, a local class: untyped, as before
+        return None
 
 
 def decode(payload: Payload, message: Message[Any]) -> Any:

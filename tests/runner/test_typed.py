@@ -10,6 +10,7 @@ import json
 import re
 from typing import Any
 
+from conveyor.consumers.lanes import KeyGate, Report, handle_outcome
 from conveyor.consumers.typed import Payload, handler_call, payload_of
 from conveyor.decorators import InvalidMessage, consumer
 
@@ -88,6 +89,7 @@ def test_a_message_that_does_not_validate_is_dead_lettered_at_once_with_the_erro
     try:
         publish(address, "typed-strict", [{"id": "not a number", "total": 1}, {"id": 7, "total": 7}])
         publish(address, "typed-batch", [{"id": 1, "total": 1}, {"total": 2}, {"id": 3, "total": 3}])
+        publish(address, "typed-async-batch", [{"id": 1, "total": 1}, {"id": 2, "total": "x"}, {"id": 3, "total": 3}])
         [letter] = dead_letters(address, "typed-strict", 1)
         assert letter.value == {"id": "not a number", "total": 1}, "the dead letter holds the message as it came"
         headers = letter.headers
@@ -102,7 +104,13 @@ def test_a_message_that_does_not_validate_is_dead_lettered_at_once_with_the_erro
         [batch_letter] = dead_letters(address, "typed-batch", 1)
         assert batch_letter.headers["x-origin-offset"] == "1"
         assert "Object missing required field `id`" in batch_letter.headers["x-last-error"]
-        assert wait_for(lambda: runner_metric(proc, "conveyor_runner_invalid_messages_total") == 2, 30)
+        assert sorted(r["id"] for r in wait_rows(tmp_path, "async-batch", 2)) == [1, 3]
+        [async_letter] = dead_letters(address, "typed-async-batch", 1)
+        assert (
+            async_letter.headers["x-last-error"]
+            == "invalid message: DataclassOrder: $.total: expected float, got str 'x'"
+        )
+        assert wait_for(lambda: runner_metric(proc, "conveyor_runner_invalid_messages_total") == 3, 30)
         assert any("does not decode, dead-lettered without retry" in line for line in proc.lines)
         assert proc.proc.poll() is None, "the runner goes on"
         assert len(rows(tmp_path, "strict-dead")) == 1 and len(rows(tmp_path, "strict")) == 1
@@ -120,12 +128,14 @@ def test_payload_is_read_from_the_first_parameters_annotation():
     def plain(message: Message) -> None: ...
     def untyped(message): ...
     def unresolved(message: NotImported) -> None: ...  # type: ignore[name-defined] # noqa: F821
+    def late(order: PydanticOrder) -> NotImported: ...  # type: ignore[name-defined] # noqa: F821
 
     assert payload_of(bare) == Payload(PydanticOrder, in_message=False)
     assert payload_of(wrapped) == Payload(DataclassOrder, in_message=True)
     assert payload_of(batch, batch=True) == Payload(StructOrder, in_message=False)
     assert payload_of(batch) is None, "list[Order] on a one-message handler is not a model"
     assert payload_of(plain) is None and payload_of(untyped) is None and payload_of(unresolved) is None
+    assert payload_of(late) == Payload(PydanticOrder, in_message=False), "only the first hint must resolve"
 
 
 def test_handler_call_decodes_or_raises_invalid_message():
@@ -149,3 +159,16 @@ def test_handler_call_decodes_or_raises_invalid_message():
     else:
         raise AssertionError("a body that is no map must not reach the handler")
     assert handler_call(untyped) is untyped.fn, "an untyped handler is called as it is, at no cost"
+
+
+def test_a_batch_with_invalid_messages_dead_letters_them_and_settles_the_rest_as_the_handler_did():
+    @consumer("t", group="g", batch=True)
+    def batch(orders: list[PydanticOrder]) -> None: ...
+
+    messages = [Message("t", i, 0.0, None, {}, b"") for i in range(3)]
+    for handler_error, acked, retried in ((None, [1, 2], []), (RuntimeError("boom"), [], [1, 2])):
+        report = Report(None)
+        exc = InvalidMessage("bad", invalid=[(messages[0], "bad")], handler_error=handler_error)
+        handle_outcome(batch, messages, exc, report, KeyGate())
+        assert report.dead == [(0, "invalid message: bad")] and report.invalid == 1
+        assert report.acked == acked and [o for o, _d, _e in report.retried] == retried

@@ -47,6 +47,12 @@ def batch_orders(messages: list[Message[StructOrder]]) -> None:
         record("batch", message.value, message)
 
 
+@consumer("typed-async-batch", group="typed-async-batch", batch=True, batch_size=10)
+async def async_batch_orders(orders: list[DataclassOrder]) -> None:
+    for order in orders:
+        record("async-batch", order)
+
+
 @consumer("typed-strict", group="typed-strict")
 @retry_policy(max_attempts=5, initial_delay=0.05, backoff="fixed")
 def strict_order(order: PydanticOrder) -> None:

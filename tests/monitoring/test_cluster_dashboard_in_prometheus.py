@@ -110,7 +110,8 @@ def test_every_cluster_dashboard_query_returns_data(tmp_path: Path) -> None:
         assert not rule_problems, "\n".join(rule_problems)
         below = [a["labels"]["topic"] for a in prometheus.active_alerts("ConveyorPartitionBelowMinInsync")]
         under_alerts = [a["labels"]["topic"] for a in prometheus.active_alerts("ConveyorPartitionUnderReplicated")]
-        assert below == ["strict"] and sorted(under_alerts) == ["orders", "strict"], (below, under_alerts)
+        assert "strict" in below and "orders" not in below, below
+        assert {"orders", "strict"} <= set(under_alerts), under_alerts
     finally:
         if prometheus is not None:
             prometheus.stop()

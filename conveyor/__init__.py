@@ -3,6 +3,7 @@
 The names most programs need are here::
 
     from conveyor import Producer, consumer, retry_policy, Message, Nack
+    from conveyor import Consumer  # a plain loop over a topic, for scripts
 
 Everything else lives in the subpackages: ``conveyor.broker`` (wire format,
 network, log, server, clients, CLI), ``conveyor.consumers`` (the runner),
@@ -29,7 +30,9 @@ from conveyor.version import __version__
 
 if TYPE_CHECKING:
     from conveyor.broker.client.admin import Admin
+    from conveyor.broker.client.async_consumer import AsyncConsumer
     from conveyor.broker.client.async_producer import AsyncProducer
+    from conveyor.broker.client.consumer import Consumer
     from conveyor.broker.client.message import Message
     from conveyor.broker.client.producer import Producer
     from conveyor.broker.client.subscription import DeadLettered, Subscription
@@ -42,7 +45,9 @@ if TYPE_CHECKING:
 # Where each public name is defined.
 _EXPORTS = {
     "Admin": "conveyor.broker.client.admin",
+    "AsyncConsumer": "conveyor.broker.client.async_consumer",
     "AsyncProducer": "conveyor.broker.client.async_producer",
+    "Consumer": "conveyor.broker.client.consumer",
     "ConveyorError": "conveyor.errors",
     "DeadLettered": "conveyor.broker.client.subscription",
     "InvalidMessage": "conveyor.decorators.exceptions",
@@ -59,7 +64,9 @@ _EXPORTS = {
 
 __all__ = [
     "Admin",
+    "AsyncConsumer",
     "AsyncProducer",
+    "Consumer",
     "ConveyorError",
     "DeadLettered",
     "InvalidMessage",

@@ -728,12 +728,13 @@ def _version() -> str:
 
 
 def _load_plugins() -> None:
-    """``run`` and ``cluster`` register themselves on import; ``bench`` comes from the benchmarks package,
+    """``run``, ``cluster`` and ``dlq`` register themselves on import; ``bench`` comes from the benchmarks package,
     which the CLI alone may use."""
     import importlib
 
     importlib.import_module("conveyor.broker.cli.run")
     importlib.import_module("conveyor.broker.cli.cluster")
+    importlib.import_module("conveyor.broker.cli.dlq")
     bench = importlib.import_module("conveyor.benchmarks.cli")
     COMMANDS.setdefault("bench", (bench.HELP, bench.setup, bench.run))
 

@@ -468,6 +468,10 @@ STATE_GAUGES: dict[str, tuple[str, tuple[str, ...]]] = {
     "conveyor_group_members": ("Consumers subscribed in the group", GROUP),
     "conveyor_connected_clients": ("Peers the broker heard from within the liveness window", ()),
     "conveyor_disk_free_bytes": ("Free bytes on the data directory's file system", ()),
+    "conveyor_disk_free_min_bytes": (
+        "The broker's --disk-free-min-bytes: free space under which its disk_space health check is DEGRADED",
+        (),
+    ),
     "conveyor_topic_limit": (
         "Most topics this broker holds: the smaller of --max-topics and what its file descriptors allow",
         (),

@@ -80,6 +80,7 @@ def state_snapshot(host: StateHost) -> dict[str, Rows]:
     _mirror_rows(host, add)
     with contextlib.suppress(OSError):
         add("conveyor_disk_free_bytes", (), shutil.disk_usage(host.settings.data_dir).free)
+    add("conveyor_disk_free_min_bytes", (), host.settings.disk_free_min_bytes)
     add("conveyor_topic_limit", (), host.topic_limits.limit)
     return rows
 

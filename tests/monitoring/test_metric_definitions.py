@@ -90,6 +90,7 @@ STATE: dict[str, tuple[str, ...]] = {
     "conveyor_group_members": GROUP,
     "conveyor_connected_clients": (),
     "conveyor_disk_free_bytes": (),
+    "conveyor_disk_free_min_bytes": (),
     "conveyor_topic_limit": (),
     "conveyor_mirror_lag_messages": ("topic", "upstream"),
     "conveyor_mirror_lag_seconds": ("topic", "upstream"),
@@ -388,6 +389,7 @@ def test_broker_state_snapshot_covers_topics_and_groups(broker: Broker) -> None:
     assert registry.get_sample_value("conveyor_group_lag_messages", {"topic": "orders", "group": "billing"}) == 0
     assert registry.get_sample_value("conveyor_group_members", {"topic": "orders", "group": "billing"}) == 0
     assert (registry.get_sample_value("conveyor_disk_free_bytes") or 0) > 0
+    assert registry.get_sample_value("conveyor_disk_free_min_bytes") == broker.settings.disk_free_min_bytes
 
 
 def test_a_failing_health_check_reads_unhealthy(serve: Any) -> None:

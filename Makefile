@@ -114,3 +114,15 @@ bench-cluster: $(STAMP)
 ## for 8 and 32 cores (benchmarks/README.md). Run it on a quiet machine: other processes' CPU is in the numbers.
 bench-scale-out: $(STAMP) etcd
 	$(VENV)/bin/conveyor bench --scale-out --repeat 3 --report bench-scale-out.html --json bench-scale-out.json
+
+## The container image (Dockerfile) built with podman: installs podman, debootstrap and Debian's prometheus
+## when missing, builds a local python:3.11-slim stand-in once (no registry here), then the image
+## (deploy/podman/image.sh; docs/operations.md, "Deploy: container and compose"). Not part of `make test`.
+.PHONY: image compose-test
+image:
+	bash deploy/podman/image.sh
+
+## compose.yaml for real: broker + example consumer + Prometheus under podman-compose; publish and consume
+## through the published port, Prometheus scrapes both and evaluates monitoring/alerts.yml; torn down after.
+compose-test:
+	bash deploy/podman/compose-test.sh

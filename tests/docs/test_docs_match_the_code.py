@@ -64,7 +64,9 @@ TOP_DIRS = (*FOLDERS, "tests", "grafana", "docs")
 
 # Flags of other tools that the docs show next to ours: spark-submit's, py-spy's (the benchmarks profile with it).
 FOREIGN_FLAGS = {"--master", "--conf", "--py-files", "--archives", "--gil", "--native", "--threads", "--pid"}
-FOREIGN_COMMANDS = ("docker", "sudo", "pip", "apt", "curl", "git", "make", "etcd")  # lines of these give their flags
+FOREIGN_FLAGS |= {"--secret", "--pull", "--profile"}  # docker/podman build and compose (docs/operations.md)
+# Lines of these commands give their own flags.
+FOREIGN_COMMANDS = ("docker", "podman", "sudo", "pip", "apt", "curl", "git", "make", "etcd")
 
 
 def rel(path: Path) -> str:

@@ -25,6 +25,7 @@ from conveyor.consumers.typed import handler_call
 from conveyor.decorators.consumer import AckPolicy, Consumer
 from conveyor.decorators.exceptions import InvalidMessage, Nack, Reject
 from conveyor.decorators.retry import describe
+from conveyor.monitoring.logs import enter_handling, leave_handling
 
 log = logging.getLogger("conveyor.runner")
 
@@ -133,10 +134,14 @@ def handle_outcome(
     decision = consumer.policy.decide(exc, attempt, first_delivered=first)
     if decision.retry:
         delay = _delay_ms(decision.delay)
+        log.warning(
+            "%s failed on attempt %d (%s: %s); again in %d ms", consumer.name, attempt, type(exc).__name__, exc, delay
+        )
         report.retried += [(o, delay, decision.reason) for o in offsets]
         if _comes_again(consumer):
             gate.block(messages)
         return
+    log.error("%s gave up on attempt %d: %s", consumer.name, attempt, decision.reason, exc_info=exc)
     _dead(consumer, messages, exc, decision.reason, report)
 
 
@@ -276,31 +281,38 @@ class ThreadLane:
             work.dead_lettered(chunk, dead)
         fn, batch = self.call, self.consumer.batch
         while (unit := work.next()) is not None:
+            token = enter_handling(self.consumer, unit)
             started = time.perf_counter()
             exc: BaseException | None = None
             try:
                 fn(unit if batch else unit[0])
             except Exception as error:
                 exc = error
-            work.done(unit, exc, time.perf_counter() - started)
+            try:
+                work.done(unit, exc, time.perf_counter() - started)
+            finally:
+                leave_handling(token)
         return report
 
     def _process_plain(self, slot: Any, chunk: list[Message]) -> Report:
         """The common case, one message per call, kept lean: it runs once per message."""
         report = Report(slot)
-        fn, clock, stopping = self.call, time.perf_counter, self.stopping
+        fn, clock, stopping, consumer = self.call, time.perf_counter, self.stopping, self.consumer
         acked, durations = report.acked, report.durations
         for i, message in enumerate(chunk):
             if stopping.is_set():
                 report.released += [m.ref for m in chunk[i:]]
                 break
+            token = enter_handling(consumer, (message,))  # log lines made meanwhile name this message
             started = clock()
             try:
                 fn(message)
             except Exception as error:
                 durations.append(clock() - started)
-                handle_outcome(self.consumer, [message], error, report, self.gate)
+                handle_outcome(consumer, [message], error, report, self.gate)
                 continue
+            finally:
+                leave_handling(token)
             durations.append(clock() - started)
             acked.append(message.ref)
         report.ok += len(acked) - report.dropped
@@ -357,13 +369,17 @@ class AsyncLane:
         fn: Callable[[Any], Awaitable[Any]] = self.call
         batch = self.consumer.batch
         while (unit := work.next()) is not None:
+            token = enter_handling(self.consumer, unit)
             started = time.perf_counter()
             exc: BaseException | None = None
             try:
                 await fn(unit if batch else unit[0])
             except Exception as error:
                 exc = error
-            work.done(unit, exc, time.perf_counter() - started)
+            try:
+                work.done(unit, exc, time.perf_counter() - started)
+            finally:
+                leave_handling(token)
         return report
 
 

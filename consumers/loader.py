@@ -15,7 +15,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from types import TracebackType
 
-from conveyor.decorators.consumer import Consumer
+from conveyor.decorators.consumer import Consumer, shared_group_problems
 
 from conveyor.errors import ConfigError
 
@@ -29,6 +29,9 @@ def load_consumers(specs: Iterable[str]) -> list[Consumer]:
     unique = list({id(c): c for c in found}.values())
     if not unique:
         raise ConfigError(f"no @consumer found in {', '.join(specs)}")
+    problems = shared_group_problems(unique)  # refused here, before anything subscribes
+    if problems:
+        raise ConfigError("\n".join(problems), problems=problems)
     return unique
 
 

@@ -34,7 +34,14 @@ from conveyor.broker.client.subscription import DeadLettered, Subscription
 from conveyor.broker.config.addresses import broker_addresses
 from conveyor.broker.net.wakeup import drain
 from conveyor.consumers.lanes import AsyncLane, Report, ThreadLane, split
-from conveyor.decorators.consumer import AckPolicy, Consumer
+from conveyor.consumers.start_check import (
+    BACKLOG_WARNING,
+    check_default_start,
+    check_new_groups,
+    start_of,
+    warn_replay,
+)
+from conveyor.decorators.consumer import AckPolicy, Consumer, shared_group_problems
 from conveyor.monitoring.health import DEGRADED, HEALTHY, UNHEALTHY, live, loop_check, ready, report
 from conveyor.monitoring.http import MetricsServer
 from conveyor.monitoring.metrics import HealthCollector, RunnerMetrics, observe_many
@@ -86,11 +93,25 @@ class Runner:
         metrics_bind: str = "127.0.0.1",
         registry: CollectorRegistry | None = None,
         unhealthy_after: float = UNHEALTHY_AFTER,
+        default_start: str = "earliest",
+        backlog_warning: int = BACKLOG_WARNING,
     ) -> None:
-        """``unhealthy_after``: seconds a consumer may be without its broker before /healthz says UNHEALTHY."""
+        """``unhealthy_after``: seconds a consumer may be without its broker before /healthz says UNHEALTHY.
+
+        ``default_start``: where a new group starts when its ``@consumer`` names no ``start=``;
+        ``backlog_warning``: a new group about to read more messages than this from ``earliest`` is
+        logged and counted (0: no check). Consumers of one topic sharing a group must say ``shared_group=True``.
+        """
         if not consumers:
             raise ValueError("no @consumer to run")
+        problems = shared_group_problems(consumers)
+        if problems:
+            raise ConfigError("\n".join(problems), problems=problems)
         self.consumers = consumers
+        self.default_start = check_default_start(default_start)
+        if backlog_warning < 0:
+            raise ConfigError(f"--backlog-warning must be 0 (off) or more, not {backlog_warning}")
+        self.backlog_warning = backlog_warning
         # One broker or a bootstrap list (comma-separated); CONVEYOR_BROKER when not given. Each subscription
         # finds its topic's leader and subscribes again on a new one.
         self.broker = ",".join(broker_addresses(broker))
@@ -126,6 +147,13 @@ class Runner:
     # --- setup ----------------------------------------------------------------------------
 
     def _start(self) -> None:
+        check_new_groups(
+            self.consumers,
+            self.broker,
+            default_start=self.default_start,
+            threshold=self.backlog_warning,
+            on_replay=self._replays,
+        )
         if any(c.is_async for c in self.consumers):
             self._loop = asyncio.new_event_loop()
             threading.Thread(target=self._loop.run_forever, name="conveyor-async", daemon=True).start()
@@ -133,6 +161,11 @@ class Runner:
             self.slots.append(self._slot(consumer))
         if self.metrics_server:
             self.metrics_server.start()
+
+    def _replays(self, consumer: Consumer, messages: int) -> None:
+        """A new group is about to read a long topic from the start: say so, and count it."""
+        warn_replay(consumer, messages, self.backlog_warning)
+        self.metrics.new_group_replays.labels(consumer.name, consumer.topic, consumer.group).inc()
 
     def _slot(self, consumer: Consumer) -> Slot:
         lanes_n = self.concurrency or consumer.concurrency
@@ -144,7 +177,7 @@ class Runner:
             consumer.group,
             address=self.broker,
             credit=max(consumer.credit, lanes_n),
-            start=consumer.start,
+            start=start_of(consumer, self.default_start),
             key_affinity=consumer.key_ordered,
             max_deliveries=policy.attempts_limit,
             ack_timeout_ms=consumer.ack_timeout_ms,
@@ -171,6 +204,7 @@ class Runner:
         self.metrics.invalid.labels(*labels)
         self.metrics.duration.labels(*labels)
         self.metrics.in_process.labels(*labels)
+        self.metrics.new_group_replays.labels(*labels)
 
     def _report(self, report: Report) -> None:
         """Called from lanes: hand the report to the I/O thread and wake it."""

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import enum
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,12 +32,13 @@ class Consumer:
     batch_size: int = 100
     prefetch: int = 0
     concurrency: int = 1
-    start: Any = "earliest"
+    start: Any = None  # where a new group starts; None: the runner's --default-start (earliest unless told)
     key_ordered: bool = False
     ack_policy: AckPolicy = AckPolicy.AUTO
     ack_timeout_ms: int = 30_000
     retry: RetryPolicy | None = None
     error_handlers: list[Callable[..., Any]] = field(default_factory=list)
+    shared_group: bool = False  # another consumer of the topic reads in this group on purpose (they split it)
 
     def __post_init__(self) -> None:
         self.retry = self.retry or getattr(self.fn, RETRY_ATTR, None)
@@ -72,6 +73,7 @@ class Consumer:
             "name": self.name,
             "topic": self.topic,
             "group": self.group,
+            "start": self.start,
             "batch": self.batch,
             "concurrency": self.concurrency,
             "key_ordered": self.key_ordered,
@@ -82,7 +84,7 @@ class Consumer:
 
 def _check_options(c: Consumer) -> None:
     """Refuse at declaration what the runner or the broker could not honour."""
-    for name in ("batch", "key_ordered"):
+    for name in ("batch", "key_ordered", "shared_group"):
         if not isinstance(getattr(c, name), bool):
             raise TypeError(f"{name} takes True or False, not {getattr(c, name)!r}")
     for name, low in (("concurrency", 1), ("batch_size", 1), ("prefetch", 0), ("ack_timeout_ms", 1)):
@@ -118,6 +120,7 @@ OPTIONS = (
     "key_ordered",
     "ack_policy",
     "ack_timeout_ms",
+    "shared_group",
 )
 
 
@@ -139,6 +142,29 @@ def consumer(topic: str, **options: Any) -> Callable[[Callable[..., Any]], Consu
         return Consumer(fn, topic, **{**options, "group": group})
 
     return wrap
+
+
+def shared_group_problems(consumers: Iterable[Consumer]) -> list[str]:
+    """Consumers of one topic in one group split its messages between them: a mistake unless each says so.
+
+    The default group is the function's name, so this happens when ``group=`` is copied from one handler to
+    the next; each would silently get only some of the messages. ``shared_group=True`` on every one of them
+    declares it. The same group name on other topics shares nothing (a group belongs to its topic).
+    """
+    by_group: dict[tuple[str, str], list[Consumer]] = {}
+    for c in consumers:
+        by_group.setdefault((c.topic, c.group), []).append(c)
+    problems = []
+    for (topic, group), sharing in by_group.items():
+        undeclared = [c.name for c in sharing if not c.shared_group]
+        if len(sharing) > 1 and undeclared:
+            names = ", ".join(c.name for c in sharing)
+            problems.append(
+                f"consumers {names} all read topic {topic!r} in group {group!r}, so each would get only some "
+                f"of its messages: give each its own group=, or declare shared_group=True on every one of them "
+                f"(not declared: {', '.join(undeclared)})"
+            )
+    return problems
 
 
 def error_handler(target: Consumer) -> Callable[[Callable[..., Any]], Callable[..., Any]]:

@@ -622,6 +622,13 @@ class RunnerMetrics:
             labels,
             registry=registry,
         )
+        self.new_group_replays = Counter(
+            "conveyor_runner_new_group_replays",
+            "Runner starts where a consumer's group was new and about to read more than --backlog-warning "
+            "messages from earliest (a renamed function's new group replaying the topic?)",
+            labels,
+            registry=registry,
+        )
 
 
 class _NoOp:

@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import logging
 import math
 import os
 import sys
@@ -74,23 +73,22 @@ def _broker_setup(parser: argparse.ArgumentParser) -> None:
 @command("broker", "start a broker", _broker_setup)
 def cmd_broker(args: argparse.Namespace) -> int:
     from conveyor.broker.server.broker import Broker
+    from conveyor.monitoring.logs import announce, configure
 
     values = resolve(args, broker_options(), "broker")
     settings = BrokerSettings(**values)
-    logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure(settings.log_level, settings.log_format, settings.log_config)
     broker = Broker(settings)
     endpoint = broker.bind()
     metrics = f"http://{settings.metrics_bind}:{broker.metrics_server.port}/metrics" if broker.metrics_server else "off"
 
     def ready(_: Broker) -> None:
-        print(
-            f"conveyor broker ready on {endpoint} (data {settings.data_dir}, fsync {settings.fsync}, "
-            f"metrics {metrics})",
-            flush=True,
+        announce(
+            f"conveyor broker ready on {endpoint} (data {settings.data_dir}, fsync {settings.fsync}, metrics {metrics})"
         )
 
     broker.serve_forever(ready=ready)
-    print("conveyor broker stopped cleanly", flush=True)
+    announce("conveyor broker stopped cleanly")
     return 0
 
 

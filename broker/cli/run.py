@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import argparse
-import logging
 
 from conveyor.broker.cli.main import CLIENT_OPTIONS, client_options, command
-from conveyor.broker.config.broker_settings import LOG_LEVELS
+from conveyor.broker.config.broker_settings import LOG_FORMATS, LOG_LEVELS
 from conveyor.broker.config.options import Option, nonempty
 from conveyor.broker.config.sources import add_options
 
@@ -19,7 +18,29 @@ RUN_OPTIONS = [
     Option(
         "unhealthy-after", 30.0, "seconds without the broker before /healthz says UNHEALTHY (503)", float, minimum=0
     ),
+    Option(
+        "default-start",
+        "earliest",
+        "where a new group starts when its @consumer names no start=: earliest or latest",
+        choices=("earliest", "latest"),
+    ),
+    Option(
+        "backlog-warning",
+        10_000,
+        "warn (and count) when a new group would read more messages than this from earliest (0: off)",
+        int,
+        minimum=0,
+    ),
     Option("log-level", "INFO", "DEBUG, INFO, WARNING, ERROR or CRITICAL", choices=LOG_LEVELS),
+    Option(
+        "log-format",
+        "text",
+        "text, or json: one JSON object per line (with topic, group, offset...)",
+        choices=LOG_FORMATS,
+    ),
+    Option(
+        "log-config", "", "a logging.config.dictConfig file (.json, .toml, or .yaml with PyYAML): it decides everything"
+    ),
 ]
 
 
@@ -32,9 +53,10 @@ def _setup(parser: argparse.ArgumentParser) -> None:
 def cmd_run(args: argparse.Namespace) -> int:
     from conveyor.consumers.loader import load_consumers
     from conveyor.consumers.runner import Runner
+    from conveyor.monitoring.logs import announce, configure
 
     opts = client_options(args, "run", RUN_OPTIONS)
-    logging.basicConfig(level=opts["log_level"].upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure(opts["log_level"], opts["log_format"], opts["log_config"])
     consumers = load_consumers(args.modules)
     runner = Runner(
         consumers,
@@ -44,6 +66,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         metrics_port=opts["metrics_port"],
         metrics_bind=opts["metrics_bind"],
         unhealthy_after=opts["unhealthy_after"],
+        default_start=opts["default_start"],
+        backlog_warning=opts["backlog_warning"],
     )
 
     port = runner.metrics_server.port if runner.metrics_server else None
@@ -51,22 +75,17 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     def ready(r: Runner) -> None:
         names = ", ".join(f"{c.name} ({c.topic}/{c.group})" for c in consumers)
-        print(
-            f"conveyor runner ready: {len(consumers)} consumer(s) on {opts['broker']}: {names} (metrics {metrics})",
-            flush=True,
+        announce(
+            f"conveyor runner ready: {len(consumers)} consumer(s) on {opts['broker']}: {names} (metrics {metrics})"
         )
 
-    print(
-        f"conveyor runner: {len(consumers)} consumer(s), connecting to {opts['broker']} (metrics {metrics})",
-        flush=True,
-    )
+    announce(f"conveyor runner: {len(consumers)} consumer(s), connecting to {opts['broker']} (metrics {metrics})")
     code = runner.run(ready=ready)
     if runner.abandoned:
-        print(
+        announce(
             f"conveyor runner stopped: {runner.abandoned} message(s) given back for redelivery, their handlers "
-            f"still running after --graceful-timeout {opts['graceful_timeout']:g} s (exit {code})",
-            flush=True,
+            f"still running after --graceful-timeout {opts['graceful_timeout']:g} s (exit {code})"
         )
     else:
-        print("conveyor runner stopped cleanly", flush=True)
+        announce("conveyor runner stopped cleanly")
     return code

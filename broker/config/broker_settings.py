@@ -61,6 +61,8 @@ class BrokerSettings:
     disk_free_min_bytes: int = 256 * MiB
     fsync_warn_seconds: float = 0.5
     log_level: str = "INFO"
+    log_format: str = "text"
+    log_config: str = ""
     metrics: bool = True
     curve_secret_key: str = ""
     curve_authorized_keys: str = ""
@@ -174,6 +176,8 @@ HELP = {
     "disk_free_min_bytes": "free space under which /healthz says DEGRADED",
     "fsync_warn_seconds": "a group commit slower than this makes /healthz say DEGRADED",
     "log_level": "DEBUG, INFO, WARNING, ERROR or CRITICAL",
+    "log_format": "text, or json: one JSON object per line (time, level, logger, message, topic...)",
+    "log_config": "a logging.config.dictConfig file (.json, .toml, or .yaml with PyYAML): it decides everything",
     "curve_secret_key": "the broker's CURVE certificate (.key_secret from `conveyor keys`): encrypt and authenticate",
     "curve_authorized_keys": "directory of client public certificates (.key) allowed in with CURVE",
     "curve_allow_any_client": "with CURVE and no --curve-authorized-keys: encrypt, but let any client in",
@@ -230,6 +234,7 @@ def optional_name_part(value: Any) -> str:
 
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+LOG_FORMATS = ("text", "json")  # conveyor.monitoring.logs.FORMATS (config may not import monitoring)
 PORT = {"minimum": -1, "maximum": 65535}
 
 # Type, range and choices of each option (integers have a ceiling anyway: 2^31-1 for *_ms, 2^63-1 for others).
@@ -261,6 +266,7 @@ RULES: dict[str, dict[str, Any]] = {
     "disk_free_min_bytes": {"type": units.size_bytes, "minimum": 0},
     "fsync_warn_seconds": {"minimum": 0},
     "log_level": {"choices": LOG_LEVELS},
+    "log_format": {"choices": LOG_FORMATS},
     "upstream": {"type": optional_endpoint_list},
     "mirror_gap_policy": {"choices": ("resync", "stop")},
     "mirror_lag_threshold": {"minimum": 0},

@@ -74,6 +74,7 @@ RUNNER: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "invalid": ("conveyor_runner_invalid_messages", "counter", HANDLER),
     "duration": ("conveyor_runner_handler_duration_seconds", "histogram", HANDLER),
     "in_process": ("conveyor_runner_in_process_messages", "gauge", HANDLER),
+    "new_group_replays": ("conveyor_runner_new_group_replays", "counter", HANDLER),
 }
 STATE: dict[str, tuple[str, ...]] = {
     "conveyor_log_start_offset": TOPIC,

@@ -1,0 +1,257 @@
+"""Log lines for machines: one JSON object per line, and the message context the runner's lines carry.
+
+``--log-format json`` makes every line of ``conveyor broker`` and ``conveyor run``
+(their log records and their ready/stopped announcements) one JSON object:
+``time``, ``level``, ``logger``, ``message`` and, where known, ``topic``,
+``group``, ``partition``, ``offset``, ``attempt``, ``trace_id``, ``exception``.
+``--log-config FILE`` hands the whole logging setup to ``logging.config.dictConfig``
+(a JSON, TOML or, with PyYAML installed, YAML file); ``JsonFormatter`` can be named there.
+
+The runner knows which message a lane is handling; it says so with
+``handling(consumer, messages)``, a context variable set around each handler
+call (one ``ContextVar.set``: nothing is decoded then). A log record made
+while it is set, by the runner or by the handler's own ``logging`` calls,
+gets the message's fields when it is created, from the record factory that
+``configure`` installs; its fields are worked out only when the record is
+formatted (the headers read then, for the trace id). Fields given with
+``extra=`` win over the context.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import logging.config
+import sys
+import tomllib
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from contextvars import ContextVar, Token
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from conveyor.errors import ConfigError
+
+FORMATS = ("text", "json")
+TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+FIELDS = ("topic", "group", "partition", "offset", "attempt", "trace_id")  # in this order, after the four always there
+
+# (consumer, messages) of the handler call running in this thread or task; None outside handlers.
+_handling: ContextVar[tuple[Any, Sequence[Any]] | None] = ContextVar("conveyor_handling", default=None)
+_format = "text"  # of the announcements (``announce``): what ``configure`` chose
+
+
+# --- pure: a record's fields, a line ----------------------------------------------------------
+
+
+def record_fields(record: logging.LogRecord) -> dict[str, Any]:
+    """The JSON object of one record: the four fields always there, then those known, then the error."""
+    out: dict[str, Any] = {
+        "time": iso_time(record.created),
+        "level": record.levelname,
+        "logger": record.name,
+        "message": record.getMessage(),
+    }
+    context = getattr(record, CONTEXT_ATTR, None)
+    known = message_fields(*context) if context is not None else {}
+    for name in (*FIELDS, "batch"):
+        value = getattr(record, name, None)  # extra= wins over the handled message's
+        if value is None:
+            value = known.get(name)
+        if value is not None:
+            out[name] = value
+    if record.exc_info and record.exc_info[0] is not None:
+        out["exception"] = logging.Formatter().formatException(record.exc_info)
+    if record.stack_info:
+        out["stack"] = record.stack_info
+    return out
+
+
+def iso_time(created: float) -> str:
+    """``2026-11-27T10:41:50.123Z``: UTC, milliseconds, sortable as text."""
+    return datetime.fromtimestamp(created, tz=UTC).strftime("%Y-%m-%dT%H:%M:%S.%f")[:-3] + "Z"
+
+
+def json_line(fields: Mapping[str, Any]) -> str:
+    """One line, whatever the values hold (newlines are escaped; what JSON cannot hold becomes its str)."""
+    return json.dumps(fields, ensure_ascii=False, default=str)
+
+
+def trace_id(headers: Mapping[str, Any] | None) -> str | None:
+    """The trace id of a W3C ``traceparent`` header (``00-<32 hex>-<16 hex>-<2 hex>``), or None."""
+    value = (headers or {}).get("traceparent")
+    if not isinstance(value, str):
+        return None
+    parts = value.strip().split("-")
+    if len(parts) < 4 or len(parts[1]) != 32 or parts[1] == "0" * 32:
+        return None
+    try:
+        int(parts[1], 16)
+    except ValueError:
+        return None
+    return parts[1].lower()
+
+
+def message_fields(consumer: Any, messages: Sequence[Any]) -> dict[str, Any]:
+    """What a log line says about the message(s) being handled: a batch names its first message and ``batch``."""
+    if not messages:
+        return {"topic": getattr(consumer, "topic", None), "group": getattr(consumer, "group", None)}
+    first = messages[0]
+    fields = {
+        "topic": first.topic,
+        "group": getattr(consumer, "group", None),
+        "partition": first.partition,
+        "offset": first.offset,
+        "attempt": max(m.attempt for m in messages),
+        "trace_id": trace_id(_headers(first)),
+    }
+    if len(messages) > 1:
+        fields["batch"] = len(messages)
+    return fields
+
+
+def _headers(message: Any) -> Mapping[str, Any] | None:
+    try:
+        headers = message.headers
+    except Exception:  # a record that does not decode: its log line goes out without a trace id
+        return None
+    return headers if isinstance(headers, Mapping) else None
+
+
+class JsonFormatter(logging.Formatter):
+    """A record as one JSON object on one line (usable from a ``--log-config`` file: ``"()": ...JsonFormatter``)."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        return json_line(record_fields(record))
+
+
+# --- the runner's context ----------------------------------------------------------------------
+
+
+@contextmanager
+def handling(consumer: Any, messages: Sequence[Any]) -> Iterator[None]:
+    """Log records made inside carry these messages' topic, group, partition, offset, attempt and trace id."""
+    token = _handling.set((consumer, messages))
+    try:
+        yield
+    finally:
+        _handling.reset(token)
+
+
+def enter_handling(consumer: Any, messages: Sequence[Any]) -> Token[Any]:
+    """``handling`` without the context manager, for the runner's per-message loop (undo with ``leave_handling``)."""
+    return _handling.set((consumer, messages))
+
+
+def leave_handling(token: Token[Any]) -> None:
+    _handling.reset(token)
+
+
+CONTEXT_ATTR = "conveyor_handling"  # a record's (consumer, messages), if made inside a handler call
+
+
+_installed = False
+
+
+def install_record_factory() -> None:
+    """Records get the handled message's fields when made (in the handler's own thread or task). Once."""
+    global _installed
+    if _installed:
+        return
+    base = logging.getLogRecordFactory()
+
+    def factory(*args: Any, **kwargs: Any) -> logging.LogRecord:
+        record = base(*args, **kwargs)
+        context = _handling.get()
+        if context is not None:  # kept aside, not as fields: extra= may name them (it refuses to overwrite)
+            setattr(record, CONTEXT_ATTR, context)
+        return record
+
+    logging.setLogRecordFactory(factory)
+    _installed = True
+
+
+# --- setup ----------------------------------------------------------------------------------
+
+
+def configure(level: str = "INFO", log_format: str = "text", config_file: str = "") -> None:
+    """The process's logging: ``config_file`` (dictConfig) if given, else one stderr handler in ``log_format``.
+
+    With a file, the file decides everything (levels, handlers, formats); ``level`` and ``log_format`` are
+    not applied to records, and the announcements stay text unless ``log_format`` is json.
+    """
+    global _format
+    if log_format not in FORMATS:
+        raise ConfigError(f"--log-format must be one of {', '.join(FORMATS)}, not {log_format!r}")
+    install_record_factory()
+    _format = log_format
+    if config_file:
+        config = load_config(config_file)
+        try:
+            logging.config.dictConfig(config)
+        except (ValueError, TypeError, AttributeError, ImportError) as exc:
+            raise ConfigError(f"--log-config {config_file}: {exc}", path=config_file) from None
+        return
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(JsonFormatter() if log_format == "json" else logging.Formatter(TEXT_FORMAT))
+    root = logging.getLogger()
+    for old in root.handlers[:]:
+        root.removeHandler(old)
+    root.addHandler(handler)
+    root.setLevel(level.upper())
+    logging.captureWarnings(True)  # warnings.warn lines are log lines too, so JSON as well
+
+
+def load_config(path: str) -> dict[str, Any]:
+    """A dictConfig dictionary from ``.json``, ``.toml`` or ``.yaml``/``.yml`` (YAML needs PyYAML)."""
+    suffix = Path(path).suffix.lower()
+    try:
+        text = Path(path).read_text()
+    except FileNotFoundError:
+        raise ConfigError(f"--log-config {path}: not found", path=path) from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"--log-config {path}: cannot be read ({exc})", path=path) from None
+    try:
+        if suffix == ".json":
+            config = json.loads(text)
+        elif suffix == ".toml":
+            config = tomllib.loads(text)
+        elif suffix in (".yaml", ".yml"):
+            config = _yaml(path, text)
+        else:
+            raise ConfigError(f"--log-config {path}: name a .json, .toml or .yaml file", path=path)
+    except (ValueError, tomllib.TOMLDecodeError) as exc:
+        raise ConfigError(f"--log-config {path}: not valid {suffix[1:].upper()}: {exc}", path=path) from None
+    if not isinstance(config, dict):
+        raise ConfigError(f"--log-config {path}: must hold a table (dictConfig's dictionary)", path=path)
+    config.setdefault("version", 1)
+    return config
+
+
+def _yaml(path: str, text: str) -> Any:
+    try:
+        import yaml
+    except ImportError:
+        raise ConfigError(f"--log-config {path}: YAML needs PyYAML (pip install pyyaml), or use .json/.toml") from None
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"--log-config {path}: not valid YAML: {exc}", path=path) from None
+
+
+def announce(message: str, *, logger: str = "conveyor", **fields: Any) -> None:
+    """A command's ready/stopped line on stdout (what scripts wait for): text, or a JSON line in json mode."""
+    if _format == "json":
+        line = json_line(
+            {
+                "time": iso_time(datetime.now(UTC).timestamp()),
+                "level": "INFO",
+                "logger": logger,
+                "message": message,
+                **fields,
+            }
+        )
+    else:
+        line = message
+    print(line, flush=True)

@@ -119,6 +119,12 @@ class Dispatcher:
             self.timers.schedule(group)
             if gate is not None:
                 gate.touch(group)
+            if group.dead:
+                # Dead letters made after this pass's ``DeadLetters.handle`` (a member found gone while the
+                # loop sent confirms or DEAD_LETTERED events: what it held went past max_deliveries) are
+                # written by the next pass's; without this the group left the set and they waited, unwritten
+                # and holding the committed offset, for the group's next event (a restart, say).
+                self.to_dispatch.add(group)
         if gate is not None:
             gate.write()  # one group-state record per topic for this pass; its DELIVERs wait for it
 

@@ -73,3 +73,34 @@ def test_a_dead_letter_cut_back_or_whose_topic_went_is_redelivered():
     assert not letters.writes and to_dispatch == {group_a, group_b}
     (pending,) = group_a.pending
     assert (pending.ranges, pending.deliveries, pending.not_before, pending.first_ms) == ([(0, 2)], 3, 51.0, 7)
+
+
+def test_dead_letters_made_after_the_pass_wrote_its_own_stay_queued_for_the_next_pass():
+    # Given a group dispatched after the pass's dead letters were written, holding a new one: its member
+    # was found gone (EHOSTUNREACH) while the loop sent confirms, and what it held went past max_deliveries
+    from conveyor.broker.server.dispatcher import Dispatcher
+    from conveyor.broker.server.peers import Peers
+
+    index = GroupIndex()
+    group = group_with(index)
+    store = FakeStore(FakeLog("t", end_offset=2, durable_offset=2))
+    to_dispatch: set[Group] = {group}
+    dispatcher = Dispatcher(
+        store,  # type: ignore[arg-type]
+        index,
+        Peers(Clock(), to_dispatch, None),
+        to_dispatch=to_dispatch,
+        moved=set(),
+        send=Sent().send,
+        metrics=NullMetrics(),
+        containment=Containment(),
+        clock=Clock(),
+    )
+    group.dead.append(DeadLetter([(1, 2)], 1, "member_gone", True))
+    # When the pass ends with its dispatch
+    dispatcher.run()
+    # Then the group is still queued: the next pass's DeadLetters.handle writes the letter
+    assert to_dispatch == {group}
+    group.dead.clear()  # written
+    dispatcher.run()
+    assert to_dispatch == set(), "and then it leaves the set as any group"

@@ -127,3 +127,29 @@ def test_errors_are_one_line_with_their_code_and_exit_2(broker):
     typo = dlq(broker, "replay", "typos.dlq", "--to", "no-such-topic")
     assert typo.returncode == 2 and "[UNKNOWN_TOPIC]" in typo.stderr and "no-such-topic" in typo.stderr
     assert end_offset(broker, "no-such-topic") == 0 and end_offset(broker, "typos") == 1, "nothing was sent"
+
+
+def test_a_partitioned_topics_dead_letters_go_back_to_their_partitions(broker):
+    with Admin(broker.address) as admin:
+        admin.create_topic("parts", partitions=2)
+    keys = [f"key-{i}" for i in range(8)]  # crc32 spreads them over both partitions
+    dead_letter(broker, "parts", [f"v-{i}" for i in range(8)], keys=keys)
+
+    rows = [json.loads(line) for line in dlq(broker, "list", "parts.dlq", "--format", "json").stdout.splitlines()]
+    assert len(rows) == 8 and {r["partition"] for r in rows} == {0, 1}
+    assert all(r["partition"] == r["origin_partition"] for r in rows), "partition k's dead letters are in k"
+    table = dlq(broker, "list", "parts.dlq").stdout.splitlines()
+    assert table[0].split()[:2] == ["PARTITION", "OFFSET"]
+
+    ranged = dlq(broker, "replay", "parts.dlq", "--from-offset", "0")
+    assert ranged.returncode == 2 and "--partition N" in ranged.stderr, "offsets are per partition"
+
+    done = dlq(broker, "replay", "parts.dlq")
+    assert done.returncode == 0 and "replayed 8 dead letter(s)" in done.stdout, done.stderr
+    replayed = consume(broker, "parts", "billing", 8)
+    origin = {r["key"]: r for r in rows}
+    for message in replayed:
+        row = origin[message.key]
+        assert message.partition == row["origin_partition"]
+        assert message.headers["x-replayed-from"] == f"parts.dlq@{row['partition']}:{row['offset']}"
+        assert message.value == f"v-{message.key.split('-')[1]}"

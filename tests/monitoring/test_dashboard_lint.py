@@ -39,6 +39,14 @@ EXPECTED = {
     "conveyor-consumers",
     "conveyor-cluster",
 }
+# Dashboards whose every number is one broker's (the cluster's sums count each partition once on its leader,
+# and the runners of a group are added up on purpose).
+PER_BROKER = {"conveyor-broker-overview.json", "conveyor-consumer-groups.json", "conveyor-storage.json"}
+AGGREGATION = re.compile(r"\b(sum|max|min|avg|count)\s*(?:by\s*\(([^)]*)\))?\s*\(")
+PROMETHEUS_SERIES = {"up"}  # Prometheus' own series per target
+_STRING_CONTENT = re.compile(r'"(?:[^"\\]|\\.)*"')
+_MATCHER_SPANS = re.compile(r"\{[^{}]*\}")
+_METRIC_AT = re.compile(r"(?<![\w:$])([a-zA-Z_:][a-zA-Z0-9_:]*)")
 WITHOUT_GROUPS = {"conveyor-storage.json", "conveyor-cluster.json"}  # neither shows anything per group
 RATE_FUNCTIONS = re.compile(r"\b(rate|irate|increase)\s*\(")
 HEATMAP_QUERY = re.compile(r"^sum by \(le\) \(rate\([a-z_:][a-z0-9_:]*_bucket(\{[^{}]*\})?\[\$__rate_interval\]\)\)$")
@@ -82,7 +90,8 @@ def test_one_hidden_datasource_variable_used_by_every_panel_and_target(name: str
     datasource_vars = [v for v in variables(dashboard) if v["type"] == "datasource"]
     assert len(datasource_vars) == 1, "exactly one datasource variable"
     ds = datasource_vars[0]
-    assert ds["name"] == "DS_PROMETHEUS" and ds["query"] == "prometheus" and ds["hide"] == 2
+    assert ds["name"] == "DS_PROMETHEUS" and ds["query"] == "prometheus"
+    assert ds["hide"] == 0, "the datasource variable is visible: an operator picks the Prometheus to read"
     for panel in query_panels(dashboard):
         assert panel.get("datasource") == DATASOURCE, f"panel {panel['title']!r}"
         assert panel.get("targets"), f"panel {panel['title']!r} has no query"
@@ -116,19 +125,96 @@ def test_a_stat_strip_on_top_with_thresholds(name: str) -> None:
         assert values == sorted(values), f"stat {panel['title']!r}: thresholds out of order"
 
 
-@pytest.mark.parametrize("name", IDS)
-def test_panels_have_unique_ids_and_do_not_overlap(name: str) -> None:
-    every = list(panels(DASHBOARDS[name]))
-    ids = [p["id"] for p in every]
-    assert len(ids) == len(set(ids)), "duplicate panel ids"
+def _no_overlap(laid_out: list[dict[str, Any]]) -> None:
     cells: dict[tuple[int, int], str] = {}
-    for panel in every:
+    for panel in laid_out:
         pos = panel["gridPos"]
         assert pos["x"] + pos["w"] <= 24, f"{panel['title']!r} is wider than the grid"
         for x in range(pos["x"], pos["x"] + pos["w"]):
             for y in range(pos["y"], pos["y"] + pos["h"]):
                 assert (x, y) not in cells, f"{panel['title']!r} overlaps {cells[(x, y)]!r}"
                 cells[(x, y)] = panel["title"]
+
+
+@pytest.mark.parametrize("name", IDS)
+def test_panels_have_unique_ids_and_do_not_overlap(name: str) -> None:
+    dashboard = DASHBOARDS[name]
+    ids = [p["id"] for p in panels(dashboard)]
+    assert len(ids) == len(set(ids)), "duplicate panel ids"
+    # A collapsed row is one line on the page; its panels are laid out below it only once it is expanded.
+    _no_overlap(dashboard["panels"])
+    for row in dashboard["panels"]:
+        if row.get("collapsed"):
+            _no_overlap(row["panels"])
+            assert all(p["gridPos"]["y"] > row["gridPos"]["y"] for p in row["panels"]), row["title"]
+
+
+@pytest.mark.parametrize("name", IDS)
+def test_rows_below_the_first_screen_are_collapsed(name: str) -> None:
+    rows = [p for p in DASHBOARDS[name]["panels"] if p["type"] == "row"]
+    assert rows and not rows[0]["collapsed"], "the first row is the first screen: open"
+    assert not rows[0].get("panels"), "an open row holds no panels of its own"
+    for row in rows[1:]:
+        assert row["collapsed"] and row["panels"], f"row {row['title']!r} is below the first screen: collapse it"
+
+
+@pytest.mark.parametrize("name", IDS)
+def test_up_and_health_open_the_stat_strip(name: str) -> None:
+    up, health = DASHBOARDS[name]["panels"][:2]
+    assert (up["type"], up["title"], health["title"]) == ("stat", "Up", "Health")
+    assert [t["expr"] for t in up["targets"]] == ['up{job=~"$job", instance=~"$instance"}']
+    steps = up["fieldConfig"]["defaults"]["thresholds"]["steps"]
+    assert steps == [{"color": "red", "value": None}, {"color": "green", "value": 1}], "a target down (0) is red"
+    mapped = {k: v["color"] for m in up["fieldConfig"]["defaults"]["mappings"] for k, v in m["options"].items()}
+    assert mapped == {"0": "red", "1": "green"}
+    assert up["options"]["colorMode"] == "background"
+    (expr,) = [t["expr"] for t in health["targets"]]
+    assert "conveyor_health_status{" in expr and 'check="overall"' in expr and "by (instance)" in expr
+    mapped = {k: v["text"] for m in health["fieldConfig"]["defaults"]["mappings"] for k, v in m["options"].items()}
+    assert mapped == {"0": "HEALTHY", "1": "DEGRADED", "2": "UNHEALTHY"}
+
+
+def _selectors(expr: str) -> list[tuple[str, str]]:
+    """(metric, its matchers as written, "" if none) for every series selector of ``expr``."""
+    blanked = _STRING_CONTENT.sub(lambda m: '"' + "_" * (len(m.group(0)) - 2) + '"', expr)
+    found = []
+    for match in _METRIC_AT.finditer(_MATCHER_SPANS.sub(lambda m: "{" + " " * (len(m.group(0)) - 2) + "}", blanked)):
+        if match.group(1) not in metric_names(expr) or blanked[match.end() :].lstrip().startswith("("):
+            continue
+        rest = expr[match.end() :]
+        found.append((match.group(1), rest[: rest.index("}") + 1] if rest.startswith("{") else ""))
+    return found
+
+
+@pytest.mark.parametrize("name", IDS)
+def test_every_query_filters_on_job_and_instance(name: str) -> None:
+    dashboard = DASHBOARDS[name]
+    declared = [v["name"] for v in variables(dashboard)]
+    assert declared[:3] == ["DS_PROMETHEUS", "job", "instance"], declared
+    texts = [(str(q), q.expr) for q in queries(name, dashboard)]
+    texts += [
+        (f"${v['name']}", label_values_query(variable_query(v))[0])
+        for v in variables(dashboard)
+        if v["name"] in ("topic", "group", "handler")
+    ]
+    for where, expr in texts:
+        selectors = _selectors(expr)
+        assert selectors, where
+        for metric, matchers in selectors:
+            assert 'job=~"$job"' in matchers and 'instance=~"$instance"' in matchers, f"{metric} unfiltered: {where}"
+
+
+@pytest.mark.parametrize("name", sorted(PER_BROKER))
+def test_no_query_adds_brokers_together(name: str) -> None:
+    """A parent and its child broker (or any two brokers) are shown apart: every aggregation keeps ``instance``.
+
+    Heatmaps are the exception (one heatmap shows one distribution): choose one instance to read them.
+    """
+    for query in queries(name, DASHBOARDS[name]):
+        if query.heatmap:
+            continue
+        for match in AGGREGATION.finditer(query.expr):
+            assert match.group(2) and "instance" in match.group(2), f"{match.group(0)!r} adds brokers up: {query}"
 
 
 @pytest.mark.parametrize("name", IDS)
@@ -185,7 +271,7 @@ def test_every_variable_a_query_uses_is_declared(name: str) -> None:
 
 
 def test_every_metric_in_every_query_is_registered_by_monitoring() -> None:
-    known = exposed_names()
+    known = exposed_names() | PROMETHEUS_SERIES
     unknown: dict[str, list[str]] = {}
     for query in all_queries():
         names = metric_names(query.expr)
@@ -216,6 +302,7 @@ def test_provisioned_datasource_uid_is_the_one_dashboards_default_to() -> None:
     assert _yaml_values(text, "apiVersion") == ["1"]
     assert _yaml_values(text, "type") == ["prometheus"]
     assert _yaml_values(text, "url") == ["http://localhost:9090"]
+    assert _yaml_values(text, "isDefault") in ([], ["false"]), "provisioning must not take over the default datasource"
     (uid,) = _yaml_values(text, "uid")
     for dashboard in DASHBOARDS.values():
         ds: dict[str, Any] = next(v for v in variables(dashboard) if v["name"] == "DS_PROMETHEUS")

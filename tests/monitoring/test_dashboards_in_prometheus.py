@@ -7,7 +7,9 @@ a child broker mirrors every topic from it (`--upstream`, after reconnecting onc
 down) and Prometheus scrapes the three every second. Then each panel query and each template variable
 query is evaluated through Prometheus' HTTP API, with the variables substituted as Grafana would, and
 must return at least one series. The `topic` variable lists topics, never a partition's log, and a
-per-topic panel adds a topic's partitions up. Prometheus also loads the shipped alert rules
+per-topic panel adds a topic's partitions up. The `job` and `instance` variables list the scraped brokers
+(or runners), every panel shows the parent and the child apart, and the limits drawn next to usage are
+each broker's own (the child runs with a smaller --disk-free-min-bytes). Prometheus also loads the shipped alert rules
 (monitoring/alerts.yml): every rule must evaluate cleanly on these series, and the torn tail and the
 dead letters must raise their alerts.
 """
@@ -41,8 +43,10 @@ from tests.monitoring.monitoring_helpers import ALERT_RULES, PrometheusServer, r
 
 TRAFFIC_SECONDS = 8.0
 PAYMENT_PARTITIONS = 3
+CHILD_DISK_FREE_MIN = 64 * 1024 * 1024
 VALUES = {
     "__rate_interval": "15s",  # Grafana: max(4 x scrape interval, ...) with a 1 s scrape
+    "job": "conveyor-broker|conveyor-runner",
     "topic": "orders|payments|doomed",
     "group": "billing|ledger|graveyard",
     "handler": "app_monitored.bill|app_monitored.post|app_monitored.refuse",
@@ -137,7 +141,10 @@ def test_every_dashboard_query_returns_data(tmp_path: Path, runner_factory: Any)
         publish(broker.address, "orders", range(10))
         broker.stop()
         # And a child broker mirroring every topic, started while its parent was down: it reconnected once
-        child = BrokerProcess(tmp_path / "child", extra=["--upstream", broker.address, "--mirror", "*"]).start()
+        child = BrokerProcess(
+            tmp_path / "child",
+            extra=["--upstream", broker.address, "--mirror", "*", "--disk-free-min-bytes", str(CHILD_DISK_FREE_MIN)],
+        ).start()
         wait_for(lambda: mirror_reconnects(child, broker.address) >= 1, timeout=10, message="a mirror reconnect")
         tear_tail(tmp_path / "broker" / "topics" / "orders", b"\x00\x01torn" * 7)
         broker.restart()
@@ -146,12 +153,11 @@ def test_every_dashboard_query_returns_data(tmp_path: Path, runner_factory: Any)
         victim = runner_factory(broker.address)
         # And Prometheus scraping both brokers and the surviving runner every second
         parent_target, child_target = target(broker.metrics_url), target(child.metrics_url)
+        runner_target = target(runner_metrics_url(runner))
+        values = {**VALUES, "instance": "|".join((parent_target, child_target, runner_target))}
         prometheus = PrometheusServer(
             tmp_path / "prometheus",
-            {
-                "conveyor-broker": [parent_target, child_target],
-                "conveyor-runner": [target(runner_metrics_url(runner))],
-            },
+            {"conveyor-broker": [parent_target, child_target], "conveyor-runner": [runner_target]},
             rule_files=(ALERT_RULES,),
         ).start()
         wait_for(prometheus.targets_up, timeout=20, message="all targets up")
@@ -160,19 +166,23 @@ def test_every_dashboard_query_returns_data(tmp_path: Path, runner_factory: Any)
         sent = traffic(broker.address, victim)
         time.sleep(3)  # a few more scrapes of the final state
         # Then every template variable lists values
-        problems = check_variables(prometheus)
+        problems = check_variables(
+            prometheus, values, {"broker": {parent_target, child_target}, "runner": {runner_target}}
+        )
         # And every panel query returns data
         queries = [query for query in all_queries() if query.dashboard != CLUSTER_DASHBOARD]
         assert len(queries) >= 60, "fewer queries than the dashboards hold: did the loader miss some?"
         for query in queries:
             if str(query) in EXEMPT:
                 continue
-            result = prometheus.query(substitute(query.expr, VALUES))
+            result = prometheus.query(substitute(query.expr, values))
             if not result:
                 problems.append(f"no data: {query}")
         assert not problems, f"{len(problems)} queries without data after {sent} messages:\n" + "\n".join(problems)
         # And a per-topic panel adds a partitioned topic's partitions up; the per-partition panel shows each
-        check_partitions(prometheus, queries)
+        check_partitions(prometheus, queries, {**values, "instance": parent_target})
+        # And the parent and the child are shown apart, each with its own limits, the torn tail the parent's
+        check_per_broker(prometheus, queries, values, parent_target, child_target)
         # And the numbers are the traffic's, not just present
         parent = f'instance="{parent_target}"'
         truncated = prometheus.query(f'sum(conveyor_log_truncated_bytes_total{{{parent}, topic="orders"}})')
@@ -207,25 +217,61 @@ def check_alerts(prometheus: PrometheusServer, parent: str) -> None:
     assert (parent, "graveyard") in dead, dead
 
 
-def panel_query(queries: list[Query], title: str) -> str:
-    return substitute(next(q.expr for q in queries if q.panel == title), VALUES)
+def panel_query(queries: list[Query], title: str, values: dict[str, str], dashboard: str = "", ref: int = 0) -> str:
+    """The ``ref``-th query of the first panel called ``title`` (on ``dashboard``, if given), as Grafana sends it."""
+    found = [q.expr for q in queries if q.panel == title and q.dashboard.startswith(dashboard)]
+    return substitute(found[ref], values)
 
 
-def check_partitions(prometheus: PrometheusServer, queries: list[Query]) -> None:
+def by_instance(rows: list[dict[str, Any]]) -> dict[str, float]:
+    return {row["metric"]["instance"]: float(row["value"][1]) for row in rows}
+
+
+def check_per_broker(
+    prometheus: PrometheusServer, queries: list[Query], values: dict[str, str], parent: str, child: str
+) -> None:
+    """Up and Health per target; disk free and open files next to each broker's own limit; torn tail per broker."""
+    up = by_instance(prometheus.query(panel_query(queries, "Up", values, "conveyor-broker-overview")))
+    assert up[parent] == up[child] == 1.0, up
+    health = by_instance(prometheus.query(panel_query(queries, "Health", values, "conveyor-broker-overview")))
+    assert {parent, child} <= set(health) and set(health.values()) <= {0.0, 1.0, 2.0}, health
+    sizes = by_instance(prometheus.query(panel_query(queries, "Log size", values, "conveyor-storage")))
+    assert set(sizes) == {parent, child} and all(sizes.values()), f"the stat adds the two brokers up: {sizes}"
+    disk = "Disk free vs threshold, by broker"
+    free = by_instance(prometheus.query(panel_query(queries, disk, values, "conveyor-storage")))
+    threshold = by_instance(prometheus.query(panel_query(queries, disk, values, "conveyor-storage", ref=1)))
+    assert threshold == {parent: 256 * 1024 * 1024, child: CHILD_DISK_FREE_MIN}, threshold
+    assert free[parent] > 0 and free[child] > 0, free
+    files = "Open files vs limit, by broker"
+    open_fds = by_instance(prometheus.query(panel_query(queries, files, values, "conveyor-broker-overview")))
+    max_fds = by_instance(prometheus.query(panel_query(queries, files, values, "conveyor-broker-overview", ref=1)))
+    assert set(open_fds) == set(max_fds) == {parent, child}, (open_fds, max_fds)
+    assert all(0 < open_fds[i] < max_fds[i] for i in open_fds), (open_fds, max_fds)
+    torn_panel = "Torn tail cut at the last startup, by broker and topic"
+    torn = {
+        (row["metric"]["instance"], row["metric"]["topic"]): float(row["value"][1])
+        for row in prometheus.query(panel_query(queries, torn_panel, values, "conveyor-storage"))
+    }
+    assert torn[(parent, "orders")] == len(b"\x00\x01torn" * 7), torn
+    assert not any(value for (instance, _), value in torn.items() if instance == child), torn
+
+
+def check_partitions(prometheus: PrometheusServer, queries: list[Query], values: dict[str, str]) -> None:
     at = str(time.time())  # one evaluation time: both sides see the same samples
-    per_topic = prometheus.api("query", query=panel_query(queries, "Messages published / s, by topic"), time=at)
+    per_topic = prometheus.api("query", query=panel_query(queries, "Messages published / s, by topic", values), time=at)
     rates = {row["metric"]["topic"]: float(row["value"][1]) for row in per_topic["result"]}
     assert set(rates) == {"orders", "payments", "doomed"}, rates
     logs = f'rate(conveyor_published_messages_total{{topic=~"payments(#[0-9]+)?"}}[{VALUES["__rate_interval"]}])'
     by_log = prometheus.api("query", query=f"sum by (topic) ({logs})", time=at)["result"]
     assert len(by_log) == PAYMENT_PARTITIONS, by_log
     assert rates["payments"] == pytest.approx(sum(float(row["value"][1]) for row in by_log))
-    lags = prometheus.query(panel_query(queries, "Lag (messages), by partition"))
+    lags = prometheus.query(panel_query(queries, "Lag (messages), by partition", values))
     shown = {row["metric"]["topic"] for row in lags if row["metric"]["group"] == "ledger"}
     assert shown == {"payments", *(f"payments#{k}" for k in range(1, PAYMENT_PARTITIONS))}, shown
 
 
-def check_variables(prometheus: PrometheusServer) -> list[str]:
+def check_variables(prometheus: PrometheusServer, chosen: dict[str, str], targets: dict[str, set[str]]) -> list[str]:
+    """Each variable lists what it must: ``targets`` are the instances of each component (broker, runner)."""
     problems = []
     for name, dashboard in load_dashboards().items():
         if name == CLUSTER_DASHBOARD:
@@ -233,9 +279,16 @@ def check_variables(prometheus: PrometheusServer) -> list[str]:
         for variable in variables(dashboard):
             if variable["type"] != "query":
                 continue
-            selector, label = label_values_query(substitute(variable_query(variable), VALUES))
+            query = variable_query(variable)
+            selector, label = label_values_query(substitute(query, chosen))
             values = listed_values(variable, prometheus.label_values(label, selector))
-            expected = set(VALUES[label].split("|"))
+            component = "broker" if 'component="broker"' in query else "runner"
+            expected = {
+                "job": {f"conveyor-{component}"},
+                "instance": targets[component],
+            }.get(label, set(chosen.get(label, "").split("|")))
+            if label in ("job", "instance") and set(values) != expected:
+                problems.append(f"{name}: ${variable['name']} lists {values}, not the {component}s {sorted(expected)}")
             if not expected <= set(values):
                 problems.append(f"{name}: ${variable['name']} lists {values}, not all of {sorted(expected)}")
             if label == "topic" and any("#" in value for value in values):

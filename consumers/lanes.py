@@ -21,6 +21,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from conveyor.broker.client.message import Message
+from conveyor.consumers.context import Context, Publisher, bind, failure, publish_failed
+from conveyor.consumers.middleware import Hooks
 from conveyor.consumers.typed import handler_call
 from conveyor.decorators.consumer import AckPolicy, Consumer
 from conveyor.decorators.exceptions import InvalidMessage, Nack, Reject
@@ -110,24 +112,36 @@ def _offset(message: Message) -> int:
 
 
 def handle_outcome(
-    consumer: Consumer, messages: list[Message], exc: BaseException | None, report: Report, gate: KeyGate
+    consumer: Consumer,
+    messages: list[Message],
+    exc: BaseException | None,
+    report: Report,
+    gate: KeyGate,
+    hooks: Hooks | None = None,
+    result: Any = None,
 ) -> None:
-    """Turn a handler's result into acks, retries or dead letters."""
+    """Turn a handler's result into acks, retries or dead letters (and call the middleware's hooks on them)."""
     offsets = [m.ref for m in messages]
     if exc is None:
         report.acked += offsets
         report.ok += len(offsets)
+        if hooks:
+            hooks.after(messages, result)
         return
     if isinstance(exc, InvalidMessage):
-        _invalid(consumer, messages, exc, report, gate)
+        _invalid(consumer, messages, exc, report, gate, hooks)
         return
+    if hooks:
+        hooks.error(messages, exc)
     if isinstance(exc, Nack):
         report.retried += [(o, _delay_ms(exc.delay), exc.reason) for o in offsets]
         if _comes_again(consumer):
             gate.block(messages)
+        if hooks:
+            hooks.retry(messages, exc)
         return
     if isinstance(exc, Reject):
-        _dead(consumer, messages, exc, f"rejected: {exc.reason}", report)
+        _dead(consumer, messages, exc, f"rejected: {exc.reason}", report, hooks)
         return
     attempt = max(m.attempt for m in messages)
     first = min((m.first_delivered for m in messages if m.first_delivered), default=None)
@@ -140,12 +154,21 @@ def handle_outcome(
         report.retried += [(o, delay, decision.reason) for o in offsets]
         if _comes_again(consumer):
             gate.block(messages)
+        if hooks:
+            hooks.retry(messages, exc)
         return
     log.error("%s gave up on attempt %d: %s", consumer.name, attempt, decision.reason, exc_info=exc)
-    _dead(consumer, messages, exc, decision.reason, report)
+    _dead(consumer, messages, exc, decision.reason, report, hooks)
 
 
-def _invalid(consumer: Consumer, messages: list[Message], exc: InvalidMessage, report: Report, gate: KeyGate) -> None:
+def _invalid(
+    consumer: Consumer,
+    messages: list[Message],
+    exc: InvalidMessage,
+    report: Report,
+    gate: KeyGate,
+    hooks: Hooks | None = None,
+) -> None:
     """Messages that did not decode: dead-lettered now, never retried; the rest of a batch as its handler did."""
     invalid = exc.invalid if exc.invalid is not None else [(m, exc.error) for m in messages]
     bad = {id(m) for m, _ in invalid}
@@ -158,10 +181,13 @@ def _invalid(consumer: Consumer, messages: list[Message], exc: InvalidMessage, r
             message.offset,
             error,
         )
-        _dead(consumer, [message], InvalidMessage(error), f"invalid message: {error}", report)
+        invalid_error = InvalidMessage(error)
+        if hooks:
+            hooks.error([message], invalid_error)
+        _dead(consumer, [message], invalid_error, f"invalid message: {error}", report, hooks)
     rest = [m for m in messages if id(m) not in bad]
     if rest:
-        handle_outcome(consumer, rest, exc.handler_error, report, gate)
+        handle_outcome(consumer, rest, exc.handler_error, report, gate, hooks)
 
 
 def _comes_again(consumer: Consumer) -> bool:
@@ -169,12 +195,21 @@ def _comes_again(consumer: Consumer) -> bool:
     return consumer.key_ordered and consumer.ack_policy is AckPolicy.AUTO
 
 
-def _dead(consumer: Consumer, messages: list[Message], exc: BaseException, reason: str, report: Report) -> None:
+def _dead(
+    consumer: Consumer,
+    messages: list[Message],
+    exc: BaseException,
+    reason: str,
+    report: Report,
+    hooks: Hooks | None = None,
+) -> None:
     if consumer.policy.dead_letter is False:
         report.acked += [m.ref for m in messages]  # dropped on purpose, after the hooks
         report.dropped += len(messages)
     else:
         report.dead += [(m.ref, reason) for m in messages]
+        if hooks:
+            hooks.dead_letter(messages, reason)
     call_error_handlers(consumer, messages, exc)
 
 
@@ -190,8 +225,16 @@ def call_error_handlers(consumer: Consumer, messages: list[Message], exc: BaseEx
 class Work:
     """One queued job of a lane: the units to run, in order, with key order kept by the lane's gate."""
 
-    def __init__(self, consumer: Consumer, gate: KeyGate, report: Report, stopping: threading.Event) -> None:
+    def __init__(
+        self,
+        consumer: Consumer,
+        gate: KeyGate,
+        report: Report,
+        stopping: threading.Event,
+        hooks: Hooks | None = None,
+    ) -> None:
         self.consumer = consumer
+        self.hooks = hooks
         self.gate = gate
         self.report = report
         self.stopping = stopping
@@ -203,6 +246,8 @@ class Work:
     def dead_lettered(self, messages: list[Message], exc: BaseException) -> None:
         """The broker dead-lettered these itself: the error handlers run, and their keys go on."""
         call_error_handlers(self.consumer, messages, exc)
+        if self.hooks:
+            self.hooks.dead_letter(messages, describe(exc))
         self.gate.forget(messages)
         self._release(messages)
 
@@ -219,9 +264,9 @@ class Work:
                 return unit
         return None
 
-    def done(self, unit: list[Message], exc: BaseException | None, seconds: float) -> None:
+    def done(self, unit: list[Message], exc: BaseException | None, seconds: float, result: Any = None) -> None:
         self.report.durations.append(seconds)
-        handle_outcome(self.consumer, unit, exc, self.report, self.gate)
+        handle_outcome(self.consumer, unit, exc, self.report, self.gate, self.hooks, result)
         if self.consumer.key_ordered and self.gate.parked:
             self._release(unit)
 
@@ -242,7 +287,14 @@ class ThreadLane:
     """A thread running a sync handler over queued chunks."""
 
     def __init__(
-        self, consumer: Consumer, done: Callable[[Report], None], stopping: threading.Event, name: str
+        self,
+        consumer: Consumer,
+        done: Callable[[Report], None],
+        stopping: threading.Event,
+        name: str,
+        *,
+        hooks: Hooks | None = None,
+        publisher: Publisher | None = None,
     ) -> None:
         self.consumer = consumer
         self.done = done
@@ -251,6 +303,8 @@ class ThreadLane:
         self.gate = KeyGate()
         self.busy = 0
         self.call = handler_call(consumer)
+        self.hooks = hooks or None
+        self.ctx = Context(publisher, consumer, consumer.confirm_publishes)
         self.thread = threading.Thread(target=self._run, name=name, daemon=True)
         self.thread.start()
 
@@ -263,6 +317,7 @@ class ThreadLane:
         self.queue.put(None)
 
     def _run(self) -> None:
+        bind(self.ctx)  # conveyor.publish() and context() in this thread: the unit the lane is handling
         while (item := self.queue.get()) is not None:
             slot, chunk, dead = item
             try:
@@ -274,22 +329,30 @@ class ThreadLane:
         if not (self.consumer.batch or self.consumer.key_ordered or dead):
             return self._process_plain(slot, chunk)
         report = Report(slot)
-        work = Work(self.consumer, self.gate, report, self.stopping)
+        work = Work(self.consumer, self.gate, report, self.stopping, self.hooks)
         if dead is None:
             work.add(chunk)
         else:
             work.dead_lettered(chunk, dead)
-        fn, batch = self.call, self.consumer.batch
+        fn, batch, ctx, hooks = self.call, self.consumer.batch, self.ctx, self.hooks
         while (unit := work.next()) is not None:
             token = enter_handling(self.consumer, unit)
+            if hooks:
+                hooks.before(unit)
+            ctx.begin(unit)
             started = time.perf_counter()
             exc: BaseException | None = None
+            result = None
             try:
-                fn(unit if batch else unit[0])
+                result = fn(unit if batch else unit[0])
             except Exception as error:
                 exc = error
             try:
-                work.done(unit, exc, time.perf_counter() - started)
+                seconds = time.perf_counter() - started
+                published = ctx.end()
+                if published and exc is None:  # confirm before ack: wait here, so key order holds on a failure
+                    exc = failure(published)
+                work.done(unit, exc, seconds, result)
             finally:
                 leave_handling(token)
         return report
@@ -298,23 +361,43 @@ class ThreadLane:
         """The common case, one message per call, kept lean: it runs once per message."""
         report = Report(slot)
         fn, clock, stopping, consumer = self.call, time.perf_counter, self.stopping, self.consumer
+        ctx, hooks = self.ctx, self.hooks
         acked, durations = report.acked, report.durations
+        confirming: list[tuple[Message, Any, list[Any]]] = []  # handled, waiting for what they published
         for i, message in enumerate(chunk):
             if stopping.is_set():
                 report.released += [m.ref for m in chunk[i:]]
                 break
             token = enter_handling(consumer, (message,))  # log lines made meanwhile name this message
+            if hooks:
+                hooks.before((message,))
+            ctx.messages = (message,)
             started = clock()
             try:
-                fn(message)
+                result = fn(message)
             except Exception as error:
                 durations.append(clock() - started)
-                handle_outcome(consumer, [message], error, report, self.gate)
+                ctx.end()
+                handle_outcome(consumer, [message], error, report, self.gate, hooks)
                 continue
             finally:
                 leave_handling(token)
             durations.append(clock() - started)
+            if ctx.published:
+                confirming.append((message, result, ctx.end()))
+                continue
+            ctx.messages = ()
             acked.append(message.ref)
+            if hooks:
+                hooks.after((message,), result)
+        for message, result, published in confirming:  # one wait for the chunk's confirms, not one per message
+            unconfirmed = failure(published)
+            if unconfirmed is None:
+                acked.append(message.ref)
+                if hooks:
+                    hooks.after((message,), result)
+            else:
+                handle_outcome(self.consumer, [message], unconfirmed, report, self.gate, hooks)
         report.ok += len(acked) - report.dropped
         return report
 
@@ -328,6 +411,9 @@ class AsyncLane:
         done: Callable[[Report], None],
         stopping: threading.Event,
         loop: asyncio.AbstractEventLoop,
+        *,
+        hooks: Hooks | None = None,
+        publisher: Publisher | None = None,
     ) -> None:
         self.consumer = consumer
         self.done = done
@@ -336,6 +422,8 @@ class AsyncLane:
         self.gate = KeyGate()
         self.busy = 0
         self.call = handler_call(consumer)
+        self.hooks = hooks or None
+        self.ctx = Context(publisher, consumer, consumer.confirm_publishes)
         self.queue: asyncio.Queue[Job | None] = asyncio.Queue()
         self.task = asyncio.run_coroutine_threadsafe(self._run(), loop)
 
@@ -352,6 +440,7 @@ class AsyncLane:
             self.task.result(timeout)
 
     async def _run(self) -> None:
+        bind(self.ctx)  # in this lane's task (and tasks it creates) only
         while (item := await self.queue.get()) is not None:
             slot, chunk, dead = item
             try:
@@ -361,26 +450,44 @@ class AsyncLane:
 
     async def _process(self, slot: Any, chunk: list[Message], dead: BaseException | None = None) -> Report:
         report = Report(slot)
-        work = Work(self.consumer, self.gate, report, self.stopping)
+        work = Work(self.consumer, self.gate, report, self.stopping, self.hooks)
         if dead is None:
             work.add(chunk)
         else:
             work.dead_lettered(chunk, dead)
         fn: Callable[[Any], Awaitable[Any]] = self.call
-        batch = self.consumer.batch
+        batch, ctx, hooks = self.consumer.batch, self.ctx, self.hooks
         while (unit := work.next()) is not None:
             token = enter_handling(self.consumer, unit)
+            if hooks:
+                hooks.before(unit)
+            ctx.begin(unit)
             started = time.perf_counter()
             exc: BaseException | None = None
+            result = None
             try:
-                await fn(unit if batch else unit[0])
+                result = await fn(unit if batch else unit[0])
             except Exception as error:
                 exc = error
             try:
-                work.done(unit, exc, time.perf_counter() - started)
+                seconds = time.perf_counter() - started
+                published = ctx.end()
+                if published and exc is None:
+                    exc = await _confirmed(published)
+                work.done(unit, exc, seconds, result)
             finally:
                 leave_handling(token)
         return report
+
+
+async def _confirmed(published: list[Any]) -> BaseException | None:
+    """Wait on the event loop (other lanes go on) for what a unit published; its first failure, or None."""
+    for future in published:
+        try:
+            await asyncio.wrap_future(future)
+        except Exception as exc:
+            return publish_failed(exc)
+    return None
 
 
 def split(consumer: Consumer, messages: list[Message], lanes: int) -> list[list[Message]]:

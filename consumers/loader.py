@@ -14,6 +14,7 @@ import traceback
 from collections.abc import Iterable
 from pathlib import Path
 from types import TracebackType
+from typing import Any
 
 from conveyor.decorators.consumer import Consumer, shared_group_problems
 
@@ -33,6 +34,20 @@ def load_consumers(specs: Iterable[str]) -> list[Consumer]:
     if problems:
         raise ConfigError("\n".join(problems), problems=problems)
     return unique
+
+
+def load_middleware(specs: Iterable[str]) -> list[Any]:
+    """The ``middleware = [...]`` of each module named (after ``load_consumers`` imported them), in order."""
+    found: list[Any] = []
+    for spec in specs:
+        name = spec.partition(":")[0]
+        declared = getattr(sys.modules.get(name), "middleware", None)
+        if declared is None:
+            continue
+        if not isinstance(declared, list | tuple):
+            raise ConfigError(f"{name}.middleware must be a list of middleware, not {declared!r}")
+        found += [m for m in declared if all(m is not f for f in found)]
+    return found
 
 
 def _load(spec: str) -> list[Consumer]:

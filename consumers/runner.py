@@ -33,7 +33,9 @@ from conveyor.broker.client.message import Message
 from conveyor.broker.client.subscription import DeadLettered, Subscription
 from conveyor.broker.config.addresses import broker_addresses
 from conveyor.broker.net.wakeup import drain
+from conveyor.consumers.context import Publisher
 from conveyor.consumers.lanes import AsyncLane, Report, ThreadLane, split
+from conveyor.consumers.middleware import Hooks, checked, label
 from conveyor.consumers.start_check import (
     BACKLOG_WARNING,
     check_default_start,
@@ -95,12 +97,15 @@ class Runner:
         unhealthy_after: float = UNHEALTHY_AFTER,
         default_start: str = "earliest",
         backlog_warning: int = BACKLOG_WARNING,
+        middleware: Sequence[Any] = (),
     ) -> None:
         """``unhealthy_after``: seconds a consumer may be without its broker before /healthz says UNHEALTHY.
 
         ``default_start``: where a new group starts when its ``@consumer`` names no ``start=``;
         ``backlog_warning``: a new group about to read more messages than this from ``earliest`` is
         logged and counted (0: no check). Consumers of one topic sharing a group must say ``shared_group=True``.
+        ``middleware``: objects with hooks around every consumer's messages, outside each consumer's own
+        (consumers/middleware.py). Handlers publish through one producer the runner owns (consumers/context.py).
         """
         if not consumers:
             raise ValueError("no @consumer to run")
@@ -112,6 +117,9 @@ class Runner:
         if backlog_warning < 0:
             raise ConfigError(f"--backlog-warning must be 0 (off) or more, not {backlog_warning}")
         self.backlog_warning = backlog_warning
+        self.middleware = [_instance(m, "Runner(middleware=...)") for m in middleware]
+        for c in consumers:
+            c.middleware = [_instance(m, f"{c.name}: @consumer(middleware=...)") for m in c.middleware]
         # One broker or a bootstrap list (comma-separated); CONVEYOR_BROKER when not given. Each subscription
         # finds its topic's leader and subscribes again on a new one.
         self.broker = ",".join(broker_addresses(broker))
@@ -143,10 +151,18 @@ class Runner:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._running = False
         self.abandoned = 0  # messages given back because their handlers outran the graceful timeout
+        self.publisher = Publisher(self.broker)
+        self._all_hooks = Hooks(
+            _unique([*self.middleware, *(m for c in consumers for m in c.middleware)]), self._hook_failed
+        )
+
+    def _hook_failed(self, middleware: Any, hook: str) -> None:
+        self.metrics.middleware_errors.labels(label(middleware), hook).inc()
 
     # --- setup ----------------------------------------------------------------------------
 
     def _start(self) -> None:
+        self._all_hooks.call("on_start", self)
         check_new_groups(
             self.consumers,
             self.broker,
@@ -184,12 +200,18 @@ class Runner:
             dead_letter_topic=dead_letter,
         )
         lanes: list[Lane] = []
+        hooks = Hooks([*self.middleware, *consumer.middleware], self._hook_failed)
         for i in range(lanes_n):
             if consumer.is_async:
                 assert self._loop is not None
-                lanes.append(AsyncLane(consumer, self._report, self.stopping, self._loop))
+                lanes.append(
+                    AsyncLane(consumer, self._report, self.stopping, self._loop, hooks=hooks, publisher=self.publisher)
+                )
             else:
-                lanes.append(ThreadLane(consumer, self._report, self.stopping, f"{consumer.__name__}-{i}"))
+                name = f"{consumer.__name__}-{i}"
+                lanes.append(
+                    ThreadLane(consumer, self._report, self.stopping, name, hooks=hooks, publisher=self.publisher)
+                )
         labels = (consumer.name, consumer.topic, consumer.group)
         self._declare_series(labels)
         slot = Slot(consumer, subscription, lanes, labels=labels)
@@ -238,6 +260,7 @@ class Runner:
         finally:
             if install_signals:
                 signal.set_wakeup_fd(-1)
+            self._all_hooks.call("on_stop", self)
             self._close()
         return exitcodes.HANDLERS_ABANDONED if self.abandoned else exitcodes.OK
 
@@ -399,6 +422,7 @@ class Runner:
         return any(lane.busy for slot in self.slots for lane in slot.lanes)
 
     def _close(self) -> None:
+        self.publisher.close(timeout=5.0)  # the drain waited for handlers, and so for what they published
         for slot in self.slots:
             for lane in slot.lanes:
                 lane.close()
@@ -445,3 +469,17 @@ class Runner:
         if waiting:
             return {"ready": False, "status": found["status"], "reason": "not subscribed: " + ", ".join(waiting)}
         return ready(found, serving=self._running and not self.stopping.is_set() and bool(self.slots))
+
+
+def _instance(middleware: Any, where: str) -> Any:
+    """A middleware given as its class is made with no arguments; anything without a hook is refused."""
+    if isinstance(middleware, type):
+        try:
+            middleware = middleware()
+        except Exception as exc:
+            raise ConfigError(f"{where}: {label(middleware)}() failed: {type(exc).__name__}: {exc}") from None
+    return checked(middleware, where)
+
+
+def _unique(items: list[Any]) -> list[Any]:
+    return list({id(m): m for m in items}.values())

@@ -36,6 +36,8 @@ if TYPE_CHECKING:
     from conveyor.broker.client.message import Message
     from conveyor.broker.client.producer import Producer
     from conveyor.broker.client.subscription import DeadLettered, Subscription
+    from conveyor.consumers.context import Context, PublishFailed, context, publish
+    from conveyor.consumers.middleware import Middleware
     from conveyor.consumers.runner import Runner
     from conveyor.decorators.consumer import consumer, error_handler
     from conveyor.decorators.exceptions import InvalidMessage, Nack, Reject
@@ -48,17 +50,22 @@ _EXPORTS = {
     "AsyncConsumer": "conveyor.broker.client.async_consumer",
     "AsyncProducer": "conveyor.broker.client.async_producer",
     "Consumer": "conveyor.broker.client.consumer",
+    "Context": "conveyor.consumers.context",
     "ConveyorError": "conveyor.errors",
     "DeadLettered": "conveyor.broker.client.subscription",
     "InvalidMessage": "conveyor.decorators.exceptions",
     "Message": "conveyor.broker.client.message",
+    "Middleware": "conveyor.consumers.middleware",
     "Nack": "conveyor.decorators.exceptions",
     "Producer": "conveyor.broker.client.producer",
+    "PublishFailed": "conveyor.consumers.context",
     "Reject": "conveyor.decorators.exceptions",
     "Runner": "conveyor.consumers.runner",
     "Subscription": "conveyor.broker.client.subscription",
     "consumer": "conveyor.decorators.consumer",
+    "context": "conveyor.consumers.context",
     "error_handler": "conveyor.decorators.consumer",
+    "publish": "conveyor.consumers.context",
     "retry_policy": "conveyor.decorators.retry",
 }
 
@@ -67,18 +74,23 @@ __all__ = [
     "AsyncConsumer",
     "AsyncProducer",
     "Consumer",
+    "Context",
     "ConveyorError",
     "DeadLettered",
     "InvalidMessage",
     "Message",
+    "Middleware",
     "Nack",
     "Producer",
+    "PublishFailed",
     "Reject",
     "Runner",
     "Subscription",
     "__version__",
     "consumer",
+    "context",
     "error_handler",
+    "publish",
     "retry_policy",
 ]
 

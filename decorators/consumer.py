@@ -39,6 +39,9 @@ class Consumer:
     retry: RetryPolicy | None = None
     error_handlers: list[Callable[..., Any]] = field(default_factory=list)
     shared_group: bool = False  # another consumer of the topic reads in this group on purpose (they split it)
+    # acked only once what the handler published is confirmed (consumers/context.py says why by default)
+    confirm_publishes: bool = True
+    middleware: list[Any] = field(default_factory=list)  # this consumer's own, inside the runner's
 
     def __post_init__(self) -> None:
         self.retry = self.retry or getattr(self.fn, RETRY_ATTR, None)
@@ -84,7 +87,7 @@ class Consumer:
 
 def _check_options(c: Consumer) -> None:
     """Refuse at declaration what the runner or the broker could not honour."""
-    for name in ("batch", "key_ordered", "shared_group"):
+    for name in ("batch", "key_ordered", "shared_group", "confirm_publishes"):
         if not isinstance(getattr(c, name), bool):
             raise TypeError(f"{name} takes True or False, not {getattr(c, name)!r}")
     for name, low in (("concurrency", 1), ("batch_size", 1), ("prefetch", 0), ("ack_timeout_ms", 1)):
@@ -95,6 +98,9 @@ def _check_options(c: Consumer) -> None:
         raise TypeError(f"prefetch ({c.prefetch}) below batch_size ({c.batch_size}): no batch could ever fill")
     if c.ack_timeout_ms > 2**31 - 1:
         raise TypeError(f"ack_timeout_ms must be at most {2**31 - 1}, not {c.ack_timeout_ms}")
+    if not isinstance(c.middleware, list | tuple):
+        raise TypeError(f"middleware takes a list of middleware objects, not {c.middleware!r}")
+    c.middleware = list(c.middleware)
     if c.retry is not None and not isinstance(c.retry, RetryPolicy):
         raise TypeError("retry takes a RetryPolicy (use @retry_policy)")
     check_dead_letter(c)
@@ -121,6 +127,8 @@ OPTIONS = (
     "ack_policy",
     "ack_timeout_ms",
     "shared_group",
+    "confirm_publishes",
+    "middleware",
 )
 
 

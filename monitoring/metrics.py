@@ -629,6 +629,12 @@ class RunnerMetrics:
             labels,
             registry=registry,
         )
+        self.middleware_errors = Counter(
+            "conveyor_runner_middleware_errors",
+            "Middleware hooks that raised (logged and ignored: the message is handled as usual)",
+            ["middleware", "hook"],
+            registry=registry,
+        )
 
 
 class _NoOp:

@@ -41,6 +41,13 @@ RUN_OPTIONS = [
     Option(
         "log-config", "", "a logging.config.dictConfig file (.json, .toml, or .yaml with PyYAML): it decides everything"
     ),
+    Option(
+        "middleware",
+        "",
+        "middleware around every consumer, MODULE:ATTR[,MODULE:ATTR...] (a class, an instance or a list), "
+        "outside the modules' own `middleware = [...]`; may be repeated",
+        repeat=True,
+    ),
 ]
 
 
@@ -51,13 +58,16 @@ def _setup(parser: argparse.ArgumentParser) -> None:
 
 @command("run", "run the @consumer functions of some modules", _setup)
 def cmd_run(args: argparse.Namespace) -> int:
-    from conveyor.consumers.loader import load_consumers
+    from conveyor.consumers.loader import load_consumers, load_middleware
+    from conveyor.consumers.middleware import parse_specs, resolve
     from conveyor.consumers.runner import Runner
     from conveyor.monitoring.logs import announce, configure
 
     opts = client_options(args, "run", RUN_OPTIONS)
     configure(opts["log_level"], opts["log_format"], opts["log_config"])
     consumers = load_consumers(args.modules)
+    middleware = [m for spec in parse_specs(opts["middleware"]) for m in resolve(spec)]
+    middleware += load_middleware(args.modules)
     runner = Runner(
         consumers,
         broker=opts["broker"],
@@ -68,6 +78,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         unhealthy_after=opts["unhealthy_after"],
         default_start=opts["default_start"],
         backlog_warning=opts["backlog_warning"],
+        middleware=middleware,
     )
 
     port = runner.metrics_server.port if runner.metrics_server else None

@@ -75,6 +75,7 @@ RUNNER: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "duration": ("conveyor_runner_handler_duration_seconds", "histogram", HANDLER),
     "in_process": ("conveyor_runner_in_process_messages", "gauge", HANDLER),
     "new_group_replays": ("conveyor_runner_new_group_replays", "counter", HANDLER),
+    "middleware_errors": ("conveyor_runner_middleware_errors", "counter", ("middleware", "hook")),
 }
 STATE: dict[str, tuple[str, ...]] = {
     "conveyor_log_start_offset": TOPIC,

@@ -153,3 +153,25 @@ def test_a_partitioned_topics_dead_letters_go_back_to_their_partitions(broker):
         assert message.partition == row["origin_partition"]
         assert message.headers["x-replayed-from"] == f"parts.dlq@{row['partition']}:{row['offset']}"
         assert message.value == f"v-{message.key.split('-')[1]}"
+
+
+def test_the_range_the_target_and_the_history_are_decided_without_a_broker():
+    from conveyor.broker.cli.dlq import Span, replay_headers, replay_target, span_of
+
+    assert span_of(0, 5, 20, None, None) == Span(0, 5, 20), "the whole topic as it is now"
+    assert span_of(0, 5, 20, 2, 9) == Span(0, 5, 10), "--to-offset is included; below the start is clamped"
+    assert span_of(0, 5, 20, 30, None) == Span(0, 30, 30), "past the end: nothing"
+
+    def letter(**headers: str) -> Message:
+        return Message("orders.dlq", 7, 0.0, "k", headers, b"{}", partition=1)
+
+    dead = letter(**{"x-origin-topic": "orders", "x-origin-partition": "1", "trace": "t"})
+    assert replay_target(dead, None) == ("orders", 1)
+    assert replay_target(dead, "orders-retry") == ("orders-retry", None), "another topic: the key decides"
+    assert replay_target(letter(), None) is None, "no origin and no --to: skipped"
+    assert replay_target(letter(), "elsewhere") == ("elsewhere", None)
+
+    once = replay_headers(dead, "orders.dlq", many=True)
+    assert once["x-replayed-from"] == "orders.dlq@1:7" and once["x-replay-count"] == "1" and once["trace"] == "t"
+    again = replay_headers(letter(**once), "orders.dlq", many=False)
+    assert again["x-replay-count"] == "2" and again["x-replayed-from"] == "orders.dlq@7"

@@ -8,10 +8,32 @@ Publish something to see them work::
 from __future__ import annotations
 
 import logging
+import time
+from typing import Any
 
-from conveyor import Message, consumer, error_handler, retry_policy
+from conveyor import Message, Middleware, consumer, error_handler, publish, retry_policy
 
 log = logging.getLogger("examples")
+
+
+class Timing(Middleware):
+    """Logs how long each message took, from before the handler to its ack (publishes confirmed)."""
+
+    def __init__(self) -> None:
+        self.started: dict[int, float] = {}  # lanes run in parallel: state per message
+
+    def before_handle(self, message: Message) -> None:
+        self.started[id(message)] = time.perf_counter()
+
+    def after_handle(self, message: Message, result: Any) -> None:
+        took = time.perf_counter() - self.started.pop(id(message), time.perf_counter())
+        log.debug("%s offset %d handled in %.1f ms", message.topic, message.offset, took * 1000)
+
+    def on_error(self, message: Message, exc: BaseException) -> None:
+        self.started.pop(id(message), None)
+
+
+middleware = [Timing()]  # `conveyor run examples.handlers` wraps every consumer below in it
 
 
 @consumer("orders", group="billing", concurrency=4)
@@ -22,6 +44,8 @@ def bill(message: Message) -> None:
     if not isinstance(order, dict) or "id" not in order:
         raise ValueError(f"not an order: {order!r}")
     log.info("billed order %s (attempt %d)", order["id"], message.attempt)
+    # linked to this order by x-correlation-id and x-causation-id; acked once the invoice is confirmed
+    publish("invoices", {"order": order["id"]}, key=str(order["id"]))
 
 
 @error_handler(bill)

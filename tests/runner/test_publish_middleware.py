@@ -285,3 +285,23 @@ def test_hooks_run_in_order_and_one_that_raises_is_counted_and_skipped():
     assert calls == ["a before", "b before", "b after 3", "a after 3"]
     assert failed == [("Boom", "before_handle")]
     assert not Hooks([])
+
+
+def test_middleware_specs_resolve_classes_instances_and_lists_and_refuse_the_rest():
+    import pytest
+    from conveyor.consumers.middleware import parse_specs, resolve
+
+    from conveyor.errors import ConfigError
+    from tests.runner.apps import app_middleware
+
+    assert parse_specs("a:B, c:D,,") == ["a:B", "c:D"]
+    [outer] = resolve("tests.runner.apps.app_middleware:Outer")
+    assert isinstance(outer, app_middleware.Outer) and outer.tag == "outer"
+    assert resolve("tests.runner.apps.app_middleware") == app_middleware.middleware, "a module's list"
+    for spec, says in (
+        ("tests.runner.apps.app_middleware:nothing", "has no attribute 'nothing'"),
+        ("tests.runner.apps.app_middleware:write", "has none of the middleware hooks"),
+        ("no_such_module_here:X", "cannot import"),
+    ):
+        with pytest.raises(ConfigError, match=says):
+            resolve(spec)

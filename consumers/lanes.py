@@ -484,7 +484,7 @@ async def _confirmed(published: list[Any]) -> BaseException | None:
     """Wait on the event loop (other lanes go on) for what a unit published; its first failure, or None."""
     for future in published:
         try:
-            await asyncio.wrap_future(future)
+            await asyncio.shield(asyncio.wrap_future(future))  # a cancelled lane must not cancel the producer's future
         except Exception as exc:
             return publish_failed(exc)
     return None

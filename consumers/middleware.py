@@ -94,12 +94,14 @@ class Hooks:
     # per-message helpers, for the lanes
 
     def before(self, messages: Iterable[Any]) -> None:
-        for message in messages:
-            self.call("before_handle", message)
+        if self.calls["before_handle"]:  # middleware without this hook costs no call per message
+            for message in messages:
+                self.call("before_handle", message)
 
     def after(self, messages: Iterable[Any], result: Any) -> None:
-        for message in messages:
-            self.call("after_handle", message, result)
+        if self.calls["after_handle"]:
+            for message in messages:
+                self.call("after_handle", message, result)
 
     def error(self, messages: Iterable[Any], exc: BaseException) -> None:
         for message in messages:

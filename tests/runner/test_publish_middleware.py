@@ -116,10 +116,12 @@ def test_middleware_hooks_run_in_order_and_a_failing_one_does_not_stop_handling(
         publish(address, "mw-retry", [1])
         publish(address, "mw-dead", [1])
         publish(address, "mw-broken", [1, 2])
+        publish(address, "mw-nacked", [1])
         wait_for(lambda: len(_hook_lines(tmp_path, "mw-ok")) >= 6, 30, message="mw-ok hooks")
         wait_for(lambda: len(_hook_lines(tmp_path, "mw-retry")) >= 10, 30, message="mw-retry hooks")
         wait_for(lambda: len(_hook_lines(tmp_path, "mw-dead")) >= 12, 30, message="mw-dead hooks")
         wait_for(lambda: len(_hook_lines(tmp_path, "mw-broken")) >= 10, 30, message="mw-broken hooks")
+        wait_for(lambda: any("on_dead_letter" in x for x in _hook_lines(tmp_path, "mw-nacked")), 30, message="nacked")
         wait_for(
             lambda: runner_metric(proc, "conveyor_runner_middleware_errors_total", 'hook="after_handle"') == 2,
             30,
@@ -181,6 +183,22 @@ def test_middleware_hooks_run_in_order_and_a_failing_one_does_not_stop_handling(
         "outer after_handle mw-broken 1 None",
     ], "a middleware that raised changes nothing for the others"
     assert any("app_middleware.Broken: before_handle raised" in line for line in proc.lines)
+    nacked = [
+        "outer before_handle mw-nacked 0",
+        "module before_handle mw-nacked 0",
+        "module on_error mw-nacked 0 Nack",
+        "outer on_error mw-nacked 0 Nack",
+    ]
+    assert _hook_lines(tmp_path, "mw-nacked") == [
+        *nacked,
+        "module on_retry mw-nacked 0 1",
+        "outer on_retry mw-nacked 0 1",
+        *nacked,
+        "module on_retry mw-nacked 0 2",
+        "outer on_retry mw-nacked 0 2",
+        "module on_dead_letter mw-nacked 0 DeadLettered",
+        "outer on_dead_letter mw-nacked 0 DeadLettered",
+    ], "the broker dead-lettered it past max_deliveries: on_dead_letter too"
 
 
 # --- one module: the lane holds the ack while a publish is unconfirmed -----------------------------

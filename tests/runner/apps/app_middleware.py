@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from conveyor import Message, Middleware, consumer, retry_policy
+from conveyor import Message, Middleware, Nack, consumer, retry_policy
 
 OUT = os.environ.get("CONVEYOR_TEST_OUT", "/tmp")
 
@@ -90,3 +90,10 @@ def doomed(message: Message) -> None:
 @consumer("mw-broken", group="mw-broken", middleware=[Broken()])
 def handled_anyway(message: Message) -> None:
     write(f"handled mw-broken {message.offset}")
+
+
+@consumer("mw-nacked", group="mw-nacked")
+@retry_policy(max_attempts=2, initial_delay=0.05, backoff="fixed")
+def nacked(message: Message) -> None:
+    """Always Nack: past the group's max_deliveries the broker dead-letters it itself."""
+    raise Nack(delay=0.05, reason="not yet")

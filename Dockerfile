@@ -2,8 +2,8 @@
 # overriding the command (`run examples.handlers`, `publish ...`). docs/operations.md, "Deploy: container
 # and compose", describes the options; `make image` builds it with podman (deploy/podman/).
 #
-# Stage 1 builds the same wheel `pip install .` would; stage 2 installs only that wheel and its
-# dependencies into a venv, so the runtime image has no source tree, compiler or build tools.
+# Stage 1 builds the same wheel `pip install .` would; stage 2 installs only that wheel, its dependencies
+# and the `cluster` extra (--cluster needs it) into a venv, so the runtime image has no source tree, compiler or build tools.
 
 ARG PYTHON_IMAGE=python:3.11-slim
 
@@ -25,7 +25,8 @@ RUN --mount=type=secret,id=pip_ca,required=false \
     && /opt/conveyor/bin/pip install --no-cache-dir --disable-pip-version-check --quiet build \
     && /opt/conveyor/bin/python -m build --wheel --outdir /dist . \
     && python -m venv /opt/conveyor-runtime \
-    && /opt/conveyor-runtime/bin/pip install --no-cache-dir --disable-pip-version-check --quiet /dist/conveyor-*.whl
+    && wheel=$(ls /dist/conveyor-*.whl) \
+    && /opt/conveyor-runtime/bin/pip install --no-cache-dir --disable-pip-version-check --quiet "$wheel[cluster]"
 
 FROM ${PYTHON_IMAGE}
 LABEL org.opencontainers.image.title="conveyor" \

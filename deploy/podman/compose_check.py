@@ -68,7 +68,48 @@ def main() -> None:
     parser.add_argument("--runner-container", required=True)
     parser.add_argument("--prometheus", required=True, help="http://HOST:PORT")
     parser.add_argument("--rules", type=Path, required=True, help="the rule file compose.yaml loads")
+    parser.add_argument("--cluster-network", help="check the `cluster` profile's n1..n3, reached on this network")
     args = parser.parse_args()
+    if args.cluster_network:
+        check_cluster(args)
+    else:
+        check_single_node(args)
+
+
+def check_cluster(args: argparse.Namespace) -> None:
+    """etcd and n1..n3: three nodes alive, a replicated topic written and read back, Prometheus finds them."""
+    nodes = "tcp://n1:5555,tcp://n2:5555,tcp://n3:5555"
+
+    def on_network(*command: str) -> subprocess.CompletedProcess[str]:
+        return podman("run", "--rm", "--network", args.cluster_network, args.image, *command)
+
+    def alive() -> bool:
+        status = json.loads(on_network("cluster", "status", "--broker", nodes, "--format", "json").stdout)
+        return sum(node["alive"] for node in status["nodes"]) == 3
+
+    wait_for("the cluster has 3 nodes alive (conveyor cluster status)", alive)
+    wait_for(
+        "a topic with 3 replicas is created",
+        lambda: (
+            on_network("topics", "create", "payments", "--replication-factor", "3", "--broker", nodes).returncode == 0
+        ),
+    )
+    payment = json.dumps({"id": 17})
+    wait_for(
+        "publish to the replicated topic",
+        lambda: on_network("publish", "--broker", nodes, "--format", "json", "payments", payment).returncode == 0,
+    )
+    tailed = on_network("tail", "--broker", nodes, "--from", "earliest", "--count", "1", "--format", "json", "payments")
+    if tailed.returncode != 0 or "17" not in tailed.stdout:
+        sys.exit(f"FAILED: tail of the replicated topic read {tailed.stdout!r}: {tailed.stderr}")
+    print("ok: read the message back from the replicated topic", flush=True)
+    wait_for(
+        "Prometheus finds n1..n3 by DNS: 4 broker targets up",
+        lambda: query_value(args.prometheus, 'count(up{job="conveyor-broker"} == 1)') == 4,
+    )
+
+
+def check_single_node(args: argparse.Namespace) -> None:
     broker = f"tcp://127.0.0.1:{args.broker_port}"
 
     wait_for(

@@ -7,8 +7,8 @@
 set -eu
 
 # netavark + aardvark-dns: compose services find each other by name (CNI would need the dnsname plugin).
-# prometheus: the stand-in's binary (deploy/podman/prometheus-standin.sh) and the host's promtool.
-PACKAGES="podman podman-compose debootstrap runc uidmap slirp4netns netavark aardvark-dns iptables prometheus ca-certificates"
+# prometheus, etcd-server: the stand-ins' binaries (deploy/podman/*-standin.sh); the host's promtool and etcd.
+PACKAGES="podman podman-compose debootstrap runc uidmap slirp4netns netavark aardvark-dns iptables prometheus etcd-server ca-certificates"
 # shellcheck disable=SC2086
 if ! dpkg -s $PACKAGES >/dev/null 2>&1; then
     apt-get update -q

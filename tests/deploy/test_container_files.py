@@ -107,6 +107,7 @@ def test_compose_services_use_official_images_and_existing_files() -> None:
     assert services["broker"]["build"] == "." and services["broker"].get("profiles") is None
     assert services["prometheus"]["image"].startswith("prom/prometheus:")
     assert services["grafana"]["image"].startswith("grafana/grafana:")
+    assert services["etcd"]["image"].startswith("quay.io/coreos/etcd:")
     assert all(services[name]["profiles"] == ["cluster"] for name in ("etcd", "n1", "n2", "n3"))
     for name, service in services.items():
         for volume in service.get("volumes", []):

@@ -335,26 +335,27 @@ class ThreadLane:
         else:
             work.dead_lettered(chunk, dead)
         fn, batch, ctx, hooks = self.call, self.consumer.batch, self.ctx, self.hooks
-        while (unit := work.next()) is not None:
-            token = enter_handling(self.consumer, unit)
-            if hooks:
-                hooks.before(unit)
-            ctx.begin(unit)
-            started = time.perf_counter()
-            exc: BaseException | None = None
-            result = None
-            try:
-                result = fn(unit if batch else unit[0])
-            except Exception as error:
-                exc = error
-            try:
+        token, cursor = enter_handling(self.consumer)  # log lines made meanwhile name the unit handled
+        try:
+            while (unit := work.next()) is not None:
+                cursor.current = unit
+                if hooks:
+                    hooks.before(unit)
+                ctx.begin(unit)
+                started = time.perf_counter()
+                exc: BaseException | None = None
+                result = None
+                try:
+                    result = fn(unit if batch else unit[0])
+                except Exception as error:
+                    exc = error
                 seconds = time.perf_counter() - started
                 published = ctx.end()
                 if published and exc is None:  # confirm before ack: wait here, so key order holds on a failure
                     exc = failure(published)
                 work.done(unit, exc, seconds, result)
-            finally:
-                leave_handling(token)
+        finally:
+            leave_handling(token)
         return report
 
     def _process_plain(self, slot: Any, chunk: list[Message]) -> Report:
@@ -364,40 +365,43 @@ class ThreadLane:
         ctx, hooks = self.ctx, self.hooks
         acked, durations = report.acked, report.durations
         confirming: list[tuple[Message, Any, list[Any]]] = []  # handled, waiting for what they published
-        for i, message in enumerate(chunk):
-            if stopping.is_set():
-                report.released += [m.ref for m in chunk[i:]]
-                break
-            token = enter_handling(consumer, (message,))  # log lines made meanwhile name this message
-            if hooks:
-                hooks.before((message,))
-            ctx.messages = (message,)
-            started = clock()
-            try:
-                result = fn(message)
-            except Exception as error:
+        token, cursor = enter_handling(consumer)  # one ContextVar.set per chunk, an attribute store per message
+        try:
+            for i, message in enumerate(chunk):
+                if stopping.is_set():
+                    report.released += [m.ref for m in chunk[i:]]
+                    break
+                cursor.current = message  # log lines made meanwhile name this message
+                if hooks:
+                    hooks.before((message,))
+                ctx.messages = (message,)
+                started = clock()
+                try:
+                    result = fn(message)
+                except Exception as error:
+                    durations.append(clock() - started)
+                    ctx.end()
+                    handle_outcome(consumer, [message], error, report, self.gate, hooks)
+                    continue
                 durations.append(clock() - started)
-                ctx.end()
-                handle_outcome(consumer, [message], error, report, self.gate, hooks)
-                continue
-            finally:
-                leave_handling(token)
-            durations.append(clock() - started)
-            if ctx.published:
-                confirming.append((message, result, ctx.end()))
-                continue
-            ctx.messages = ()
-            acked.append(message.ref)
-            if hooks:
-                hooks.after((message,), result)
-        for message, result, published in confirming:  # one wait for the chunk's confirms, not one per message
-            unconfirmed = failure(published)
-            if unconfirmed is None:
+                if ctx.published:
+                    confirming.append((message, result, ctx.end()))
+                    continue
+                ctx.messages = ()
                 acked.append(message.ref)
                 if hooks:
                     hooks.after((message,), result)
-            else:
-                handle_outcome(self.consumer, [message], unconfirmed, report, self.gate, hooks)
+            for message, result, published in confirming:  # one wait for the chunk's confirms, not one per message
+                cursor.current = message
+                unconfirmed = failure(published)
+                if unconfirmed is None:
+                    acked.append(message.ref)
+                    if hooks:
+                        hooks.after((message,), result)
+                else:
+                    handle_outcome(self.consumer, [message], unconfirmed, report, self.gate, hooks)
+        finally:
+            leave_handling(token)
         report.ok += len(acked) - report.dropped
         return report
 
@@ -457,26 +461,27 @@ class AsyncLane:
             work.dead_lettered(chunk, dead)
         fn: Callable[[Any], Awaitable[Any]] = self.call
         batch, ctx, hooks = self.consumer.batch, self.ctx, self.hooks
-        while (unit := work.next()) is not None:
-            token = enter_handling(self.consumer, unit)
-            if hooks:
-                hooks.before(unit)
-            ctx.begin(unit)
-            started = time.perf_counter()
-            exc: BaseException | None = None
-            result = None
-            try:
-                result = await fn(unit if batch else unit[0])
-            except Exception as error:
-                exc = error
-            try:
+        token, cursor = enter_handling(self.consumer)  # log lines made meanwhile name the unit handled
+        try:
+            while (unit := work.next()) is not None:
+                cursor.current = unit
+                if hooks:
+                    hooks.before(unit)
+                ctx.begin(unit)
+                started = time.perf_counter()
+                exc: BaseException | None = None
+                result = None
+                try:
+                    result = await fn(unit if batch else unit[0])
+                except Exception as error:
+                    exc = error
                 seconds = time.perf_counter() - started
                 published = ctx.end()
                 if published and exc is None:
                     exc = await _confirmed(published)
                 work.done(unit, exc, seconds, result)
-            finally:
-                leave_handling(token)
+        finally:
+            leave_handling(token)
         return report
 
 

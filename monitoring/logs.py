@@ -23,13 +23,15 @@ import json
 import logging
 import logging.config
 import sys
+import threading
 import tomllib
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from contextvars import ContextVar, Token
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from types import TracebackType
+from typing import Any, TextIO
 
 from conveyor.errors import ConfigError
 
@@ -38,7 +40,7 @@ TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 FIELDS = ("topic", "group", "partition", "offset", "attempt", "trace_id")  # in this order, after the four always there
 
 # (consumer, messages) of the handler call running in this thread or task; None outside handlers.
-_handling: ContextVar[tuple[Any, Sequence[Any]] | None] = ContextVar("conveyor_handling", default=None)
+_handling: ContextVar[Cursor | None] = ContextVar("conveyor_handling", default=None)
 _format = "text"  # of the announcements (``announce``): what ``configure`` chose
 
 
@@ -129,19 +131,32 @@ class JsonFormatter(logging.Formatter):
 # --- the runner's context ----------------------------------------------------------------------
 
 
+class Cursor:
+    """What a lane is handling now: set once per chunk (a ``ContextVar.set``), moved per message by one
+    attribute store (``current``: a message, or a batch as a list), so the per-message cost stays tiny."""
+
+    __slots__ = ("consumer", "current")
+
+    def __init__(self, consumer: Any) -> None:
+        self.consumer = consumer
+        self.current: Any = None
+
+
 @contextmanager
-def handling(consumer: Any, messages: Sequence[Any]) -> Iterator[None]:
+def handling(consumer: Any, messages: Sequence[Any]) -> Iterator[Cursor]:
     """Log records made inside carry these messages' topic, group, partition, offset, attempt and trace id."""
-    token = _handling.set((consumer, messages))
+    token, cursor = enter_handling(consumer)
+    cursor.current = list(messages)
     try:
-        yield
+        yield cursor
     finally:
-        _handling.reset(token)
+        leave_handling(token)
 
 
-def enter_handling(consumer: Any, messages: Sequence[Any]) -> Token[Any]:
-    """``handling`` without the context manager, for the runner's per-message loop (undo with ``leave_handling``)."""
-    return _handling.set((consumer, messages))
+def enter_handling(consumer: Any) -> tuple[Token[Any], Cursor]:
+    """A cursor for this thread or task: the lane sets ``cursor.current`` per call (undo with ``leave_handling``)."""
+    cursor = Cursor(consumer)
+    return _handling.set(cursor), cursor
 
 
 def leave_handling(token: Token[Any]) -> None:
@@ -163,9 +178,11 @@ def install_record_factory() -> None:
 
     def factory(*args: Any, **kwargs: Any) -> logging.LogRecord:
         record = base(*args, **kwargs)
-        context = _handling.get()
-        if context is not None:  # kept aside, not as fields: extra= may name them (it refuses to overwrite)
-            setattr(record, CONTEXT_ATTR, context)
+        cursor = _handling.get()
+        if cursor is not None and cursor.current is not None:
+            # kept aside, not as fields (extra= may name them, and refuses to overwrite); the lane moves on
+            current = cursor.current
+            setattr(record, CONTEXT_ATTR, (cursor.consumer, current if isinstance(current, list) else [current]))
         return record
 
     logging.setLogRecordFactory(factory)
@@ -201,6 +218,26 @@ def configure(level: str = "INFO", log_format: str = "text", config_file: str = 
     root.addHandler(handler)
     root.setLevel(level.upper())
     logging.captureWarnings(True)  # warnings.warn lines are log lines too, so JSON as well
+    if log_format == "json":
+        _log_uncaught()
+
+
+def _log_uncaught() -> None:
+    """An exception nobody caught (in the main thread or another) is a JSON line too, not a bare traceback."""
+    log = logging.getLogger("conveyor")
+
+    def main_hook(kind: type[BaseException], value: BaseException, tb: TracebackType | None) -> None:
+        log.critical("uncaught %s: %s", kind.__name__, value, exc_info=(kind, value, tb))
+
+    def thread_hook(args: threading.ExceptHookArgs) -> None:
+        if args.exc_type is SystemExit:
+            return
+        name = args.thread.name if args.thread is not None else "?"
+        exc_info = (args.exc_type, args.exc_value or args.exc_type(), args.exc_traceback)
+        log.critical("uncaught %s in thread %s: %s", args.exc_type.__name__, name, args.exc_value, exc_info=exc_info)
+
+    sys.excepthook = main_hook
+    threading.excepthook = thread_hook
 
 
 def load_config(path: str) -> dict[str, Any]:
@@ -240,18 +277,12 @@ def _yaml(path: str, text: str) -> Any:
         raise ConfigError(f"--log-config {path}: not valid YAML: {exc}", path=path) from None
 
 
-def announce(message: str, *, logger: str = "conveyor", **fields: Any) -> None:
-    """A command's ready/stopped line on stdout (what scripts wait for): text, or a JSON line in json mode."""
+def announce(message: str, *, level: str = "INFO", stream: TextIO | None = None, logger: str = "conveyor") -> None:
+    """A command's own line (ready, stopped, an error it exits with) on stdout, or ``stream``: the text as it
+    is, or in json mode one JSON object like a log record's."""
     if _format == "json":
-        line = json_line(
-            {
-                "time": iso_time(datetime.now(UTC).timestamp()),
-                "level": "INFO",
-                "logger": logger,
-                "message": message,
-                **fields,
-            }
-        )
+        now = datetime.now(UTC).timestamp()
+        line = json_line({"time": iso_time(now), "level": level, "logger": logger, "message": message})
     else:
         line = message
-    print(line, flush=True)
+    print(line, file=stream or sys.stdout, flush=True)

@@ -743,8 +743,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return int(args.handler(args))
     except ConveyorError as exc:
+        from conveyor.monitoring.logs import announce
+
         for line in exc.message.splitlines() or [""]:  # one line per problem, each with its code
-            print(f"conveyor {args.command}: [{exc.name}] {line}", file=sys.stderr)
+            announce(f"conveyor {args.command}: [{exc.name}] {line}", level="ERROR", stream=sys.stderr)
         return exitcodes.ERROR
     except KeyboardInterrupt:
         return exitcodes.INTERRUPTED

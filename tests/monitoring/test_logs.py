@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import subprocess
 import sys
 from types import SimpleNamespace
 
@@ -133,3 +134,38 @@ def test_a_config_dictconfig_refuses_is_a_config_error(tmp_path):
     finally:
         root.handlers[:], _ = before
         root.setLevel(before[1])
+
+
+def test_a_record_keeps_the_message_it_was_made_for_when_the_lane_moves_on():
+    logs.install_record_factory()
+    consumer = SimpleNamespace(topic="orders", group="billing")
+    token, cursor = logs.enter_handling(consumer)
+    try:
+        cursor.current = fake_message(1)
+        first = logging.getLogger("tests.logs").makeRecord("tests.logs", logging.INFO, __file__, 1, "m", (), None)
+        cursor.current = fake_message(2)
+    finally:
+        logs.leave_handling(token)
+    assert logs.record_fields(first)["offset"] == 1
+
+
+def test_in_json_mode_uncaught_exceptions_and_warnings_are_json_lines_too():
+    script = """
+import threading, warnings
+from conveyor.monitoring.logs import configure
+configure(log_format="json")
+warnings.warn("careful")
+thread = threading.Thread(target=lambda: 1 / 0, name="worker")
+thread.start()
+thread.join()
+raise RuntimeError("boom")
+"""
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 1
+    lines = [json.loads(line) for line in result.stderr.splitlines()]
+    assert [(f["level"], f["message"].split(":")[0]) for f in lines] == [
+        ("WARNING", "<string>"),
+        ("CRITICAL", "uncaught ZeroDivisionError in thread worker"),
+        ("CRITICAL", "uncaught RuntimeError"),
+    ], lines
+    assert "careful" in lines[0]["message"] and "RuntimeError: boom" in lines[2]["exception"]

@@ -10,6 +10,8 @@ import sys
 from conveyor.testing import BrokerProcess
 from tests.helpers import publish, wait_for
 from tests.runner.runner_helpers import APPS, RunnerProcess
+from tests.runner.test_group_defaults import SHARING
+from tests.runner.test_runner_errors import run, write_app
 
 TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"
 TRACEPARENT = f"00-{TRACE}-00f067aa0ba902b7-01"
@@ -125,3 +127,12 @@ def test_a_log_config_that_does_not_load_stops_the_command_with_exit_2(tmp_path)
         )
         assert result.returncode == 2, result
         assert f"[CONFIG_ERROR] --log-config {bad}: not valid JSON" in result.stderr, result.stderr
+
+
+def test_an_error_the_runner_stops_with_is_a_json_line_in_json_mode(tmp_path):
+    write_app(tmp_path, "sharing", SHARING.format(declared=""))
+    result = run(tmp_path, "app.sharing", "--log-format", "json")
+    assert result.returncode == 2, result
+    (error,) = [f for f in json_lines(result.stderr.splitlines()) if f["level"] == "ERROR"]
+    assert error["message"].startswith("conveyor run: [CONFIG_ERROR] consumers app.sharing.bill, app.sharing.audit")
+    assert result.stdout == ""

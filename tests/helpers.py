@@ -81,12 +81,14 @@ def publish(
 ) -> list[int]:
     """Send ``values`` (with ``keys[i]`` when given) and wait for every confirm; their offsets, in order.
 
-    ``producer_options`` go to ``Producer`` (``linger_ms`` is 1 unless given, so small sends go now).
+    ``producer_options`` go to ``Producer``: unless given, ``linger_ms=1`` and ``eager=False``, so a
+    few values sent together go as one batch, now (tests that read delivery order or attempts across a
+    runner's death rely on that; the eager default would send the first value alone).
     """
     values = list(values)
     if keys is not None and len(keys) != len(values):
         raise ValueError(f"{len(keys)} keys for {len(values)} values")
-    with Producer(address, **{"linger_ms": 1, **producer_options}) as producer:
+    with Producer(address, **{"linger_ms": 1, "eager": False, **producer_options}) as producer:
         futures = [
             producer.send(topic, value, key=None if keys is None else keys[i], headers=headers)
             for i, value in enumerate(values)

@@ -14,6 +14,7 @@ import dataclasses
 import datetime
 import decimal
 import enum
+import functools
 import sys
 import types
 import typing
@@ -38,6 +39,12 @@ def model_kind(tp: Any) -> str | None:
     """``"pydantic"``, ``"msgspec"``, ``"dataclass"`` for a model class, else None."""
     if not isinstance(tp, type):
         return None
+    return _class_kind(tp)
+
+
+@functools.cache
+def _class_kind(tp: type) -> str | None:
+    """Once per class: a pydantic model or a Struct exists only once its library was imported."""
     if dataclasses.is_dataclass(tp):
         return DATACLASS
     pydantic = sys.modules.get("pydantic")
@@ -97,28 +104,40 @@ def from_value(model: Any, value: Any) -> Any:
         except msgspec.ValidationError as exc:
             raise ModelError(model, str(exc)) from exc
     if kind == DATACLASS:
-        return _convert(model, value, "$", model)
+        return _dataclass(model, value, "$", model)
     raise TypeError(f"{model!r} is not a pydantic model, a dataclass or a msgspec Struct")
 
 
 # --- dataclasses: no validation library, so a small converter of their fields' types ---------
 
 
-def _dataclass(cls: Any, value: Any, where: str, root: Any) -> Any:
-    if not isinstance(value, dict):
-        raise ModelError(root, f"{where}: expected a map, got {type(value).__name__}")
+@functools.cache
+def _fields(cls: Any) -> tuple[tuple[str, Any, bool], ...]:
+    """``(name, hint, required)`` of each init field, worked out once per class (resolving hints is slow)."""
     try:
         hints = typing.get_type_hints(cls)
     except Exception:  # a hint that does not resolve: take the field's value as it is
         hints = {}
+    return tuple(
+        (
+            field.name,
+            hints.get(field.name, Any),
+            field.default is dataclasses.MISSING and field.default_factory is dataclasses.MISSING,
+        )
+        for field in dataclasses.fields(cls)
+        if field.init
+    )
+
+
+def _dataclass(cls: Any, value: Any, where: str, root: Any) -> Any:
+    if not isinstance(value, dict):
+        raise ModelError(root, f"{where}: expected a map, got {type(value).__name__}")
     kwargs = {}
-    for field in dataclasses.fields(cls):
-        if not field.init:
-            continue
-        if field.name in value:
-            kwargs[field.name] = _convert(hints.get(field.name, Any), value[field.name], f"{where}.{field.name}", root)
-        elif field.default is dataclasses.MISSING and field.default_factory is dataclasses.MISSING:
-            raise ModelError(root, f"{where}.{field.name}: field required")
+    for name, hint, required in _fields(cls):
+        if name in value:
+            kwargs[name] = _convert(hint, value[name], f"{where}.{name}", root)
+        elif required:
+            raise ModelError(root, f"{where}.{name}: field required")
     # Fields the model does not have are ignored (as pydantic and msgspec do): a producer may add one first.
     try:
         return cls(**kwargs)
@@ -127,6 +146,8 @@ def _dataclass(cls: Any, value: Any, where: str, root: Any) -> Any:
 
 
 _SCALARS: dict[Any, tuple[type, ...]] = {str: (str,), bytes: (bytes,), bool: (bool,)}
+# Exact value types a scalar hint takes as they are (an int for a float field becomes a float; a bool is not an int).
+_EXACT: dict[Any, tuple[type, ...]] = {int: (int,), float: (float, int), str: (str,), bytes: (bytes,), bool: (bool,)}
 _PARSED: dict[Any, Any] = {
     datetime.datetime: datetime.datetime.fromisoformat,
     datetime.date: datetime.date.fromisoformat,
@@ -138,6 +159,8 @@ _PARSED: dict[Any, Any] = {
 
 def _convert(tp: Any, value: Any, where: str, root: Any) -> Any:
     """``value`` as type ``tp`` (a field's hint), converting nested models; ``ModelError`` when it does not fit."""
+    if type(tp) is type and type(value) in _EXACT.get(tp, ()):  # the common case, first: a plain field
+        return float(value) if tp is float else value
     if tp is Any or tp is object or isinstance(tp, typing.TypeVar):
         return value
     origin = typing.get_origin(tp)

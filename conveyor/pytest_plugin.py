@@ -10,12 +10,16 @@ Installed with Conveyor (entry point ``pytest11``); the fixtures can also be imp
 ``conveyor_etcd`` is a real etcd (the ``etcd`` binary, Debian's ``etcd-server``) on free
 loopback ports, for the cluster's tests: ``.endpoint``, ``.stop()``, ``.kill()``,
 ``.pause()``, ``.resume()``, ``.restart()``.
+
+``conveyor_consumers`` is ``conveyor.testing.run_consumers``: ``with conveyor_consumers(bill) as app:``
+runs the handlers in the real runner against the session's shared broker.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -52,3 +56,11 @@ def conveyor_etcd(tmp_path: Path) -> Iterator[EtcdProcess]:
         yield etcd
     finally:
         etcd.close()
+
+
+@pytest.fixture
+def conveyor_consumers() -> Callable[..., Any]:
+    """``run_consumers``: run ``@consumer`` handlers against the session's broker (conveyor/consumer_harness.py)."""
+    from conveyor.consumer_harness import run_consumers
+
+    return run_consumers

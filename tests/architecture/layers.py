@@ -75,12 +75,20 @@ LAYERS: dict[str, set[str]] = {
     "conveyor.broker_process": set(),
     "conveyor.etcd_process": set(),
     "conveyor.cluster_process": {"conveyor.broker_process", "conveyor.etcd_process"},
-    "conveyor.pytest_plugin": {"conveyor.broker_process", "conveyor.etcd_process"},
+    # runs a test's handlers in the real runner: the one piece of the test kit above the consumers
+    "conveyor.consumer_harness": {
+        "conveyor.broker_process",
+        "conveyor.broker.client",
+        "conveyor.consumers",
+        "conveyor.decorators",
+    },
+    "conveyor.pytest_plugin": {"conveyor.broker_process", "conveyor.etcd_process", "conveyor.consumer_harness"},
     "conveyor.testing": {
         "conveyor.broker_process",
         "conveyor.cluster_process",
         "conveyor.etcd_process",
         "conveyor.pytest_plugin",
+        "conveyor.consumer_harness",
     },  # hands out all
     "conveyor.broker.cli": {"*", "conveyor.benchmarks"},  # the top: `conveyor bench` runs the benchmarks
     "conveyor.benchmarks": {"*"},

@@ -1,0 +1,150 @@
+"""``conveyor.testing.run_consumers``, tested by using it: real broker, real runner, real handlers.
+
+The broker is the session's shared one; each ``with`` runs on fresh topic and group names.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+
+from conveyor import Message, consumer, error_handler, publish, retry_policy
+from conveyor.testing import run_consumers
+
+seen: list[dict[str, int]] = []
+attempts: dict[int, int] = {}
+given_up: list[tuple[int, str]] = []
+
+
+@consumer("orders")
+def bill(message: Message) -> None:
+    seen.append(message.value)
+
+
+@retry_policy(max_attempts=3, initial_delay=0.01, max_delay=0.05)
+@consumer("orders")
+def flaky(message: Message) -> None:
+    """Fails the first attempt of every message, then succeeds."""
+    order = message.value["id"]
+    attempts[order] = attempts.get(order, 0) + 1
+    if attempts[order] == 1:
+        raise ConnectionError("the billing API is down")
+
+
+@retry_policy(max_attempts=2, initial_delay=0.01, max_delay=0.05)
+@consumer("payments")
+def always_fails(message: Message) -> None:
+    raise ValueError(f"card declined for order {message.value['id']}")
+
+
+@error_handler(always_fails)
+def alert(message: Message, exc: BaseException) -> None:
+    given_up.append((message.value["id"], str(exc)))
+
+
+@dataclass
+class Order:
+    id: int
+    total: float
+
+
+typed_orders: list[Order] = []
+
+
+@consumer("typed-orders")
+def ship(order: Order) -> None:
+    typed_orders.append(order)
+
+
+@consumer("orders")
+def forward(message: Message) -> None:
+    publish("shipments", {"id": message.value["id"]}).result(timeout=30)
+
+
+@pytest.fixture(autouse=True)
+def _forget() -> None:
+    seen.clear()
+    attempts.clear()
+    given_up.clear()
+    typed_orders.clear()
+
+
+def test_a_handled_message_reaches_its_handler() -> None:
+    with run_consumers(bill) as app:
+        app.publish("orders", {"id": 1})
+        handled = app.wait_handled(bill, count=1)
+        assert seen == [{"id": 1}]
+        assert handled[0].topic == app.topic("orders") != "orders"
+        assert app.dead_letters("orders", count=0) == []
+
+
+def test_each_with_sees_only_its_own_messages() -> None:
+    with run_consumers(bill) as app:
+        app.publish("orders", {"id": 1})
+        app.wait_handled(bill, count=1)
+    with run_consumers(bill) as app:
+        app.publish("orders", {"id": 2})
+        app.wait_handled(bill, count=1)
+        assert [m.value for m in app.handled(bill)] == [{"id": 2}]
+    assert seen == [{"id": 1}, {"id": 2}]
+
+
+def test_a_retry_then_success() -> None:
+    with run_consumers(flaky) as app:
+        app.publish("orders", {"id": 7})
+        app.wait_handled(flaky, count=1)
+        assert attempts == {7: 2}
+        assert len(app.retried(flaky)) == 1
+        assert [type(e) for e in app.errors(flaky)] == [ConnectionError]
+        assert app.dead_lettered(flaky) == []
+
+
+def test_a_dead_letter_after_retries_calls_the_error_handler() -> None:
+    with run_consumers(always_fails) as app:
+        app.publish("payments", {"id": 9})
+        app.wait_dead_lettered(always_fails, count=1)
+        assert given_up == [(9, "card declined for order 9")]
+        assert len(app.retried(always_fails)) == 1  # attempt 1 retried, attempt 2 gave up
+        [dead] = app.dead_letters("payments", count=1)
+        assert dead.value == {"id": 9}
+        assert dead.topic == app.topic("payments.dlq")
+        assert "card declined" in " ".join(dead.headers.values())
+
+
+def test_a_typed_handler_receives_its_model() -> None:
+    with run_consumers(ship) as app:
+        app.publish("typed-orders", {"id": 3, "total": 12.5})
+        app.wait_handled(ship, count=1)
+        assert typed_orders == [Order(id=3, total=12.5)]
+
+
+def test_what_a_handler_publishes_stays_under_the_prefix() -> None:
+    with run_consumers(forward) as app:
+        app.publish("orders", {"id": 4})
+        app.wait_handled(forward, count=1)
+        [shipment] = app.messages("shipments", count=1)
+        assert shipment.value == {"id": 4}
+        assert shipment.topic == app.topic("shipments")
+
+
+def test_the_pytest_fixture_is_run_consumers(conveyor_consumers: Callable[..., Any]) -> None:
+    assert conveyor_consumers is run_consumers
+
+
+def test_a_handler_test_after_the_first_takes_well_under_a_second() -> None:
+    with run_consumers(bill) as app:  # warm-up: the session's broker is up after this
+        app.publish("orders", {"id": 0})
+        app.wait_handled(bill)
+    times = []
+    for i in range(3):
+        started = time.perf_counter()
+        with run_consumers(bill) as app:
+            app.publish("orders", {"id": i})
+            app.wait_handled(bill)
+        times.append(time.perf_counter() - started)
+    print(f"run_consumers with-block after warm-up: {', '.join(f'{t * 1000:.0f} ms' for t in times)}")
+    assert max(times) < 1.5  # generous for loaded CI machines; typically far less

@@ -5,6 +5,7 @@ The broker is the session's shared one; each ``with`` runs on fresh topic and gr
 
 from __future__ import annotations
 
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -60,6 +61,14 @@ def ship(order: Order) -> None:
     typed_orders.append(order)
 
 
+async_seen: list[int] = []
+
+
+@consumer("async-orders")
+async def bill_async(message: Message) -> None:
+    async_seen.append(message.value["id"])
+
+
 @consumer("orders")
 def forward(message: Message) -> None:
     publish("shipments", {"id": message.value["id"]}).result(timeout=30)
@@ -71,6 +80,7 @@ def _forget() -> None:
     attempts.clear()
     given_up.clear()
     typed_orders.clear()
+    async_seen.clear()
 
 
 def test_a_handled_message_reaches_its_handler() -> None:
@@ -120,6 +130,33 @@ def test_a_typed_handler_receives_its_model() -> None:
         app.publish("typed-orders", {"id": 3, "total": 12.5})
         app.wait_handled(ship, count=1)
         assert typed_orders == [Order(id=3, total=12.5)]
+
+
+def test_a_message_that_does_not_decode_is_dead_lettered_without_retry() -> None:
+    with run_consumers(ship) as app:
+        app.publish("typed-orders", {"id": "not a number"})
+        app.wait_dead_lettered(ship, count=1)
+        assert app.retried(ship) == [] and typed_orders == []
+        [dead] = app.dead_letters("typed-orders", count=1)
+        assert dead.value == {"id": "not a number"}
+
+
+def test_an_async_handler() -> None:
+    with run_consumers(bill_async) as app:
+        app.publish("async-orders", {"id": 5})
+        app.wait_handled(bill_async, count=1)
+        assert async_seen == [5]
+
+
+def test_a_module_runs_all_its_consumers() -> None:
+    with run_consumers(sys.modules[__name__]) as app:
+        app.publish("orders", {"id": 6})
+        for handler in (bill, flaky, forward):  # three groups of one topic: each gets the message
+            app.wait_handled(handler, count=1)
+        assert seen == [{"id": 6}]
+    with run_consumers("tests.runner.test_harness:bill") as app:
+        app.publish("orders", {"id": 7})
+        app.wait_handled(bill, count=1)
 
 
 def test_what_a_handler_publishes_stays_under_the_prefix() -> None:

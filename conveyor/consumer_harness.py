@@ -28,6 +28,9 @@ Waiting is on what the runner did, not on time: ``wait_handled`` (the handler
 returned and its after-hooks ran), ``wait_retried``, ``wait_dead_lettered`` (the
 error handlers ran; counted by an error handler the harness adds after yours), and
 ``messages``/``dead_letters`` read a topic with a fresh group until enough are there.
+The harness's hooks are the outermost of each consumer's own middleware, so a wait
+returns after the consumer's hooks ran; a runner-wide ``middleware=`` wraps them
+and its after-hooks may still be running when a wait returns.
 """
 
 from __future__ import annotations

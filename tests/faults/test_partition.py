@@ -15,6 +15,8 @@ from conveyor import Admin, Producer
 from tests.faults.fault_helpers import ConsumerThread, Proxy, drain_group, fetch_all, judge_group, report
 from tests.helpers import wait_for
 
+AFTER_HEAL = 600
+
 
 def publish_steadily(address: str, topic: str, count: int, seconds: float, stop: threading.Event) -> None:
     with Producer(address, linger_ms=2) as producer:
@@ -54,12 +56,16 @@ def test_a_partitioned_consumer_is_evicted_its_messages_move_on_and_it_recovers(
         # Then its messages went to the near member (redelivered, attempt 2)
         moved = [d for d in near.deliveries if d[2] > 1]
         assert moved, "nothing the partitioned consumer held was redelivered"
-        # When the link heals, the far consumer re-subscribes and gets work again
+        # When the link heals, the far consumer re-subscribes and gets work again: new messages keep
+        # coming while it does (the first publisher may have sent its last before the heal)
         proxy.heal()
+        more = threading.Thread(target=publish_steadily, args=(broker.address, topic, AFTER_HEAL, 3.0, stop))
+        more.start()
         assert wait_for(lambda: len(far.deliveries) > stalled_at, timeout=15), "no recovery after healing"
         # When every connection is cut, it reconnects and keeps going
         healed_at = len(far.deliveries)
         publisher.join(60)
+        more.join(60)
         proxy.cut()
         time.sleep(0.3)
         proxy.heal()
@@ -73,7 +79,7 @@ def test_a_partitioned_consumer_is_evicted_its_messages_move_on_and_it_recovers(
         near.stop()
         proxy.close()
     stored = fetch_all(broker.address, topic)
-    assert len(stored) == total + 1000
+    assert len(stored) == total + AFTER_HEAL + 1000
     members = judge_group([far, near], stored)
     assert not members.missing, f"never delivered: {members.missing[:10]}"
     report(

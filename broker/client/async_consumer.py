@@ -26,11 +26,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator
 from typing import Any, cast
 
 import zmq
-from conveyor.broker.client.consumer import DEFAULT_CREDIT, ConsumerBase, Messages, check_consumer_options
+from conveyor.broker.client.consumer import ConsumerBase, Messages, check_consumer_options
 from conveyor.broker.client.message import Message
 
 
@@ -42,32 +42,7 @@ class AsyncConsumer(ConsumerBase):
     the group's settings.
     """
 
-    def __init__(
-        self,
-        topic: str,
-        group: str,
-        *,
-        address: str | Sequence[str] | None = None,
-        credit: int = DEFAULT_CREDIT,
-        timeout: float | None = None,
-        start: str | int | dict[str, int] = "earliest",
-        key_affinity: bool = False,
-        max_deliveries: int | None = None,
-        ack_timeout_ms: int | None = None,
-        dead_letter_topic: str | None = None,
-    ) -> None:
-        super().__init__(
-            topic,
-            group,
-            address=address,
-            credit=credit,
-            timeout=timeout,
-            start=start,
-            key_affinity=key_affinity,
-            max_deliveries=max_deliveries,
-            ack_timeout_ms=ack_timeout_ms,
-            dead_letter_topic=dead_letter_topic,
-        )
+    def _setup(self) -> None:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._wake: asyncio.Event | None = None
 

@@ -101,6 +101,10 @@ class ConsumerBase:
         self._buffer: deque[Message] = deque()
         self._stopped = False
         self._closed = False
+        self._setup()
+
+    def _setup(self) -> None:
+        """What a subclass adds to the shared state (its way to be woken by ``stop()``)."""
 
     @property
     def closed(self) -> bool:
@@ -154,32 +158,7 @@ class Consumer(ConsumerBase):
     ``address``: a broker, or a cluster's list (``CONVEYOR_BROKER`` when not given).
     """
 
-    def __init__(
-        self,
-        topic: str,
-        group: str,
-        *,
-        address: str | Sequence[str] | None = None,
-        credit: int = DEFAULT_CREDIT,
-        timeout: float | None = None,
-        start: str | int | dict[str, int] = "earliest",
-        key_affinity: bool = False,
-        max_deliveries: int | None = None,
-        ack_timeout_ms: int | None = None,
-        dead_letter_topic: str | None = None,
-    ) -> None:
-        super().__init__(
-            topic,
-            group,
-            address=address,
-            credit=credit,
-            timeout=timeout,
-            start=start,
-            key_affinity=key_affinity,
-            max_deliveries=max_deliveries,
-            ack_timeout_ms=ack_timeout_ms,
-            dead_letter_topic=dead_letter_topic,
-        )
+    def _setup(self) -> None:
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)

@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-dev
 BASE   := $(VENV)/.installed
 
-.PHONY: run test deps etcd cluster lint typecheck unit venv bench-log bench-e2e bench-failover soak clean
+.PHONY: run example test deps etcd cluster lint typecheck unit venv bench-log bench-e2e bench-failover soak clean
 
 $(PY):
 	@$(PYTHON) -c 'import sys; assert sys.version_info >= (3, 11), "Conveyor needs Python 3.11+"'
@@ -26,6 +26,11 @@ venv: $(STAMP)
 ## Start a broker with the embedded defaults (./conveyor-data, tcp://127.0.0.1:5555, metrics on :9100).
 run: $(BASE)
 	$(VENV)/bin/conveyor broker
+
+## The example service (examples/shop) with one command: a broker in a temporary directory, the runner,
+## orders placed, their invoices and dead letters shown, everything stopped (README, "Example service").
+example: $(BASE)
+	$(PY) -m examples.shop.demo
 
 ## Install what the tests need, lint, type-check and run the whole suite.
 test: $(STAMP) deps lint typecheck unit

@@ -12,6 +12,7 @@ show CPU, memory and file descriptors per broker and per runner.
 from __future__ import annotations
 
 import itertools
+import os
 from bisect import bisect_left
 from collections import Counter as Counter_
 from collections.abc import Callable, Iterable
@@ -621,6 +622,8 @@ class RunnerMetrics:
             "Messages received and not yet settled (queued or running)",
             labels,
             registry=registry,
+            # Under --workers, the sum over the live workers: a dead worker's messages went back to the broker.
+            multiprocess_mode="livesum",
         )
         self.new_group_replays = Counter(
             "conveyor_runner_new_group_replays",
@@ -635,6 +638,71 @@ class RunnerMetrics:
             ["middleware", "hook"],
             registry=registry,
         )
+
+
+class WorkerPoolMetrics:
+    """The supervisor's own series under ``conveyor run --workers N`` (consumers/supervisor.py).
+
+    The workers' ``RunnerMetrics`` reach the supervisor's registry through prometheus_client's
+    multiprocess files, merged; these are what only the supervisor knows: its workers, their restarts,
+    and the ``process_*`` families of the whole pool (``PoolProcessCollector``).
+    """
+
+    def __init__(self, registry: CollectorRegistry, pids: Callable[[], list[int]]) -> None:
+        self.registry = registry
+        build_info(registry, "runner")
+        registry.register(PoolProcessCollector(pids))
+        PlatformCollector(registry=registry)
+        GCCollector(registry=registry)
+        self.workers = Gauge(
+            "conveyor_runner_workers",
+            "Worker processes of a `conveyor run --workers N` running now (N while all are up)",
+            registry=registry,
+        )
+        self.worker_restarts = Counter(
+            "conveyor_runner_worker_restarts",
+            "Worker processes of a `conveyor run --workers N` that died without being asked and were started again",
+            registry=registry,
+        )
+
+
+class PoolProcessCollector(Collector):
+    """``process_*`` for a supervisor and its workers together, so a runner's CPU and memory panels stay true.
+
+    CPU adds the live processes' time to what the supervisor's reaped children used (``RUSAGE_CHILDREN``), so
+    the counter does not fall when a worker is replaced. Memory is the sum; descriptors are the most any one
+    process holds, next to the per-process limit (``process_max_fds``), which is what EMFILE is about; the
+    start time is the supervisor's.
+    """
+
+    SUMMED = frozenset({"process_cpu_seconds", "process_resident_memory_bytes", "process_virtual_memory_bytes"})
+
+    def __init__(self, pids: Callable[[], list[int]]) -> None:
+        self.pids = pids
+
+    def collect(self) -> Iterable[Metric]:
+        import resource
+
+        merged: dict[str, Metric] = {}
+        for pid in [os.getpid(), *self.pids()]:
+            for family in ProcessCollector(pid=_constant(str(pid)), registry=None).collect():
+                first = merged.setdefault(family.name, family)
+                if first is family or not family.samples:
+                    continue
+                value = family.samples[0].value
+                if family.name in self.SUMMED:
+                    first.samples[0] = first.samples[0]._replace(value=first.samples[0].value + value)
+                elif family.name == "process_open_fds":
+                    first.samples[0] = first.samples[0]._replace(value=max(first.samples[0].value, value))
+        cpu = merged.get("process_cpu_seconds")
+        if cpu is not None and cpu.samples:
+            children = resource.getrusage(resource.RUSAGE_CHILDREN)
+            cpu.samples[0] = cpu.samples[0]._replace(value=cpu.samples[0].value + children.ru_utime + children.ru_stime)
+        return list(merged.values())
+
+
+def _constant(value: str) -> Callable[[], str]:
+    return lambda: value
 
 
 class _NoOp:

@@ -111,7 +111,7 @@ def _unknown_command_variables(options: Sequence[Option], command: str) -> list[
 
 
 # Variables Conveyor reads that are not options: the client's address and keys, the Spark session's
-# cache, the test and soak harnesses, the fault-injecting file layer.
+# cache, the test and soak harnesses, the fault-injecting file layer, a `conveyor run --workers` worker's role.
 OTHER_VARIABLES = frozenset(
     {
         BROKER_ENV,
@@ -125,6 +125,7 @@ OTHER_VARIABLES = frozenset(
         "CONVEYOR_FSIO_JOURNAL",
         "CONVEYOR_FSIO_FAULTS",
         "CONVEYOR_FSIO_CONTROL",
+        "CONVEYOR_WORKER",
     }
 )
 

@@ -15,7 +15,14 @@ from typing import Any
 
 import pytest
 import yaml
-from conveyor.monitoring.metrics import BrokerMetrics, ClusterCollector, HealthCollector, RunnerMetrics, StateCollector
+from conveyor.monitoring.metrics import (
+    BrokerMetrics,
+    ClusterCollector,
+    HealthCollector,
+    RunnerMetrics,
+    StateCollector,
+    WorkerPoolMetrics,
+)
 from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -86,15 +93,18 @@ def promtool_check_metrics(text: str) -> subprocess.CompletedProcess[str]:
 
 
 def registered_families() -> dict[str, str]:
-    """Family name -> type, for everything a broker and a runner expose, built on fresh registries."""
-    broker, runner = CollectorRegistry(), CollectorRegistry()
+    """Family name -> type, for everything a broker, a runner and a `run --workers` supervisor expose, built on
+    fresh registries."""
+    broker, runner, pool = CollectorRegistry(), CollectorRegistry(), CollectorRegistry()
     BrokerMetrics(broker)
     broker.register(StateCollector(lambda: {}))
     broker.register(ClusterCollector(lambda: {}))  # a broker in cluster mode
     RunnerMetrics(runner)
-    for registry in (broker, runner):
+    WorkerPoolMetrics(pool, list)
+    registries = (broker, runner, pool)
+    for registry in registries:
         registry.register(HealthCollector(lambda: {"status": "HEALTHY", "checks": {}}))
-    return {family.name: family.type for registry in (broker, runner) for family in registry.collect()}
+    return {family.name: family.type for registry in registries for family in registry.collect()}
 
 
 def exposed_names() -> set[str]:

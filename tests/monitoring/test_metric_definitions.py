@@ -21,6 +21,7 @@ from conveyor.monitoring.metrics import (
     BrokerMetrics,
     RunnerMetrics,
     StateCollector,
+    WorkerPoolMetrics,
 )
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
@@ -168,6 +169,53 @@ def test_runner_metric(attribute: str) -> None:
     name, kind, labels = RUNNER[attribute]
     exercise(getattr(metrics, attribute), kind, labels)
     check_recorded(registry, name, kind, labels)
+
+
+POOL: dict[str, tuple[str, str, tuple[str, ...]]] = {
+    "workers": ("conveyor_runner_workers", "gauge", ()),
+    "worker_restarts": ("conveyor_runner_worker_restarts", "counter", ()),
+}
+
+
+@pytest.mark.parametrize("attribute", sorted(POOL))
+def test_worker_pool_metric(attribute: str) -> None:
+    registry = CollectorRegistry()
+    metrics = WorkerPoolMetrics(registry, list)
+    name, kind, labels = POOL[attribute]
+    exercise(getattr(metrics, attribute), kind, labels)
+    check_recorded(registry, name, kind, labels)
+
+
+def test_worker_pool_process_metrics_add_up_the_workers() -> None:
+    import subprocess
+    import sys
+
+    # Given a supervisor's registry with one worker process alive
+    worker = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        alone, pool = CollectorRegistry(), CollectorRegistry()
+        WorkerPoolMetrics(alone, list)
+        WorkerPoolMetrics(pool, lambda: [worker.pid])
+        # Then memory is the sum of both processes, descriptors the most either holds, the start time the supervisor's
+        rss = pool.get_sample_value("process_resident_memory_bytes") or 0
+        assert rss > (alone.get_sample_value("process_resident_memory_bytes") or 0)
+        assert pool.get_sample_value("process_open_fds") == alone.get_sample_value("process_open_fds")
+        assert pool.get_sample_value("process_start_time_seconds") == alone.get_sample_value(
+            "process_start_time_seconds"
+        )
+        assert (pool.get_sample_value("process_cpu_seconds_total") or 0) >= (
+            alone.get_sample_value("process_cpu_seconds_total") or 0
+        )
+        names = {family.name: family.type for family in pool.collect()}
+        assert names == {
+            **{n: k for n, k, _ in POOL.values()},
+            "conveyor_build": "info",
+            "conveyor_runner_workers": "gauge",
+            **RUNTIME,
+        }
+    finally:
+        worker.kill()
+        worker.wait()
 
 
 def test_build_info_names_the_component() -> None:

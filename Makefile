@@ -18,7 +18,7 @@ $(BASE): $(PY) pyproject.toml
 	touch $@
 
 $(STAMP): $(PY) pyproject.toml
-	$(PY) -m pip install --quiet -e '.[dev,spark,cluster,pydantic,msgspec]'
+	$(PY) -m pip install --quiet -e '.[dev,spark,cluster,pydantic,msgspec,otel]'
 	touch $(BASE) $@
 
 venv: $(STAMP)

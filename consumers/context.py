@@ -171,6 +171,12 @@ def bind(ctx: Context) -> None:
     _current.set(ctx)
 
 
+def current_consumer() -> Any:
+    """The consumer whose lane this thread (or task) is, or None outside the runner's lanes (for middleware)."""
+    ctx = _current.get()
+    return None if ctx is None else ctx.consumer
+
+
 def context() -> Context:
     """The handler's context: the message being handled, and ``publish``."""
     ctx = _current.get()

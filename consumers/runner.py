@@ -43,6 +43,7 @@ from conveyor.consumers.start_check import (
     start_of,
     warn_replay,
 )
+from conveyor.consumers.tracing import with_tracing
 from conveyor.decorators.consumer import AckPolicy, Consumer, shared_group_problems
 from conveyor.monitoring.health import DEGRADED, HEALTHY, UNHEALTHY, live, loop_check, ready, report
 from conveyor.monitoring.http import MetricsServer
@@ -117,7 +118,8 @@ class Runner:
         if backlog_warning < 0:
             raise ConfigError(f"--backlog-warning must be 0 (off) or more, not {backlog_warning}")
         self.backlog_warning = backlog_warning
-        self.middleware = [_instance(m, "Runner(middleware=...)") for m in middleware]
+        # OpenTelemetry's TracingMiddleware goes first when a TracerProvider is configured (consumers/tracing.py)
+        self.middleware = with_tracing([_instance(m, "Runner(middleware=...)") for m in middleware])
         for c in consumers:
             c.middleware = [_instance(m, f"{c.name}: @consumer(middleware=...)") for m in c.middleware]
         # One broker or a bootstrap list (comma-separated); CONVEYOR_BROKER when not given. Each subscription

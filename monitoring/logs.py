@@ -3,7 +3,7 @@
 ``--log-format json`` makes every line of ``conveyor broker`` and ``conveyor run``
 (their log records and their ready/stopped announcements) one JSON object:
 ``time``, ``level``, ``logger``, ``message`` and, where known, ``topic``,
-``group``, ``partition``, ``offset``, ``attempt``, ``trace_id``, ``exception``.
+``group``, ``partition``, ``offset``, ``attempt``, ``trace_id``, ``span_id``, ``exception``.
 ``--log-config FILE`` hands the whole logging setup to ``logging.config.dictConfig``
 (a JSON, TOML or, with PyYAML installed, YAML file); ``JsonFormatter`` can be named there.
 
@@ -15,6 +15,13 @@ gets the message's fields when it is created, from the record factory that
 ``configure`` installs; its fields are worked out only when the record is
 formatted (the headers read then, for the trace id). Fields given with
 ``extra=`` win over the context.
+
+When an OpenTelemetry span is current as a record is made (the runner's
+``process <topic>`` span around a handler, or any span of the program's own),
+the record carries its ``trace_id`` and ``span_id`` (hex, as OpenTelemetry
+shows them); without one, a handled message's ``trace_id`` is read from its
+``traceparent`` header. Nothing of OpenTelemetry is imported here: the span is
+looked up only if the program has imported ``opentelemetry.trace`` itself.
 """
 
 from __future__ import annotations
@@ -37,7 +44,15 @@ from conveyor.errors import ConfigError
 
 FORMATS = ("text", "json")
 TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
-FIELDS = ("topic", "group", "partition", "offset", "attempt", "trace_id")  # in this order, after the four always there
+FIELDS = (
+    "topic",
+    "group",
+    "partition",
+    "offset",
+    "attempt",
+    "trace_id",
+    "span_id",
+)  # in this order, after the four always there
 
 # (consumer, messages) of the handler call running in this thread or task; None outside handlers.
 _handling: ContextVar[Cursor | None] = ContextVar("conveyor_handling", default=None)
@@ -57,6 +72,9 @@ def record_fields(record: logging.LogRecord) -> dict[str, Any]:
     }
     context = getattr(record, CONTEXT_ATTR, None)
     known = message_fields(*context) if context is not None else {}
+    span = getattr(record, SPAN_ATTR, None)
+    if span is not None:  # the current span's ids beat a header's trace id
+        known["trace_id"], known["span_id"] = span
     for name in (*FIELDS, "batch"):
         value = getattr(record, name, None)  # extra= wins over the handled message's
         if value is None:
@@ -164,6 +182,23 @@ def leave_handling(token: Token[Any]) -> None:
 
 
 CONTEXT_ATTR = "conveyor_handling"  # a record's (consumer, messages), if made inside a handler call
+SPAN_ATTR = "conveyor_span"  # a record's (trace id, span id), if an OpenTelemetry span was current
+
+
+def current_span_ids() -> tuple[str, str] | None:
+    """(trace id, span id) in hex of the OpenTelemetry span current in this thread or task, or None.
+
+    Only if the program imported ``opentelemetry.trace`` (one dictionary look-up otherwise)."""
+    trace = sys.modules.get("opentelemetry.trace")
+    if trace is None:
+        return None
+    try:
+        context = trace.get_current_span().get_span_context()
+    except Exception:  # a log line must never fail for tracing's sake
+        return None
+    if not context.is_valid:
+        return None
+    return format(context.trace_id, "032x"), format(context.span_id, "016x")
 
 
 _installed = False
@@ -178,6 +213,9 @@ def install_record_factory() -> None:
 
     def factory(*args: Any, **kwargs: Any) -> logging.LogRecord:
         record = base(*args, **kwargs)
+        span = current_span_ids()
+        if span is not None:
+            setattr(record, SPAN_ATTR, span)
         cursor = _handling.get()
         if cursor is not None and cursor.current is not None:
             # kept aside, not as fields (extra= may name them, and refuses to overwrite); the lane moves on

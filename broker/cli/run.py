@@ -55,6 +55,13 @@ RUN_OPTIONS = [
         "log-config", "", "a logging.config.dictConfig file (.json, .toml, or .yaml with PyYAML): it decides everything"
     ),
     Option(
+        "trace",
+        "off",
+        "console: print each OpenTelemetry span as a JSON line on stdout (needs opentelemetry-sdk); "
+        "off: none configured here (a TracerProvider your code sets is used)",
+        choices=("off", "console"),  # conveyor.consumers.tracing.TRACE_CHOICES
+    ),
+    Option(
         "middleware",
         "",
         "middleware around every consumer, MODULE:ATTR[,MODULE:ATTR...] (a class, an instance or a list), "
@@ -75,6 +82,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     from conveyor.consumers.middleware import parse_specs, resolve
     from conveyor.consumers.runner import Runner
     from conveyor.consumers.supervisor import follow_supervisor, notify_ready, worker_role
+    from conveyor.consumers.tracing import configure as configure_tracing
     from conveyor.monitoring.logs import announce, configure
 
     opts = client_options(args, "run", RUN_OPTIONS)
@@ -87,6 +95,7 @@ def cmd_run(args: argparse.Namespace) -> int:
             return exitcodes.OK  # the supervisor is gone already
         opts["metrics_port"] = -1
     who = f"conveyor runner worker {role.index} (pid {os.getpid()})" if role else "conveyor runner"
+    configure_tracing(opts["trace"])  # before the modules load, so their tracers find the provider
     consumers = load_consumers(args.modules)
     middleware = [m for spec in parse_specs(opts["middleware"]) for m in resolve(spec)]
     middleware += load_middleware(args.modules)

@@ -36,6 +36,7 @@ from conveyor.broker.client.leadership import (
 from conveyor.broker.client.metadata import Metadata
 from conveyor.broker.client.options import RESEND_WINDOW, check_producer_options
 from conveyor.broker.client.partitioner import Partitioner
+from conveyor.broker.client.tracing import instrument
 from conveyor.broker.net.connection import DEFAULT_HWM, backoff_seconds, new_dealer
 from conveyor.broker.net.security import HandshakeWatch
 from conveyor.broker.wire import commands
@@ -154,6 +155,7 @@ class AsyncProducer:
         # Following leaders: at most RESEND_WINDOW batches of a topic await a confirm (a resend to a new
         # leader must stay within its deduplication window); the next ones wait here, in order.
         self._waiting: dict[str, deque[_Batch]] = {}
+        instrument(self)  # OpenTelemetry, when installed: a traced send on this instance (client/tracing.py)
 
     async def start(self) -> AsyncProducer:
         self._started = True

@@ -61,6 +61,7 @@ from conveyor.broker.client.leadership import (
 from conveyor.broker.client.metadata import Metadata
 from conveyor.broker.client.options import RESEND_WINDOW, check_producer_options
 from conveyor.broker.client.partitioner import Partitioner
+from conveyor.broker.client.tracing import instrument
 from conveyor.broker.net.connection import backoff_seconds, new_dealer
 from conveyor.broker.net.security import HandshakeWatch
 from conveyor.broker.net.transport import NOBLOCK, recv_frames, send_frames
@@ -249,6 +250,7 @@ class Producer:
         self._direct = eager and self.metadata.single
         self._thread = threading.Thread(target=self._io.run, name="conveyor-producer", daemon=True)
         self._thread.start()
+        instrument(self)  # OpenTelemetry, when installed: traced send/send_many on this instance (client/tracing.py)
 
     # --- the caller's side ----------------------------------------------------------
 

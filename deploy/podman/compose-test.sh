@@ -23,43 +23,80 @@ etcd_image=$(sed -n 's/^ *image: *\([^ ]*\/etcd:[^ ]*\) *$/\1/p' compose.yaml)
 [ -n "$etcd_image" ] || { echo "compose-test: no etcd image in compose.yaml" >&2; exit 1; }
 bash deploy/podman/etcd-standin.sh "$etcd_image"
 
-free_port() { python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
-BROKER_PORT=$(free_port) BROKER_METRICS_PORT=$(free_port) RUNNER_METRICS_PORT=$(free_port) PROMETHEUS_PORT=$(free_port)
+# Host ports below the kernel's ephemeral range: a test running at the same time binds port 0 and gets one
+# from that range, so it cannot take these between the choice and `compose up`; each is checked free.
+host_ports() {
+    python3 - "$1" <<'PY'
+import random, socket, sys
+low = int(open("/proc/sys/net/ipv4/ip_local_port_range").read().split()[0])
+chosen = []
+while len(chosen) < int(sys.argv[1]):
+    port = random.randrange(max(1024, low - 12000), low)
+    try:
+        with socket.socket() as s:
+            s.bind(("0.0.0.0", port))
+    except OSError:
+        continue
+    if port not in chosen:
+        chosen.append(port)
+print(*chosen)
+PY
+}
+read -r BROKER_PORT BROKER_METRICS_PORT RUNNER_METRICS_PORT PROMETHEUS_PORT < <(host_ports 4) || true
+[ -n "${PROMETHEUS_PORT:-}" ] || { echo "compose-test: FAILED: no free host ports found" >&2; exit 1; }
 export BROKER_PORT BROKER_METRICS_PORT RUNNER_METRICS_PORT PROMETHEUS_PORT
+echo "compose-test: project $PROJECT, host ports broker $BROKER_PORT, metrics $BROKER_METRICS_PORT," \
+    "runner $RUNNER_METRICS_PORT, prometheus $PROMETHEUS_PORT"
 
-compose() { podman-compose --project-name "$PROJECT" --file compose.yaml "$@"; }
-teardown() {
-    status=$?
-    if [ "$status" != 0 ]; then
-        for service in "${SERVICES[@]}" "${CLUSTER_SERVICES[@]}"; do
-            echo "--- logs of $service"; podman logs --tail 40 "${PROJECT}_${service}_1" 2>&1 || true
-        done
-    fi
+CLIENT_LABEL="org.conveyor.compose-test=$PROJECT"   # the one-off client containers compose_check.py runs
+compose() { timeout "${COMPOSE_TIMEOUT:-600}" podman-compose --project-name "$PROJECT" --file compose.yaml "$@"; }
+# Everything this project made, whatever state it is in: containers by name and by label (podman-compose's
+# and the clients'), the pod, the volumes and the network. Every step is bounded.
+remove_all() {
     # By name first, with --volumes: the consumer's data volume is the image's anonymous one. The brokers
     # go before etcd: a cluster node stopping without etcd waits for it.
     for service in n3 n2 n1 etcd "${SERVICES[@]}"; do
-        podman rm --force --volumes --ignore --time 5 "${PROJECT}_${service}_1" >/dev/null 2>&1 || true
+        timeout 60 podman rm --force --volumes --ignore --time 5 "${PROJECT}_${service}_1" >/dev/null 2>&1 || true
+    done
+    for label in "io.podman.compose.project=$PROJECT" "$CLIENT_LABEL"; do
+        for id in $(timeout 60 podman ps --all --quiet --filter "label=$label" 2>/dev/null); do
+            timeout 60 podman rm --force --volumes --time 5 "$id" >/dev/null 2>&1 || true
+        done
     done
     compose down --volumes >/dev/null 2>&1 || true
-    podman pod rm --force --ignore "pod_${PROJECT}" >/dev/null 2>&1 || true
-    podman network rm --force "${PROJECT}_default" >/dev/null 2>&1 || true
-    echo "compose-test: torn down (exit $status)"
+    timeout 60 podman pod rm --force --ignore "pod_${PROJECT}" >/dev/null 2>&1 || true
+    for volume in $(timeout 60 podman volume ls --quiet --filter "label=io.podman.compose.project=$PROJECT" 2>/dev/null); do
+        timeout 60 podman volume rm --force "$volume" >/dev/null 2>&1 || true
+    done
+    timeout 60 podman network rm --force "${PROJECT}_default" >/dev/null 2>&1 || true
+}
+teardown() {
+    status=$?
+    trap - EXIT INT TERM
+    if [ "$status" != 0 ]; then
+        for service in "${SERVICES[@]}" "${CLUSTER_SERVICES[@]}"; do
+            echo "--- logs of $service"; timeout 30 podman logs --tail 40 "${PROJECT}_${service}_1" 2>&1 || true
+        done
+    fi
+    remove_all
+    left=$(timeout 60 podman ps --all --quiet --filter "label=io.podman.compose.project=$PROJECT" 2>/dev/null | wc -l)
+    echo "compose-test: torn down ($left containers left, exit $status, ${SECONDS} s)"
     exit "$status"
 }
 trap teardown EXIT
 trap 'exit 130' INT TERM
 
-compose down --volumes >/dev/null 2>&1 || true   # a previous run killed before its teardown
-compose up --detach --no-build "${SERVICES[@]}"
+remove_all   # what a previous run killed before its teardown left
+compose up --detach --no-build "${SERVICES[@]}" || { echo "compose-test: FAILED: compose up" >&2; exit 1; }
 check() {
-    python3 deploy/podman/compose_check.py \
-        --image "$IMAGE" --broker-port "$BROKER_PORT" --runner-container "${PROJECT}_consumer_1" \
-        --broker-container "${PROJECT}_broker_1" --prometheus "http://127.0.0.1:$PROMETHEUS_PORT" \
+    timeout "${CHECK_TIMEOUT:-900}" python3 deploy/podman/compose_check.py \
+        --image "$IMAGE" --client-label "$CLIENT_LABEL" --broker-port "$BROKER_PORT" \
+        --runner-container "${PROJECT}_consumer_1" --broker-container "${PROJECT}_broker_1" --prometheus "http://127.0.0.1:$PROMETHEUS_PORT" \
         --rules monitoring/alerts.yml "$@"
 }
 check
 if [ "${COMPOSE_TEST_CLUSTER:-1}" = 1 ]; then   # COMPOSE_TEST_CLUSTER=0 skips the cluster profile
-    compose up --detach --no-build "${CLUSTER_SERVICES[@]}"
+    compose up --detach --no-build "${CLUSTER_SERVICES[@]}" || { echo "compose-test: FAILED: compose up (cluster)" >&2; exit 1; }
     check --cluster-network "${PROJECT}_default"
 fi
-echo "compose-test: passed"
+echo "compose-test: passed in ${SECONDS} s"

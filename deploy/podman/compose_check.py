@@ -41,9 +41,12 @@ def podman(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
     return subprocess.run(["podman", *args], capture_output=True, text=True, timeout=timeout, check=False)
 
 
+CLIENT_LABEL: list[str] = []  # ["--label", "KEY=VALUE"]: compose-test.sh's teardown removes what a timeout left
+
+
 def client(image: str, *args: str) -> subprocess.CompletedProcess[str]:
     """A `conveyor` command in a one-off container of the image, on the host's network."""
-    return podman("run", "--rm", "--network", "host", image, *args)
+    return podman("run", "--rm", *CLIENT_LABEL, "--network", "host", image, *args)
 
 
 def prometheus_api(base: str, path: str, **params: str) -> Any:
@@ -61,6 +64,13 @@ def query_value(base: str, expr: str) -> float | None:
 
 
 def main() -> None:
+    try:
+        run()
+    except subprocess.TimeoutExpired as exc:
+        sys.exit(f"FAILED: {' '.join(map(str, exc.cmd))} did not finish within {exc.timeout:.0f} s")
+
+
+def run() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--image", required=True)
     parser.add_argument("--broker-port", required=True)
@@ -69,7 +79,10 @@ def main() -> None:
     parser.add_argument("--prometheus", required=True, help="http://HOST:PORT")
     parser.add_argument("--rules", type=Path, required=True, help="the rule file compose.yaml loads")
     parser.add_argument("--cluster-network", help="check the `cluster` profile's n1..n3, reached on this network")
+    parser.add_argument("--client-label", help="KEY=VALUE put on each one-off client container")
     args = parser.parse_args()
+    if args.client_label:
+        CLIENT_LABEL[:] = ["--label", args.client_label]
     if args.cluster_network:
         check_cluster(args)
     else:
@@ -81,7 +94,7 @@ def check_cluster(args: argparse.Namespace) -> None:
     nodes = "tcp://n1:5555,tcp://n2:5555,tcp://n3:5555"
 
     def on_network(*command: str) -> subprocess.CompletedProcess[str]:
-        return podman("run", "--rm", "--network", args.cluster_network, args.image, *command)
+        return podman("run", "--rm", *CLIENT_LABEL, "--network", args.cluster_network, args.image, *command)
 
     def alive() -> bool:
         status = json.loads(on_network("cluster", "status", "--broker", nodes, "--format", "json").stdout)

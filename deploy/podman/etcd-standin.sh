@@ -22,5 +22,5 @@ COPY etcd /usr/local/bin/etcd
 EXPOSE 2379 2380
 CMD ["etcd"]
 CONTAINERFILE
-podman build --pull=never --tag "$IMAGE" "$ctx"
+timeout 600 podman build --pull=never --network host --tag "$IMAGE" "$ctx"
 echo "etcd-standin: built $IMAGE from $(etcd --version 2>&1 | head -1)"

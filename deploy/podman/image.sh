@@ -4,7 +4,9 @@
 # stand-in (python-standin.sh), then builds with --pull=never. IMAGE names the result (conveyor:latest).
 #
 # pip inside the build trusts the host's CA bundle through the Dockerfile's optional `pip_ca` secret:
-# a network that inspects TLS re-signs PyPI's certificate with a CA only the host knows.
+# a network that inspects TLS re-signs PyPI's certificate with a CA only the host knows. The build's RUN
+# steps use the host's network: pip then resolves and connects as the host does (a resolver on the host's
+# loopback, a firewall without the bridge's NAT rules), which a build on podman's bridge may not.
 set -eu
 cd "$(dirname "$0")/../.."
 
@@ -15,7 +17,8 @@ bash deploy/podman/host-setup.sh
 bash deploy/podman/python-standin.sh
 
 # --format docker: the OCI format has no HEALTHCHECK.
-set -- --pull=never --format docker --tag "$IMAGE" --file Dockerfile
+set -- --pull=never --network host --format docker --tag "$IMAGE" --file Dockerfile
 [ -s "$CA_BUNDLE" ] && set -- "$@" --secret "id=pip_ca,src=$CA_BUNDLE"
-podman build "$@" .
+timeout "${IMAGE_BUILD_TIMEOUT:-1200}" podman build "$@" . \
+    || { echo "image: FAILED: podman build of $IMAGE (exit $?; a pip error above means PyPI was not reachable)" >&2; exit 1; }
 podman image inspect --format 'image: {{.RepoTags}} {{.Size}} bytes, user {{.Config.User}}' "$IMAGE"

@@ -30,5 +30,5 @@ EXPOSE 9090
 ENTRYPOINT ["/bin/prometheus"]
 CMD ["--config.file=/etc/prometheus/prometheus.yml", "--storage.tsdb.path=/prometheus"]
 CONTAINERFILE
-podman build --pull=never --tag "$IMAGE" "$ctx"
+timeout 600 podman build --pull=never --network host --tag "$IMAGE" "$ctx"
 echo "prometheus-standin: built $IMAGE from $(prometheus --version 2>&1 | head -1)"

@@ -49,7 +49,8 @@ echo "compose-test: project $PROJECT, host ports broker $BROKER_PORT, metrics $B
     "runner $RUNNER_METRICS_PORT, prometheus $PROMETHEUS_PORT"
 
 CLIENT_LABEL="org.conveyor.compose-test=$PROJECT"   # the one-off client containers compose_check.py runs
-compose() { timeout "${COMPOSE_TIMEOUT:-600}" podman-compose --project-name "$PROJECT" --file compose.yaml "$@"; }
+COMPOSE=(timeout "${COMPOSE_TIMEOUT:-600}" podman-compose --project-name "$PROJECT" --file compose.yaml)
+compose() { "${COMPOSE[@]}" "$@"; }
 # Everything this project made, whatever state it is in: containers by name and by label (podman-compose's
 # and the clients'), the pod, the volumes and the network. Every step is bounded.
 remove_all() {
@@ -70,11 +71,24 @@ remove_all() {
     done
     timeout 60 podman network rm --force "${PROJECT}_default" >/dev/null 2>&1 || true
 }
+# The long steps run in the background and are waited for: a signal to this script then runs the
+# teardown at once, not after the step (bash runs traps only between foreground commands).
+step_pid=""
+bounded() {
+    "$@" &   # a simple command: the background job is `timeout` itself, which passes a TERM on
+    step_pid=$!
+    local status=0
+    wait "$step_pid" || status=$?
+    step_pid=""
+    return "$status"
+}
 teardown() {
     status=$?
     trap - EXIT INT TERM
+    [ -z "$step_pid" ] || { kill "$step_pid" 2>/dev/null; wait "$step_pid" 2>/dev/null || true; }
     if [ "$status" != 0 ]; then
         for service in "${SERVICES[@]}" "${CLUSTER_SERVICES[@]}"; do
+            podman container exists "${PROJECT}_${service}_1" 2>/dev/null || continue
             echo "--- logs of $service"; timeout 30 podman logs --tail 40 "${PROJECT}_${service}_1" 2>&1 || true
         done
     fi
@@ -87,16 +101,21 @@ trap teardown EXIT
 trap 'exit 130' INT TERM
 
 remove_all   # what a previous run killed before its teardown left
-compose up --detach --no-build "${SERVICES[@]}" || { echo "compose-test: FAILED: compose up" >&2; exit 1; }
+bounded "${COMPOSE[@]}" up --detach --no-build "${SERVICES[@]}" \
+    || { echo "compose-test: FAILED: compose up" >&2; exit 1; }
 check() {
-    timeout "${CHECK_TIMEOUT:-900}" python3 deploy/podman/compose_check.py \
+    bounded timeout "${CHECK_TIMEOUT:-900}" python3 deploy/podman/compose_check.py \
         --image "$IMAGE" --client-label "$CLIENT_LABEL" --broker-port "$BROKER_PORT" \
-        --runner-container "${PROJECT}_consumer_1" --broker-container "${PROJECT}_broker_1" --prometheus "http://127.0.0.1:$PROMETHEUS_PORT" \
-        --rules monitoring/alerts.yml "$@"
+        --runner-container "${PROJECT}_consumer_1" --broker-container "${PROJECT}_broker_1" \
+        --prometheus "http://127.0.0.1:$PROMETHEUS_PORT" \
+        --rules monitoring/alerts.yml "$@" \
+        || { status=$?; echo "compose-test: FAILED: compose_check.py exited $status" \
+                 "(124: still running after CHECK_TIMEOUT=${CHECK_TIMEOUT:-900} s)" >&2; return "$status"; }
 }
 check
 if [ "${COMPOSE_TEST_CLUSTER:-1}" = 1 ]; then   # COMPOSE_TEST_CLUSTER=0 skips the cluster profile
-    compose up --detach --no-build "${CLUSTER_SERVICES[@]}" || { echo "compose-test: FAILED: compose up (cluster)" >&2; exit 1; }
+    bounded "${COMPOSE[@]}" up --detach --no-build "${CLUSTER_SERVICES[@]}" \
+        || { echo "compose-test: FAILED: compose up (cluster)" >&2; exit 1; }
     check --cluster-network "${PROJECT}_default"
 fi
 echo "compose-test: passed in ${SECONDS} s"

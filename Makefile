@@ -29,7 +29,13 @@ run: $(BASE)
 
 ## The example service (examples/shop) with one command: a broker in a temporary directory, the runner,
 ## orders placed, their invoices and dead letters shown, everything stopped (README, "Example service").
-example: $(BASE)
+## Tracing needs the otel extra and the OpenTelemetry SDK (its console exporter); nothing else beyond `make run`'s.
+EXAMPLE_STAMP := $(VENV)/.installed-example
+$(EXAMPLE_STAMP): $(PY) pyproject.toml
+	$(PY) -m pip install --quiet -e '.[otel]' 'opentelemetry-sdk>=1.20'
+	touch $(BASE) $@
+
+example: $(EXAMPLE_STAMP)
 	$(PY) -m examples.shop.demo
 
 ## Install what the tests need, lint, type-check and run the whole suite.

@@ -15,6 +15,7 @@ The same three pieces run by hand, in three terminals: ``make run``;
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import re
 import shutil
@@ -34,6 +35,7 @@ from examples.shop.models import ORDERS
 ROOT = Path(__file__).resolve().parents[2]  # the directory that holds examples/: the runner imports from there
 EMAILED = re.compile(r"e-mailed \S+: invoice INV-(\d+)")
 NOT_BILLED = re.compile(r"order (ord-\d+) not billed")
+TRACING: dict[str, str] = {}  # what main() adds to the children's environment for tracing
 
 
 class Output:
@@ -77,7 +79,26 @@ def banner(text: str) -> None:
 
 def child_env() -> dict[str, str]:
     path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
-    return {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": path}
+    return {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": path, **TRACING}
+
+
+def tracing_env() -> dict[str, str]:
+    """``OTEL_TRACES_EXPORTER=console`` for the runner and the producer, unless set already (``=none``: off)
+    or the OpenTelemetry SDK is not installed."""
+    if "OTEL_TRACES_EXPORTER" in os.environ:
+        return {}
+    if importlib.util.find_spec("opentelemetry.sdk") is None:
+        return {}
+    return {"OTEL_TRACES_EXPORTER": "console"}
+
+
+def tracing_note() -> str:
+    exporter = {**os.environ, **TRACING}.get("OTEL_TRACES_EXPORTER", "")
+    if exporter == "console":
+        return "tracing on: each span is a `trace ... span ...` line (OTEL_TRACES_EXPORTER=none turns it off)"
+    if exporter:
+        return f"tracing as OTEL_TRACES_EXPORTER={exporter} says (the shop prints spans only for `console`)"
+    return "tracing off: opentelemetry-sdk is not installed (`make example` installs it)"
 
 
 def start(args: list[str]) -> subprocess.Popen[str]:
@@ -163,7 +184,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=60.0, help="seconds to wait for each step (default 60)")
     args = parser.parse_args(argv)
     started = time.monotonic()
+    TRACING.update(tracing_env())
     banner("the shop: a broker, the runner with examples.shop.handlers, and orders placed")
+    print(tracing_note(), flush=True)
     output = Output()
     with broker(args.timeout) as process, runner(process.address, output, args.timeout):
         place = ["-m", "examples.shop.place_orders", "--broker", process.address]

@@ -15,7 +15,8 @@
 - An order that breaks ``Order``'s rules is dead-lettered by the runner before ``bill``
   sees it; a declined card is ``Reject``-ed: both end in ``shop.orders.dlq`` with the reason.
 - ``notify`` takes a typed ``Invoice`` and "e-mails" the customer.
-- ``middleware = [AuditLog()]`` wraps both.
+- ``middleware = [AuditLog()]`` wraps both; with ``OTEL_TRACES_EXPORTER=console`` each order is
+  one trace, printed span by span (``examples/shop/tracing.py``).
 """
 
 from __future__ import annotations
@@ -23,13 +24,14 @@ from __future__ import annotations
 import logging
 
 from conveyor import Message, PublishFailed, Reject, consumer, error_handler, publish, retry_policy
-from examples.shop import payments
+from examples.shop import payments, tracing
 from examples.shop.middleware import AuditLog
 from examples.shop.models import INVOICES, ORDERS, Invoice, Order
 
 log = logging.getLogger("examples.shop")
 
 middleware = [AuditLog()]  # `conveyor run examples.shop.handlers` wraps every consumer below in it
+tracing.setup("shop")  # spans to the console when OTEL_TRACES_EXPORTER=console (examples/shop/tracing.py)
 
 
 @consumer(ORDERS, group="shop.billing", concurrency=4)
@@ -40,7 +42,8 @@ def bill(message: Message[Order]) -> None:
     """Charge the order, then publish its invoice (acked only once the invoice is confirmed)."""
     order = message.value
     try:
-        payment = payments.charge(order, message.attempt)
+        with tracing.span(f"charge {order.id}", **{"order.id": order.id, "shop.customer": order.customer}):
+            payment = payments.charge(order, message.attempt)
     except payments.CardDeclined as exc:
         raise Reject(str(exc)) from exc  # straight to shop.orders.dlq: a retry would be declined again
     invoice = Invoice.for_order(order)

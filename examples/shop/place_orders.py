@@ -13,11 +13,13 @@ from __future__ import annotations
 import argparse
 import itertools
 import sys
+from concurrent.futures import Future
 from decimal import Decimal
 from typing import Any
 
 from conveyor import Admin, Producer
 from conveyor.errors import UnknownTopic
+from examples.shop import tracing
 from examples.shop.models import ORDERS, Order, OrderLine
 from examples.shop.payments import CARD_LIMIT
 
@@ -85,13 +87,27 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--bad", type=int, default=0, help="bad orders to mix in, for the dead-letter topic")
     parser.add_argument("--broker", default=None, help="broker address (default: CONVEYOR_BROKER or :5555)")
     args = parser.parse_args(argv)
+    tracing.setup("storefront")  # spans to the console when OTEL_TRACES_EXPORTER=console
     orders = plan(first_number(args.broker), args.count, args.bad)
     with Producer(args.broker) as producer:
-        sent = [(placed, producer.send(ORDERS, placed, key=customer(placed))) for placed in orders]
+        sent = [(placed, checkout(producer, placed)) for placed in orders]
         for placed, future in sent:
-            print(f"placed {describe(placed)} (offset {future.result(timeout=30)})", flush=True)
-    print(f"placed {len(orders)} order(s) on {ORDERS}, {args.bad} of them bad", flush=True)
+            say(f"placed {describe(placed)} (offset {future.result(timeout=30)})")
+    say(f"placed {len(orders)} order(s) on {ORDERS}, {args.bad} of them bad")
     return 0
+
+
+def checkout(producer: Producer, placed: dict[str, Any] | Order) -> Future[int]:
+    """Send one order, in a span of its own when tracing: the trace every later step of this order joins."""
+    order_id = placed.id if isinstance(placed, Order) else str(placed["id"])
+    with tracing.span(f"checkout {order_id}", **{"order.id": order_id}):
+        return producer.send(ORDERS, placed, key=customer(placed))
+
+
+def say(line: str) -> None:
+    """One write per line: the console exporter prints spans from the producer's I/O thread meanwhile."""
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
 
 
 def customer(placed: dict[str, Any] | Order) -> str:

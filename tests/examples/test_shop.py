@@ -6,6 +6,7 @@ runs ``make example``'s command as a subprocess, start to clean stop.
 
 from __future__ import annotations
 
+import importlib.util
 import re
 import subprocess
 import sys
@@ -102,3 +103,29 @@ def test_make_example_runs_the_shop_with_one_command() -> None:
     assert "rejected: card of mallory@example.com declined" in out, out
     assert re.search(r"audit shop\.orders: 8 handled, \d+ attempt\(s\) retried, 2 dead-lettered", out), out
     assert "runner | conveyor runner stopped cleanly" in out and "broker | stopped cleanly" in out, out
+    if importlib.util.find_spec("opentelemetry.sdk") is None:
+        assert "tracing off" in out, out
+    else:  # each order is one trace: the storefront's checkout, the runner's bill and notify (README, "Tracing")
+        assert_one_trace_per_order(out)
+
+
+SPAN = re.compile(r"^(\w+)\s*\| trace ([0-9a-f]{32}) span ([0-9a-f]{16}) parent (\S{16})  (.+?) \((\w+), ")
+
+
+def assert_one_trace_per_order(out: str) -> None:
+    """The console spans of ord-0002 (billed at once): from the producer's process to the handler of its invoice."""
+    spans = [SPAN.match(line) for line in out.splitlines()]
+    found = [(m[1], m[2], m[3], m[4], m[5], m[6]) for m in spans if m]
+    [trace] = {t for _, t, _, _, name, _ in found if name == "checkout ord-0002"}
+    in_trace = {(process, name, kind) for process, t, _, _, name, kind in found if t == trace}
+    assert {
+        ("orders", "checkout ord-0002", "INTERNAL"),
+        ("orders", "send shop.orders", "PRODUCER"),
+        ("runner", "process shop.orders", "CONSUMER"),
+        ("runner", "charge ord-0002", "INTERNAL"),
+        ("runner", "send shop.invoices", "PRODUCER"),
+        ("runner", "process shop.invoices", "CONSUMER"),
+    } <= in_trace, (in_trace, out)
+    ids = {span for _, t, span, _, _, _ in found if t == trace}
+    roots = [name for _, t, _, parent, name, _ in found if t == trace and parent not in ids]
+    assert roots == ["checkout ord-0002"], (roots, out)  # one tree: every other span has its parent in it

@@ -46,11 +46,13 @@ def setup(service: str) -> bool:
         )
         return False
     if _tracer is None:
-        name = os.environ.get("OTEL_SERVICE_NAME") or service
-        provider = TracerProvider(resource=Resource.create({"service.name": name}))
-        # Simple, not batched: each span prints as it ends, between the log lines it belongs with.
-        provider.add_span_processor(SimpleSpanProcessor(ConsoleSpanExporter(formatter=one_line)))
-        trace.set_tracer_provider(provider)
+        # One provider per process: one set already (`conveyor run --trace console`) is used as it is.
+        if not isinstance(trace.get_tracer_provider(), TracerProvider):
+            name = os.environ.get("OTEL_SERVICE_NAME") or service
+            provider = TracerProvider(resource=Resource.create({"service.name": name}))
+            # Simple, not batched: each span prints as it ends, between the log lines it belongs with.
+            provider.add_span_processor(SimpleSpanProcessor(ConsoleSpanExporter(formatter=one_line)))
+            trace.set_tracer_provider(provider)
         _tracer = trace.get_tracer("examples.shop")
     return True
 

@@ -7,9 +7,10 @@ check, no call, nothing per message.
 
 With it, ``instrument`` puts a traced ``send`` (and ``send_many``) on the producer
 instance. Per call, while no SDK ``TracerProvider`` is configured, the traced send
-only looks whether a span is current (one context-variable read) and, if one is,
-puts its context in the headers so the trace goes on downstream; otherwise it
-calls the plain send. Once a provider is configured it opens a PRODUCER span
+reads one module attribute and calls the plain send: 0.17 µs more than a plain
+send (1.05 µs) of a 100-byte value, where looking for a current span to pass on
+cost 1.7 µs, for a trace nothing in this process records. Once a provider is
+configured it opens a PRODUCER span
 ``send <topic>`` with the messaging attributes, injects its context
 (``traceparent``, ``tracestate``, through the global propagator) into a copy of the
 headers, and ends the span when the broker confirms the message (its offset on
@@ -47,8 +48,12 @@ class Tracing:
     """The opentelemetry API, imported once, and the tracer of the provider configured now (None: none is)."""
 
     def __init__(self) -> None:
+        import os
+
         from opentelemetry import context, propagate, trace
 
+        if os.environ.get("OTEL_PYTHON_TRACER_PROVIDER"):
+            trace.get_tracer_provider()  # a provider named in the environment is made on first use: now
         self.trace = trace
         self.context = context
         self.propagate = propagate
@@ -68,9 +73,15 @@ class Tracing:
             self._provider_tracer = (provider, tracer)
         return tracer
 
-    def current_is_valid(self) -> bool:
-        """A span is current (maybe a remote parent made current without an SDK): its context is worth sending."""
-        return bool(self.trace.get_current_span().get_span_context().is_valid)
+    def configured(self) -> Callable[[], bool]:
+        """A check, cheap enough for every send, that a TracerProvider is set (an SDK is configured).
+
+        It reads the API's global directly (``get_tracer_provider`` also looks at the environment
+        each call); an API without that global gets the documented, slower check."""
+        trace = self.trace
+        if hasattr(trace, "_TRACER_PROVIDER"):
+            return lambda: trace._TRACER_PROVIDER is not None
+        return lambda: self.tracer() is not None
 
     def inject(self, headers: Mapping[str, str] | None, context: Context | None = None) -> dict[str, str]:
         """A copy of ``headers`` with the trace context of ``context`` (default: the current one)."""
@@ -231,23 +242,19 @@ def _is_async(method: Callable[..., Any]) -> bool:
 
 
 def _traced_send(api: Tracing, send: Callable[..., Any]) -> Callable[..., Any]:
+    configured = api.configured()
+
     @functools.wraps(send)
-    def traced(
-        topic: str,
-        value: Any,
-        *,
-        key: str | bytes | None = None,
-        headers: dict[str, str] | None = None,
-        partition: int | None = None,
-    ) -> Any:
+    def traced(topic: str, value: Any, **options: Any) -> Any:
+        if not configured():  # no SDK: nothing records a span here, so nothing is done per message
+            return send(topic, value, **options)
         tracer = api.tracer()
-        if tracer is None:  # no SDK: pass on a context someone made current, else the plain send
-            if api.current_is_valid():
-                headers = api.inject(headers)
-            return send(topic, value, key=key, headers=headers, partition=partition)
-        span = api.send_span(tracer, topic, headers, partition=partition)
+        if tracer is None:
+            return send(topic, value, **options)
+        headers = options.pop("headers", None)
+        span = api.send_span(tracer, topic, headers, partition=options.get("partition"))
         try:
-            future = send(topic, value, key=key, headers=api.traced_headers(span, headers), partition=partition)
+            future = send(topic, value, headers=api.traced_headers(span, headers), **options)
         except BaseException as exc:
             fail_span(span, exc)
             span.end()
@@ -259,25 +266,18 @@ def _traced_send(api: Tracing, send: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def _traced_send_many(api: Tracing, send_many: Callable[..., Any]) -> Callable[..., Any]:
+    configured = api.configured()
+
     @functools.wraps(send_many)
-    def traced(
-        topic: str,
-        values: Any,
-        *,
-        key: str | bytes | None = None,
-        headers: dict[str, str] | None = None,
-        partition: int | None = None,
-    ) -> Any:
-        tracer = api.tracer()
+    def traced(topic: str, values: Any, *, headers: dict[str, str] | None = None, **options: Any) -> Any:
+        tracer = api.tracer() if configured() else None
         if tracer is None:
-            if api.current_is_valid():
-                headers = api.inject(headers)
-            return send_many(topic, values, key=key, headers=headers, partition=partition)
+            return send_many(topic, values, headers=headers, **options)
         if not isinstance(values, list | tuple):
             values = list(values)
-        span = api.send_span(tracer, topic, headers, partition=partition, count=len(values))
+        span = api.send_span(tracer, topic, headers, partition=options.get("partition"), count=len(values))
         try:
-            futures = send_many(topic, values, key=key, headers=api.traced_headers(span, headers), partition=partition)
+            futures = send_many(topic, values, headers=api.traced_headers(span, headers), **options)
         except BaseException as exc:
             fail_span(span, exc)
             span.end()
@@ -292,23 +292,16 @@ def _traced_send_many(api: Tracing, send_many: Callable[..., Any]) -> Callable[.
 
 
 def _traced_async_send(api: Tracing, send: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
+    configured = api.configured()
+
     @functools.wraps(send)
-    async def traced(
-        topic: str,
-        value: Any,
-        *,
-        key: str | bytes | None = None,
-        headers: dict[str, str] | None = None,
-        partition: int | None = None,
-    ) -> Any:
-        tracer = api.tracer()
+    async def traced(topic: str, value: Any, *, headers: dict[str, str] | None = None, **options: Any) -> Any:
+        tracer = api.tracer() if configured() else None
         if tracer is None:
-            if api.current_is_valid():
-                headers = api.inject(headers)
-            return await send(topic, value, key=key, headers=headers, partition=partition)
-        span = api.send_span(tracer, topic, headers, partition=partition)
+            return await send(topic, value, headers=headers, **options)
+        span = api.send_span(tracer, topic, headers, partition=options.get("partition"))
         try:
-            future = await send(topic, value, key=key, headers=api.traced_headers(span, headers), partition=partition)
+            future = await send(topic, value, headers=api.traced_headers(span, headers), **options)
         except BaseException as exc:
             fail_span(span, exc)
             span.end()

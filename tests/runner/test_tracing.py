@@ -222,19 +222,23 @@ def test_the_async_producer_opens_a_span_that_ends_with_the_confirm(exporter, co
     assert span.context is not None and f"{span.context.span_id:016x}" in stored.headers["traceparent"]
 
 
-def test_without_a_provider_the_producer_passes_on_a_current_context_and_adds_nothing_else(conveyor_broker):
+def test_without_a_provider_the_producer_adds_nothing_even_under_a_current_context(conveyor_broker):
+    """No SDK, no per-message work: a context made current by someone else is not looked for (that cost
+    1.7 µs per send, more than the send) and the headers go as given."""
     from opentelemetry.trace import NonRecordingSpan, SpanContext, TraceFlags
 
     remote = SpanContext(0x4BF92F3577B34DA6A3CE929D0E0E4736, 0x00F067AA0BA902B7, True, TraceFlags(1))
     with Producer(conveyor_broker.address, linger_ms=0) as producer:
         plain = producer.send("untraced", b"plain").result(timeout=30)
         with trace.use_span(NonRecordingSpan(remote)):
-            passed = producer.send("untraced", b"passed", headers={"a": "b"}).result(timeout=30)
+            given = producer.send("untraced", b"given", headers={"a": "b"}).result(timeout=30)
+            many = producer.send_many("untraced", [b"m"], headers={"c": "d"})[0].result(timeout=30)
     with Admin(conveyor_broker.address) as admin:
-        first, second = admin.fetch("untraced", plain, 2)
+        first, second, third = admin.fetch("untraced", plain, 3)
     assert first.headers == {}
-    assert second.headers == {"a": "b", "traceparent": "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"}
-    assert passed == plain + 1
+    assert second.headers == {"a": "b"}
+    assert third.headers == {"c": "d"}
+    assert (given, many) == (plain + 1, plain + 2)
 
 
 def test_log_records_made_inside_a_span_carry_its_ids(exporter):

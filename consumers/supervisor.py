@@ -41,7 +41,8 @@ from dataclasses import dataclass
 from types import FrameType
 from typing import Any
 
-from conveyor.monitoring.health import DEGRADED, HEALTHY, UNHEALTHY, ready, report
+from conveyor.consumers.worker_health import merge_reports, read_report, report_path
+from conveyor.monitoring.health import DEGRADED, HEALTHY, UNHEALTHY, live, ready, report
 from conveyor.monitoring.http import MetricsServer
 from conveyor.monitoring.metrics import HealthCollector, WorkerPoolMetrics
 from prometheus_client import CollectorRegistry
@@ -174,7 +175,12 @@ class Supervisor:
         if metrics_port >= 0:
             try:
                 self.metrics_server = MetricsServer(
-                    self.registry, self.health, host=metrics_bind, port=metrics_port, ready=self.readiness
+                    self.registry,
+                    self.health,
+                    host=metrics_bind,
+                    port=metrics_port,
+                    live=lambda: live(self.health()),
+                    ready=self.readiness,
                 )
             except BaseException:
                 shutil.rmtree(self.metrics_dir, ignore_errors=True)
@@ -303,7 +309,7 @@ class Supervisor:
 
     def _exited(self, worker: Worker, proc: subprocess.Popen[bytes]) -> None:
         code = proc.returncode
-        mark_process_dead(proc.pid, self.metrics_dir)  # its live gauges leave the sums; its counters stay
+        self._forget(proc.pid)
         self._close_ready_pipe(worker)
         worker.proc = None
         self.metrics.workers.set(len(self.pids()))
@@ -362,10 +368,16 @@ class Supervisor:
                 proc.kill()
             proc.wait()
             self.killed += 1
-            mark_process_dead(proc.pid, self.metrics_dir)
+            self._forget(proc.pid)
             self._close_ready_pipe(worker)
             worker.proc = None
         self.metrics.workers.set(0)
+
+    def _forget(self, pid: int) -> None:
+        """A worker ended: its live gauges leave the sums (its counters stay), its health report goes."""
+        mark_process_dead(pid, self.metrics_dir)
+        with contextlib.suppress(OSError):
+            os.remove(report_path(self.metrics_dir, pid))
 
     def _close(self) -> None:
         if self.metrics_server:
@@ -380,9 +392,12 @@ class Supervisor:
     # --- health ---------------------------------------------------------------------------------
 
     def health(self) -> dict[str, Any]:
-        """``workers``: HEALTHY while every worker is up and ready, DEGRADED while some are (re)starting,
+        """The ready workers' checks merged (each the worst of theirs: consumers/worker_health.py), and
+        ``workers``: HEALTHY while every worker is up and ready, DEGRADED while some are (re)starting,
         UNHEALTHY when none is."""
-        up = sum(1 for w in self.workers if w.proc is not None and w.ready)
+        ready_ones = [(w.index, w.proc.pid) for w in self.workers if w.proc is not None and w.ready]
+        checks = merge_reports({i: read_report(report_path(self.metrics_dir, pid)) for i, pid in ready_ones})
+        up = len(ready_ones)
         status = HEALTHY if up == len(self.workers) else DEGRADED if up else UNHEALTHY
         check = {
             "status": status,
@@ -391,7 +406,7 @@ class Supervisor:
             "workers": len(self.workers),
             "restarts": self.restarts,
         }
-        return report({"workers": check})
+        return report({**checks, "workers": check})
 
     def readiness(self) -> dict[str, Any]:
         """Ready once every worker was ready, until the stop begins; not while none is up."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import threading
 from typing import Any
 
 from conveyor.broker.cli.main import CLIENT_OPTIONS, client_options, command
@@ -81,8 +82,9 @@ def cmd_run(args: argparse.Namespace) -> int:
     from conveyor.consumers.loader import load_consumers, load_middleware
     from conveyor.consumers.middleware import parse_specs, resolve
     from conveyor.consumers.runner import Runner
-    from conveyor.consumers.supervisor import follow_supervisor, notify_ready, worker_role
+    from conveyor.consumers.supervisor import MULTIPROC_ENV, follow_supervisor, notify_ready, worker_role
     from conveyor.consumers.tracing import configure as configure_tracing
+    from conveyor.consumers.worker_health import start_reporting
     from conveyor.monitoring.logs import announce, configure
 
     opts = client_options(args, "run", RUN_OPTIONS)
@@ -112,6 +114,9 @@ def cmd_run(args: argparse.Namespace) -> int:
         middleware=middleware,
     )
 
+    reporting = threading.Event()
+    if role is not None and os.environ.get(MULTIPROC_ENV):
+        start_reporting(os.environ[MULTIPROC_ENV], runner.health, reporting)  # the supervisor's /healthz reads it
     port = runner.metrics_server.port if runner.metrics_server else None
     metrics = f"http://{opts['metrics_bind']}:{port}/metrics" if port else "off"
 
@@ -122,7 +127,10 @@ def cmd_run(args: argparse.Namespace) -> int:
             notify_ready(role)
 
     announce(f"{who}: {len(consumers)} consumer(s), connecting to {opts['broker']} (metrics {metrics})")
-    code = runner.run(ready=ready)
+    try:
+        code = runner.run(ready=ready)
+    finally:
+        reporting.set()
     if runner.abandoned:
         announce(
             f"{who} stopped: {runner.abandoned} message(s) given back for redelivery, their handlers "

@@ -14,10 +14,11 @@ from pathlib import Path
 import pytest
 from conveyor.broker.cli.run import worker_command
 from conveyor.consumers.supervisor import Supervisor, WorkerRole, exit_code, restart_delay, worker_role
+from conveyor.consumers.worker_health import STALE_AFTER, merge_reports, read_report, write_report
 
 from conveyor import exitcodes
-from tests.helpers import publish, sample_value, scrape, wait_for
-from tests.monitoring.monitoring_helpers import runner_metrics_url
+from tests.helpers import http_get, publish, sample_value, scrape, wait_for
+from tests.monitoring.monitoring_helpers import health, runner_metrics_url
 from tests.runner.runner_helpers import APPS, RunnerProcess, by_pid, offsets, wait_records
 
 WORKER_STARTED = re.compile(r"worker (\d+) started \(pid (\d+)\)")
@@ -59,8 +60,26 @@ def test_two_workers_share_the_groups_and_one_scrape_shows_their_sum(conveyor_br
         assert metric(url, "conveyor_runner_worker_restarts_total") == 0
         assert metric(url, "conveyor_build_info", component="runner", version=_version()) == 1
         assert metric(url, "conveyor_health_status", check="workers") == 0
+        # And /healthz shows each worker's runner checks, merged under the single runner's names
+        found = wait_for(lambda: _both_reported(url), message="both workers' health in /healthz")
+        assert found["status"] == "HEALTHY" and found["checks"]["event_loop"]["status"] == "HEALTHY"
+        assert found["checks"]["workers"] == {
+            "status": "HEALTHY",
+            "ready": 2,
+            "running": 2,
+            "workers": 2,
+            "restarts": 0,
+        }
+        assert http_get(url.replace("/metrics", "/livez"))[0] == 200
+        assert http_get(url.replace("/metrics", "/readyz"))[0] == 200
     finally:
         pool.kill()
+
+
+def _both_reported(url: str) -> dict | None:
+    found = health(url)[1]
+    work = found["checks"].get("app_record.work", {})
+    return found if set(work.get("workers", {})) == {"1", "2"} else None
 
 
 def test_a_killed_worker_is_restarted_and_counted_and_the_exit_code_says_workers_died(conveyor_broker, tmp_path):
@@ -209,6 +228,25 @@ def test_worker_command_repeats_the_flags_given_and_nothing_else():
         "app.handlers",
         "app.more:billing",
     ]
+
+
+def test_worker_reports_merge_into_the_worst_of_each_check(tmp_path):
+    healthy = {"status": "HEALTHY", "checks": {"event_loop": {"status": "HEALTHY"}, "bill": {"status": "HEALTHY"}}}
+    degraded = {"status": "DEGRADED", "checks": {"event_loop": {"status": "HEALTHY"}, "bill": {"status": "DEGRADED"}}}
+    write_report(str(tmp_path / "health-1.json"), degraded)
+    found, age = read_report(str(tmp_path / "health-1.json"))
+    assert found == degraded and 0 <= age < STALE_AFTER
+    assert read_report(str(tmp_path / "health-2.json"))[0] is None
+    merged = merge_reports({1: (healthy, 0.5), 2: (found, age)})
+    assert merged["bill"] == {
+        "status": "DEGRADED",
+        "workers": {"1": {"status": "HEALTHY"}, "2": {"status": "DEGRADED"}},
+    }
+    assert merged["event_loop"]["status"] == "HEALTHY"
+    # A worker whose report stopped coming is wedged: its event_loop is UNHEALTHY (and /livez fails)
+    stale = merge_reports({1: (healthy, 0.5), 2: (degraded, STALE_AFTER + 1)})
+    assert stale["event_loop"]["status"] == "UNHEALTHY"
+    assert stale["event_loop"]["workers"]["2"]["silent_seconds"] == STALE_AFTER + 1
 
 
 def _version() -> str:

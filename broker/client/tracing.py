@@ -190,7 +190,6 @@ def _confirmed(span: Span, topic: str, future: Any) -> None:
                 {
                     "messaging.message.id": f"{topic}/{partition}/{int(offset)}",
                     "messaging.destination.partition.id": str(partition),
-                    "messaging.conveyor.offset": int(offset),
                 }
             )
     finally:
@@ -259,7 +258,8 @@ def _traced_send(api: Tracing, send: Callable[..., Any]) -> Callable[..., Any]:
             fail_span(span, exc)
             span.end()
             raise
-        future.add_done_callback(functools.partial(_confirmed, span, topic))
+        if span.is_recording():  # a span the sampler left out has nothing to wait for
+            future.add_done_callback(functools.partial(_confirmed, span, topic))
         return future
 
     return traced
@@ -282,7 +282,7 @@ def _traced_send_many(api: Tracing, send_many: Callable[..., Any]) -> Callable[.
             fail_span(span, exc)
             span.end()
             raise
-        if futures:
+        if futures and span.is_recording():
             _confirmed_all(span, futures)
         else:
             span.end()
@@ -306,7 +306,8 @@ def _traced_async_send(api: Tracing, send: Callable[..., Awaitable[Any]]) -> Cal
             fail_span(span, exc)
             span.end()
             raise
-        future.add_done_callback(functools.partial(_confirmed, span, topic))
+        if span.is_recording():  # a span the sampler left out has nothing to wait for
+            future.add_done_callback(functools.partial(_confirmed, span, topic))
         return future
 
     return traced

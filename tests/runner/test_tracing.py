@@ -135,7 +135,6 @@ def test_one_trace_runs_from_the_producer_through_the_handler_to_what_it_publish
         "messaging.destination.name": orders,
         "messaging.destination.partition.id": "0",
         "messaging.message.id": f"{orders}/0/{offset}",  # set when the broker confirmed it
-        "messaging.conveyor.offset": offset,
     }
     assert dict(process_order.attributes or {}) == {
         "messaging.system": "conveyor",
@@ -239,6 +238,26 @@ def test_without_a_provider_the_producer_adds_nothing_even_under_a_current_conte
     assert second.headers == {"a": "b"}
     assert third.headers == {"c": "d"}
     assert (given, many) == (plain + 1, plain + 2)
+
+
+def test_a_span_the_sampler_leaves_out_sends_its_context_unsampled_and_records_nothing(conveyor_broker):
+    from opentelemetry.sdk.trace.sampling import ALWAYS_OFF
+
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider(sampler=ALWAYS_OFF)
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    set_global_provider(provider)
+    try:
+        with Producer(conveyor_broker.address, linger_ms=0) as producer:
+            offset = producer.send("unsampled", b"x").result(timeout=30)
+    finally:
+        set_global_provider(None)
+        provider.shutdown()
+    with Admin(conveyor_broker.address) as admin:
+        (stored,) = admin.fetch("unsampled", offset, 1)
+    flags = int(stored.headers["traceparent"].rsplit("-", 1)[1], 16)
+    assert flags & 1 == 0  # not sampled: the consumers' spans are left out too
+    assert exporter.get_finished_spans() == ()
 
 
 def test_log_records_made_inside_a_span_carry_its_ids(exporter):

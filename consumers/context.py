@@ -42,6 +42,7 @@ import logging
 import threading
 from collections.abc import Sequence
 from concurrent.futures import Future
+from datetime import datetime, timedelta
 from typing import Any
 
 from conveyor.broker.client.message import Message
@@ -127,16 +128,22 @@ class Context:
         headers: dict[str, str] | None = None,
         partition: int | None = None,
         cause: Message | None = None,
+        delay: float | timedelta | None = None,
+        not_before: datetime | float | None = None,
+        ttl: float | timedelta | None = None,
     ) -> Future[int]:
         """Send ``value`` to ``topic`` linked to the handled message (``cause``: which one of a batch; the first
         by default). The future resolves to the offset once durable; with ``confirm_publishes`` the handled
-        message waits for it before it is acked."""
+        message waits for it before it is acked (its confirm, not its delay). ``delay``, ``not_before``,
+        ``ttl``: as ``Producer.send``."""
         if self.publisher is None or not self.messages:
             raise RuntimeError("publish() is for a handler the runner is running (use a Producer elsewhere)")
         linked = link_headers(cause if cause is not None else self.messages[0])
         if headers:
             linked.update(headers)
-        future = self.publisher.producer.send(topic, value, key=key, headers=linked, partition=partition)
+        asked = (("delay", delay), ("not_before", not_before), ("ttl", ttl))
+        times: dict[str, Any] = {name: v for name, v in asked if v is not None}  # a stand-in producer may not take them
+        future = self.publisher.producer.send(topic, value, key=key, headers=linked, partition=partition, **times)
         if self.confirm:
             self.published.append(future)
         else:
@@ -193,9 +200,22 @@ def publish(
     headers: dict[str, str] | None = None,
     partition: int | None = None,
     cause: Message | None = None,
+    delay: float | timedelta | None = None,
+    not_before: datetime | float | None = None,
+    ttl: float | timedelta | None = None,
 ) -> Future[int]:
     """Publish from inside a handler, with the runner's producer, linked to the handled message."""
-    return context().publish(topic, value, key=key, headers=headers, partition=partition, cause=cause)
+    return context().publish(
+        topic,
+        value,
+        key=key,
+        headers=headers,
+        partition=partition,
+        cause=cause,
+        delay=delay,
+        not_before=not_before,
+        ttl=ttl,
+    )
 
 
 def failure(futures: list[Future[int]]) -> PublishFailed | None:

@@ -152,6 +152,14 @@ class InvalidRequest(ProtocolError):
     name = "INVALID_REQUEST"
 
 
+class InvalidDeliveryTime(InvalidRequest):
+    """A ``delay``, ``not_before`` or ``ttl`` that cannot be kept: negative, not finite, not a time, or a
+    ``ttl`` that ends before the message is due. Raised by ``send()``, before anything is queued."""
+
+    code = 208
+    name = "INVALID_DELIVERY_TIME"
+
+
 class UnknownTopic(ConveyorError):
     code = 300
     name = "UNKNOWN_TOPIC"

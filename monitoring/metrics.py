@@ -221,6 +221,12 @@ class BrokerMetrics:
         self.dead_lettered_messages = Counter(
             "conveyor_dead_lettered_messages", "Messages moved to a dead-letter topic", group, registry=registry
         )
+        self.expired_messages = Counter(
+            "conveyor_expired_messages",
+            "Messages whose ttl ran out before delivery, moved to the dead-letter topic (reason expired)",
+            group,
+            registry=registry,
+        )
         self.dead_letter_failures = Counter(
             "conveyor_dead_letter_failures",
             "Dead letters that could not be stored and wait for redelivery, by reason (read_only_topic, storage)",

@@ -19,6 +19,7 @@ import time
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from datetime import datetime, timedelta
 from typing import Any, cast
 
 import tenacity
@@ -40,6 +41,7 @@ from conveyor.broker.client.tracing import instrument
 from conveyor.broker.net.connection import DEFAULT_HWM, backoff_seconds, new_dealer
 from conveyor.broker.net.security import HandshakeWatch
 from conveyor.broker.wire import commands
+from conveyor.broker.wire.delivery_times import Times, message_times, now_ms, pack_timed_records, time_headers
 from conveyor.broker.wire.protocol import Command, decode, error_from_header
 from conveyor.broker.wire.record import pack_records
 from conveyor.broker.wire.values import make_record
@@ -69,6 +71,7 @@ class _Batch:
     attempts: int = 0
     last_error: ConveyorError | None = None  # the last retriable error the broker answered
     address: str = ""  # the broker it was last sent to: an error from another one is stale
+    times: Times | None = None  # a timed batch's (not_before_ms, expires_ms): see ``delivery_times``
 
 
 @dataclass(slots=True)
@@ -130,6 +133,7 @@ class AsyncProducer:
         self._held = 0  # record bytes sent but not yet confirmed or failed
         self._freed = asyncio.Event()  # set whenever a settled batch gives back buffer room
         self.linger = linger_ms / 1000
+        self.time_window_ms = max(1, round(linger_ms))  # delayed/expiring messages share a batch within it
         self.batch_size = batch_size
         self.max_batch_bytes = max_batch_bytes
         self.request_timeout = request_timeout_ms / 1000
@@ -239,11 +243,20 @@ class AsyncProducer:
         key: str | bytes | None = None,
         headers: dict[str, str] | None = None,
         partition: int | None = None,
+        delay: float | timedelta | None = None,
+        not_before: datetime | float | None = None,
+        ttl: float | timedelta | None = None,
     ) -> asyncio.Future[int]:
         """Queue one message; the returned future resolves to its offset (an ``Offset``, with ``.partition``).
 
         ``partition``: this one; else the key's (docs/partitions.md); else the current keyless batch's.
+        ``delay``, ``not_before``, ``ttl``: as ``Producer.send``.
         """
+        times = None
+        if delay is not None or not_before is not None or ttl is not None:
+            times = message_times(now_ms(), delay=delay, not_before=not_before, ttl=ttl, window_ms=self.time_window_ms)
+            if times is not None:
+                headers = time_headers(times, headers)
         if not self._started:
             await self.start()
         if topic not in self.partitioner.counts:  # asked once per topic, off the event loop
@@ -255,11 +268,11 @@ class AsyncProducer:
             await self._wait_for_room(size)
         self._held += size
         batch = self._buffers.get(topic)
-        if batch is not None and batch.size + size > self.max_batch_bytes:
-            self._ship(topic)
+        if batch is not None and (batch.size + size > self.max_batch_bytes or batch.times != times):
+            self._ship(topic)  # other times: a batch of their own, after this one (the order of sends)
             batch = None
         if batch is None:
-            batch = self._buffers[topic] = _Batch(topic)
+            batch = self._buffers[topic] = _Batch(topic, times=times)
             loop = asyncio.get_running_loop()
             if self.eager and not self._flights.get(topic):
                 # Once this task yields: sends made in the same step still join the batch.
@@ -311,7 +324,7 @@ class AsyncProducer:
         self.partitioner.batch_left(topic)  # sticky batching: the next keyless batch takes the next partition
         batch.seq = self._seqs.get(topic, 0)
         self._seqs[topic] = batch.seq + 1
-        batch.body = pack_records(batch.records)
+        batch.body = pack_timed_records(batch.records) if batch.times else pack_records(batch.records)
         batch.first_sent = time.monotonic()
         if batch.seq == 0 and self.metadata.following:
             self._probing.add(topic)

@@ -7,6 +7,7 @@ from itertools import repeat
 from operator import attrgetter, itemgetter
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
+from conveyor.broker.wire.delivery_times import headers_times
 from conveyor.broker.wire.entry import entries_from_wire
 from conveyor.broker.wire.models import model_kind, to_builtins
 from conveyor.broker.wire.record import unpack_records
@@ -154,6 +155,18 @@ class Message(Generic[T]):
     @property
     def content_type(self) -> str | None:
         return self.headers.get(CONTENT_TYPE)
+
+    @property
+    def not_before(self) -> float | None:
+        """When the broker held it back until (``send(delay=...)``), seconds since the epoch; None if not."""
+        times = headers_times(self.headers)
+        return times[0] / 1000 if times and times[0] else None
+
+    @property
+    def expires(self) -> float | None:
+        """When it would have expired undelivered (``send(ttl=...)``), seconds since the epoch; None if never."""
+        times = headers_times(self.headers)
+        return times[1] / 1000 if times and times[1] else None
 
     def __repr__(self) -> str:
         where = f"partition={self.partition!r}, " if self.partition else ""  # a single-partition repr as it was

@@ -42,6 +42,7 @@ from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
+from datetime import datetime, timedelta
 from operator import add
 from typing import Any, cast
 
@@ -66,6 +67,7 @@ from conveyor.broker.net.connection import backoff_seconds, new_dealer
 from conveyor.broker.net.security import HandshakeWatch
 from conveyor.broker.net.transport import NOBLOCK, recv_frames, send_frames
 from conveyor.broker.wire import commands
+from conveyor.broker.wire.delivery_times import Times, message_times, now_ms, time_headers, timed_array_header
 from conveyor.broker.wire.protocol import Command, decode, error_from_header
 from conveyor.broker.wire.values import make_record
 
@@ -138,15 +140,20 @@ def _encode_record(value: Any, key: str | bytes | None, headers: dict[str, str] 
 class _Buffer:
     """The batch being filled for one topic."""
 
-    __slots__ = ("batch", "body", "count", "opened")
+    __slots__ = ("batch", "body", "count", "opened", "times")
 
     def __init__(
-        self, opened: float, explain_timeout: Callable[[float | None], BaseException], partition: int = 0
+        self,
+        opened: float,
+        explain_timeout: Callable[[float | None], BaseException],
+        partition: int = 0,
+        times: Times | None = None,
     ) -> None:
         self.body = bytearray()
         self.count = 0
         self.batch = BatchState(explain_timeout, partition)
         self.opened = opened
+        self.times = times  # a timed batch's (not_before_ms, expires_ms): its messages' all, rounded alike
 
 
 @dataclass(slots=True)
@@ -217,6 +224,7 @@ class Producer:
         self.buffer_memory = buffer_memory
         self.max_block = max_block_ms / 1000
         self.linger = linger_ms / 1000
+        self.time_window_ms = max(1, round(linger_ms))  # delayed/expiring messages share a batch within it
         self.batch_size = batch_size
         self.max_batch_bytes = max_batch_bytes
         # Following a new leader resends a topic's unconfirmed batches; each must still be within the
@@ -262,12 +270,25 @@ class Producer:
         key: str | bytes | None = None,
         headers: dict[str, str] | None = None,
         partition: int | None = None,
+        delay: float | timedelta | None = None,
+        not_before: datetime | float | None = None,
+        ttl: float | timedelta | None = None,
     ) -> Future[int]:
         """Queue one message; the future resolves to its offset (an ``Offset``, with ``.partition``) once durable.
 
         ``partition``: this one; else the key's (docs/partitions.md); else the current keyless batch's.
+        ``delay`` (seconds or a timedelta) or ``not_before`` (a datetime, or seconds since the epoch): the
+        broker holds the message back from consumer groups until then; ``ttl`` (seconds or a timedelta):
+        not delivered by then, it goes to the dead-letter topic with ``x-last-error: expired``. Such messages
+        go in batches of their own (README, "Delayed messages and expiry"); a bad value raises
+        ``InvalidDeliveryTime`` and queues nothing.
         """
         topic = self.partitioner.route(topic, key, partition)
+        times = None
+        if delay is not None or not_before is not None or ttl is not None:
+            times = message_times(now_ms(), delay=delay, not_before=not_before, ttl=ttl, window_ms=self.time_window_ms)
+            if times is not None:
+                headers = time_headers(times, headers)
         if type(value) is bytes and key is None and headers is None:  # the fast path: nothing to encode
             try:
                 record = _RECORD_PREFIX[len(value)] + value
@@ -282,8 +303,8 @@ class Producer:
                 self._wait_for_room(len(record))
             self._held += len(record)
             buf = self._buffers.get(topic)
-            if buf is None or len(buf.body) + len(record) > self.max_batch_bytes:
-                buf = self._open_buffer(topic, buf, direct=self._direct)
+            if buf is None or len(buf.body) + len(record) > self.max_batch_bytes or buf.times != times:
+                buf = self._open_buffer(topic, buf, direct=self._direct, times=times)
             buf.body += record
             index = buf.count
             buf.count = index + 1
@@ -329,7 +350,7 @@ class Producer:
         while done < total:
             with self._lock:
                 buf = self._buffers.get(topic)
-                if buf is None or len(buf.body) + len(records[done]) > self.max_batch_bytes:
+                if buf is None or len(buf.body) + len(records[done]) > self.max_batch_bytes or buf.times is not None:
                     buf = self._open_buffer(topic, buf)
                 take = min(total - done, self.batch_size - buf.count)
                 chunk = records[done : done + take]
@@ -364,17 +385,21 @@ class Producer:
                 self._hand_off(topic)
             self._room.wait(remaining)
 
-    def _open_buffer(self, topic: str, full: _Buffer | None, *, direct: bool = False) -> _Buffer:
+    def _open_buffer(
+        self, topic: str, full: _Buffer | None, *, direct: bool = False, times: Times | None = None
+    ) -> _Buffer:
         """Under the lock: a fresh buffer for ``topic``, handing off the full one.
 
         ``direct``: the caller tries ``_send_now`` after the lock, and wakes the I/O thread itself if that fails.
+        ``times``: a timed batch's; a message with other times (or none) hands it off and opens another, so a
+        topic has one open batch and its batches keep the order of ``send()`` calls.
         """
         if self._closed:
             raise RuntimeError("producer is closed")
         if full is not None:
             self._hand_off(topic, wake=not direct)
         explain = functools.partial(self._result_timed_out, topic)
-        buf = self._buffers[topic] = _Buffer(time.monotonic(), explain, split_log(topic)[1])
+        buf = self._buffers[topic] = _Buffer(time.monotonic(), explain, split_log(topic)[1], times)
         if not direct and not self._woken:  # the I/O thread starts the linger clock
             self._woken = True
             self._wake()
@@ -765,7 +790,7 @@ class _ProducerIO:
         seq = self.seqs.get(topic, 0)
         self.seqs[topic] = seq + 1
         now = time.monotonic()
-        body = _array_header(buf.count) + buf.body
+        body = (timed_array_header(buf.count) if buf.times else _array_header(buf.count)) + buf.body
         flight = _InFlight(next(self.rids), topic, seq, body, buf.count, buf.batch, now, now, held=len(buf.body))
         self.in_flight[flight.rid] = flight
         self.per_topic[topic] = self.per_topic.get(topic, 0) + 1

@@ -215,6 +215,8 @@ class DeadLetters:
         self.writes.append(DeadWrite(group, dead, target, result.base_offset + result.count))
         self.appended.add(target.name)
         self._metrics.dead_lettered_messages.labels(group.topic, group.name).inc(built[1])
+        if dead.expired:
+            self._metrics.expired_messages.labels(group.topic, group.name).inc(built[1])
 
     def settle_durable(self) -> None:
         """Settle the dead letters now durable (their groups' offsets may commit) and tell their members."""

@@ -17,6 +17,7 @@ from typing import Any
 
 import msgpack
 from conveyor.broker.log.topic_log import TopicLog
+from conveyor.broker.wire.delivery_times import EXPIRED, TIMED_MARK, batch_times
 from conveyor.broker.wire.entry import wire_entry
 from conveyor.broker.wire.ranges import Range, count, intersect, normalize, subtract, to_ranges, window
 from conveyor.broker.wire.record import Batch, pack_records, unpack_records
@@ -184,6 +185,7 @@ class DeadLetter:
     by_broker: bool = False  # past max_deliveries (not a TERM): the consumer is told with an EVENT
     member: bytes = b""  # the member that had them last
     first_ms: int = 0
+    expired: bool = False  # a timed batch past its expiry: saved as unsettled, so a restart checks it again
 
 
 _chunk_ids = itertools.count(1)
@@ -195,6 +197,11 @@ MAX_SAVED_RANGES = 10_000
 # What a saved range is: not dead, past max_deliveries (the broker dead-letters it), terminated (TERM).
 LIVE, DEAD_BY_BROKER, TERMINATED = 0, 1, 2
 RESTARTED = "redelivered after a broker restart"
+WAITING = "delayed"  # the note of a timed batch held back until its not-before time
+
+
+def _wall_ms() -> int:
+    return int(time.time() * 1000)
 
 
 class Group:
@@ -222,6 +229,7 @@ class Group:
         self.settings_changed: dict[str, Any] | None = None  # the last change a newer subscription made
         self.skipped_by_retention = 0  # messages retention deleted before this group got to them
         self.on_skip: Callable[[Group, int], None] | None = None  # told of each skip (log and count it)
+        self.wall_ms: Callable[[], int] = _wall_ms  # the wall clock (ms) that timed batches' times are on
 
     def apply_settings(self, settings: GroupSettings) -> None:
         """New settings from a newer subscription: leases and deliveries from now on follow them."""
@@ -399,7 +407,7 @@ class Group:
             due = int(now_ms + (p.not_before - now) * 1000) if p.not_before > now else 0
             rows += [[a, b, p.deliveries, p.first_ms, due, DEAD_BY_BROKER if p.dead else LIVE] for a, b in p.ranges]
         for d in [*self.dead, *dying]:
-            dead = DEAD_BY_BROKER if d.by_broker else TERMINATED
+            dead = LIVE if d.expired else DEAD_BY_BROKER if d.by_broker else TERMINATED
             rows += [[a, b, d.deliveries, d.first_ms, 0, dead] for a, b in d.ranges]
         rows.sort()
         next_offset = self.next_offset
@@ -513,12 +521,13 @@ class Group:
         """
         self.skip_retained(log.start_offset)  # what retention deleted stays skipped, whatever happens next
         first_id, next_offset, pending, rr = next(_chunk_ids), self.next_offset, list(self.pending), self._rr
+        dead = list(self.dead)
         try:
             return self.dispatch(log)
         except Exception:
             for chunk in [c for c in self.chunks.values() if c.id > first_id]:
                 self._drop_chunk(chunk)
-            self.next_offset, self.pending, self._rr = next_offset, pending, rr
+            self.next_offset, self.pending, self._rr, self.dead = next_offset, pending, rr, dead
             raise
 
     def _members_with_credit(self, avoid: bytes = b"") -> Iterator[Member]:
@@ -553,6 +562,9 @@ class Group:
             end = min(batch.next_offset, first + take, limit)
             if end <= first:
                 break
+            if batch.body[0] == TIMED_MARK and self._timed(batch, first, min(batch.next_offset, limit), 0, 0):
+                self.next_offset = min(batch.next_offset, limit)  # held back or expired: later batches flow
+                continue
             entries.append(slice_entry(batch, first, end, 1))
             take -= end - first
             self.next_offset = end
@@ -592,17 +604,16 @@ class Group:
 
     def _dispatch_pending(self, log: TopicLog, plans: Plans) -> None:
         now = self.clock()
-        still: list[Pending] = []
-        for item in sorted(self.pending, key=lambda p: p.ranges[0][0]):
-            if item.not_before > now or item.dead:
-                still.append(item)
-                continue
+        still = [p for p in self.pending if p.not_before > now or p.dead]  # waiting: not even sorted
+        due = [p for p in self.pending if not (p.not_before > now or p.dead)]
+        waiting = len(self.pending)  # what redelivering holds back again (a timed batch) is appended after
+        for item in sorted(due, key=lambda p: p.ranges[0][0]):
             remaining = self._redeliver(log, item, plans)
             if remaining:
                 still.append(
                     Pending(remaining, item.deliveries, item.not_before, item.last_error, item.avoid, item.first_ms)
                 )
-        self.pending = still
+        self.pending = still + self.pending[waiting:]
 
     def _redeliver(self, log: TopicLog, item: Pending, plans: Plans) -> list[Range]:
         ranges = [r for r in item.ranges if r[1] > log.start_offset]
@@ -612,7 +623,7 @@ class Group:
             if member is None:
                 break
             taken, ranges = _take_prefix(ranges, min(member.available, member.batch_size))
-            found = (e for a, b in taken for e in entries_for(log, a, b, item.deliveries + 1))
+            found = (e for a, b in taken for e in self._entries_due(log, a, b, item))
             entries = list(itertools.islice(found, MAX_ENTRIES + 1))  # read no further than one DELIVER holds
             if len(entries) > MAX_ENTRIES:  # many small batches: the rest goes in the next DELIVER
                 taken, rest = _split_at(taken, entries[MAX_ENTRIES].first)
@@ -622,6 +633,46 @@ class Group:
                 self._record(member, _covered(entries), item.deliveries + 1, entries, plans, item.first_ms)
                 self._advance_rr(member)
         return ranges
+
+    def _entries_due(self, log: TopicLog, start: int, end: int, item: Pending) -> Iterator[Entry]:
+        """``entries_for`` the redelivery of ``item``, less timed batches not due yet or expired (``_timed``)."""
+        for batch in _batches_between(log, start, end):
+            first, last = max(start, batch.base_offset), min(end, batch.next_offset)
+            if batch.body[0] == TIMED_MARK and self._timed(batch, first, last, item.deliveries, item.first_ms):
+                continue
+            yield slice_entry(batch, first, last, item.deliveries + 1)
+
+    # --- delayed and expiring batches -----------------------------------------------------
+
+    def _timed(
+        self, batch: Batch, first: int, end: int, deliveries: int, first_ms: int, blocked: set[Any] | None = None
+    ) -> bool:
+        """``[first, end)`` of a timed batch, about to be delivered: True if it is not, because it is not due
+        yet (held back in ``pending`` until its not-before time, its delivery not counted) or expired (a dead
+        letter, reason ``expired``). False for a batch without times, or due and unexpired: deliver it.
+
+        Called only for a body marked timed (``TIMED_MARK``): other batches pay one byte compare. Key
+        affinity (``blocked`` given): a held batch's keys are blocked, so later messages of those keys wait
+        behind it, as behind a delayed redelivery.
+        """
+        times = batch_times(batch.body)
+        if times is None:
+            return False
+        not_before, expires = times
+        now_ms = self.wall_ms()
+        if expires and now_ms >= expires:
+            self.dead.append(DeadLetter([(first, end)], deliveries, EXPIRED, False, b"", first_ms, expired=True))
+            return True
+        if not_before <= now_ms:
+            return False
+        keys = None
+        if blocked is not None:
+            records = unpack_records(batch.body)
+            keys = frozenset(r[0] for r in records[first - batch.base_offset : end - batch.base_offset])
+            blocked |= keys
+        due = self.clock() + (not_before - now_ms) / 1000
+        self.pending.append(Pending([(first, end)], deliveries, due, WAITING, b"", first_ms, keys=keys))
+        return True
 
     # --- key affinity ------------------------------------------------------------------
 
@@ -660,6 +711,7 @@ class Group:
             else:
                 segments += [(a, b, item) for a, b in item.ranges]
         segments.sort(key=_segment_start)
+        waiting = len(self.pending)  # what routing holds back again (a timed batch) is appended after
         kept: dict[int, tuple[Pending, list[Range], bool]] = {}  # id(item) -> item, kept ranges, by credit
         stopped = False
         for a, b, item in segments:
@@ -690,7 +742,7 @@ class Group:
                         keys=item.keys,
                     )
                 )
-        self.pending = out
+        self.pending = out + self.pending[waiting:]
         if not stopped:
             self._dispatch_keyed(log, plans, max_bytes, blocked)
 
@@ -753,8 +805,11 @@ class Group:
     ) -> int | None:
         """Plan ``[start, end)`` of a batch to its keys' owners; the offset where one ran out of credit, or None.
 
-        Offsets whose key is in ``blocked`` go to ``held`` instead.
+        Offsets whose key is in ``blocked`` go to ``held`` instead; a timed batch not due yet is held back
+        whole (``_timed``), and its keys join ``blocked``.
         """
+        if batch.body[0] == TIMED_MARK and self._timed(batch, start, end, deliveries - 1, first_ms, blocked):
+            return None
         records = unpack_records(batch.body)
         keys = [record[0] for record in records]
         picked: dict[int, tuple[Member, list[int]]] = {}

@@ -45,6 +45,7 @@ BROKER: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "nacked_messages": ("conveyor_nacked_messages", "counter", GROUP),
     "redelivered_messages": ("conveyor_redelivered_messages", "counter", (*GROUP, "reason")),
     "dead_lettered_messages": ("conveyor_dead_lettered_messages", "counter", GROUP),
+    "expired_messages": ("conveyor_expired_messages", "counter", GROUP),
     "dead_letter_failures": ("conveyor_dead_letter_failures", "counter", (*GROUP, "reason")),
     "group_settings_changes": ("conveyor_group_settings_changes", "counter", GROUP),
     "internal_errors": ("conveyor_internal_errors", "counter", ("where",)),

@@ -208,10 +208,14 @@ class _Producer:
     def __init__(self) -> None:
         self.sent: list[tuple[str, Any, dict[str, str]]] = []
         self.futures: list[Future[int]] = []
+        self.times: list[dict[str, Any]] = []
 
-    def send(self, topic: str, value: Any, *, key: Any = None, headers: Any = None, partition: Any = None) -> Future:
+    def send(
+        self, topic: str, value: Any, *, key: Any = None, headers: Any = None, partition: Any = None, **times: Any
+    ) -> Future:
         future: Future[int] = Future()
         self.sent.append((topic, value, headers))
+        self.times.append(times)
         self.futures.append(future)
         return future
 
@@ -252,6 +256,19 @@ def test_the_lane_reports_an_ack_only_after_the_publish_is_confirmed_and_a_retry
         assert got.wait(30)
         assert reports[1].acked == [] and [o for o, _d, _e in reports[1].retried] == [5]
         assert "PublishFailed" in reports[1].retried[0][2]
+    finally:
+        lane.close()
+
+
+def test_a_handler_publishes_a_delayed_expiring_message_and_is_acked_on_its_confirm_not_its_delay():
+    producer = _Producer()
+    lane, reports, got = _lane_with(lambda m: context().publish("out", 1, delay=30, ttl=60), producer)
+    try:
+        lane.submit("slot", [Message("t", 0, 0.0, None, {}, b"x")])
+        wait_for(lambda: producer.futures, 30, message="published")
+        assert producer.times == [{"delay": 30, "ttl": 60}], "passed to the runner's producer as they came"
+        producer.futures[0].set_result(0)
+        assert got.wait(30) and reports[0].acked == [0]
     finally:
         lane.close()
 

@@ -221,6 +221,9 @@ class Supervisor:
                     if ready is not None:
                         ready(self)
             self._stop_all()
+        except BaseException:
+            self._kill_all("the supervisor failed")  # never leave workers behind without their supervisor
+            raise
         finally:
             self._restore_signals(previous)
             self._close()
@@ -314,7 +317,8 @@ class Supervisor:
         worker.proc = None
         self.metrics.workers.set(len(self.pids()))
         if self._stopping:
-            self.codes.append(code)
+            # One not ready yet holds no message: ended by the SIGTERM it got before its handlers, it stopped cleanly.
+            self.codes.append(exitcodes.OK if code == -signal.SIGTERM and not worker.ready else code)
             log.info("worker %d (pid %d) stopped: %s", worker.index, proc.pid, describe_exit(code))
         elif code == exitcodes.ERROR and not worker.ready:
             self.boot_error = code

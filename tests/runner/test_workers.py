@@ -165,11 +165,27 @@ def test_a_crash_looping_worker_is_restarted_with_a_growing_backoff():
     assert supervisor.workers[0].quick_deaths == supervisor.died
 
 
-def test_stand_in_workers_that_never_get_ready_are_stopped_on_request():
+def test_workers_stopped_before_they_were_ready_stopped_cleanly():
+    # Given workers still starting (they hold no message yet) when the stop comes
     supervisor = Supervisor([sys.executable, "-c", "import time; time.sleep(60)"], 2, metrics_port=-1)
     stop_after(supervisor, lambda: len(supervisor.pids()) == 2)
-    assert supervisor.run() == exitcodes.WORKERS_DIED  # SIGTERM's default action killed them: not a clean drain
-    assert supervisor.codes == [-signal.SIGTERM, -signal.SIGTERM] and not os.path.exists(supervisor.metrics_dir)
+    # Then SIGTERM's default action ending them is a clean stop, and the metrics directory is gone
+    assert supervisor.run() == exitcodes.OK
+    assert supervisor.codes == [0, 0] and not os.path.exists(supervisor.metrics_dir)
+
+
+def test_a_worker_killed_at_the_stop_deadline_makes_the_exit_code_say_workers_died(monkeypatch):
+    import conveyor.consumers.supervisor as supervisor_module
+
+    # Given a worker that ignores SIGTERM and says it is ready, and no time to drain
+    monkeypatch.setattr(supervisor_module, "KILL_MARGIN", 0.0)
+    code = "import os, signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+    code += "fd = int(os.environ['CONVEYOR_WORKER'].split(':')[1]); os.write(fd, b'R'); time.sleep(60)"
+    supervisor = Supervisor([sys.executable, "-c", code], 1, metrics_port=-1, graceful_timeout=0.0)
+    stop_after(supervisor, lambda: supervisor.serving)
+    # Then it is killed at once, counted, and the exit code says a worker died
+    assert supervisor.run() == exitcodes.WORKERS_DIED
+    assert supervisor.killed == 1 and supervisor.died == 0
 
 
 def test_restart_delay_doubles_up_to_the_cap():

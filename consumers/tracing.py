@@ -80,6 +80,14 @@ class TracingMiddleware:
     def on_error(self, message: Any, exc: BaseException) -> None:
         self._end(message, exc)
 
+    def on_stop(self, runner: Any) -> None:
+        """Spans of messages whose handlers never came back (abandoned at the graceful timeout) end now,
+        so the exporter still gets them."""
+        for _, span in list(self._spans.values()):
+            span.set_attribute("messaging.conveyor.abandoned", True)
+            span.end()
+        self._spans.clear()
+
     def _end(self, message: Any, exc: BaseException | None) -> None:
         entry = self._spans.pop(id(message), None)
         if entry is None or entry[0] is not message:  # no span (the broker dead-lettered it unseen)

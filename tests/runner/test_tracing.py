@@ -15,6 +15,7 @@ import logging
 import subprocess
 import sys
 import textwrap
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -108,6 +109,15 @@ async def mail_async(message: Any) -> None:
     pass
 
 
+entered, release = threading.Event(), threading.Event()
+
+
+@consumer("stuck", group="stuck")
+def stuck(message: Any) -> None:
+    entered.set()
+    release.wait(60)
+
+
 # --- in-process: the real runner, the in-memory exporter --------------------------------------------
 
 
@@ -181,6 +191,18 @@ def test_an_async_handler_publishes_inside_its_span(exporter):
     assert chain[0].parent is None
     for parent, child in itertools.pairwise(chain):
         assert parent_of(child, parent), (child.name, parent.name)
+
+
+def test_the_span_of_a_handler_abandoned_at_shutdown_ends_when_the_runner_stops(exporter):
+    try:
+        with run_consumers(stuck, graceful_timeout=0.2) as app:
+            topic = app.topic("stuck")
+            app.publish("stuck", b"x")
+            assert entered.wait(30)
+        (span,) = finished(exporter, f"process {topic}")[f"process {topic}"]
+        assert (span.attributes or {})["messaging.conveyor.abandoned"] is True
+    finally:
+        release.set()
 
 
 def test_the_runner_adds_tracing_only_when_a_tracer_provider_is_configured(exporter):

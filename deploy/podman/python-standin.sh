@@ -12,9 +12,18 @@ IMAGE="${PYTHON_IMAGE:-docker.io/library/python:3.11-slim}"
 SUITE="${DEBIAN_SUITE:-bookworm}"
 LABEL=org.conveyor.standin
 
+# One container run, so that a host where podman cannot start containers (cgroups, runtime, storage) fails
+# here with runc's own words rather than in the middle of a build.
+smoke_test() {
+    out=$(timeout 120 podman run --rm --network none "$IMAGE" python -c 'import sys, venv; print(sys.version.split()[0])' 2>&1) \
+        || { echo "python-standin: FAILED: podman cannot run a container of $IMAGE here:" >&2; echo "$out" >&2; exit 1; }
+    echo "python-standin: a container of $IMAGE runs Python $out"
+}
+
 if podman image exists "$IMAGE" && [ "${STANDIN_REBUILD:-0}" != 1 ]; then
     kind=$(podman image inspect --format "{{ index .Labels \"$LABEL\" }}" "$IMAGE")
     echo "python-standin: $IMAGE exists (${kind:-not a stand-in}), kept"
+    smoke_test
     exit 0
 fi
 
@@ -75,3 +84,4 @@ tar -C "$root" -c . | timeout 600 podman import \
     --change 'CMD ["python3"]' \
     - "$IMAGE"
 echo "python-standin: built $IMAGE from debootstrap $SUITE"
+smoke_test

@@ -164,3 +164,13 @@ def test_grafana_gets_the_shipped_dashboards_and_a_datasource_with_their_uid() -
     assert ours["url"] == "http://prometheus:9090"
     for dashboard in sorted((REPO / "grafana" / "dashboards").glob("*.json")):
         assert shipped["uid"] in dashboard.read_text(), f"{dashboard.name} does not default to {shipped['uid']}"
+
+
+def test_ci_runs_the_container_checks_after_the_suite() -> None:
+    """`.ci/run` is what CI runs: the slow container checks come after `make test`, and a failure stops it."""
+    ci = (REPO / ".ci" / "run").read_text()
+    assert "set -euo pipefail" in ci
+    steps = re.findall(r"^\s*step (\S+)", ci, flags=re.M)
+    assert steps == ["test", "image", "compose-test"], steps
+    makefile = (REPO / "Makefile").read_text()
+    assert all(re.search(rf"^{target}:", makefile, flags=re.M) for target in steps)

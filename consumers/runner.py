@@ -119,7 +119,9 @@ class Runner:
             raise ConfigError(f"--backlog-warning must be 0 (off) or more, not {backlog_warning}")
         self.backlog_warning = backlog_warning
         # OpenTelemetry's TracingMiddleware goes first when a TracerProvider is configured (consumers/tracing.py)
-        self.middleware = with_tracing([_instance(m, "Runner(middleware=...)") for m in middleware])
+        self.middleware = with_tracing(
+            [_instance(m, "Runner(middleware=...)") for m in middleware], (m for c in consumers for m in c.middleware)
+        )
         for c in consumers:
             c.middleware = [_instance(m, f"{c.name}: @consumer(middleware=...)") for m in c.middleware]
         # One broker or a bootstrap list (comma-separated); CONVEYOR_BROKER when not given. Each subscription

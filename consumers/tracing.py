@@ -27,6 +27,7 @@ batch's last message; every message of the batch still has its own span.
 from __future__ import annotations
 
 import contextvars
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 from conveyor.broker.client.tracing import Tracing, fail_span, process_attributes, tracing
@@ -107,10 +108,11 @@ class TracingMiddleware:
             self.api.context.detach(attached[1])
 
 
-def with_tracing(middleware: list[Any]) -> list[Any]:
+def with_tracing(middleware: list[Any], consumers_own: Iterable[Any] = ()) -> list[Any]:
     """The runner's middleware, with ``TracingMiddleware`` first when opentelemetry is installed, a
-    TracerProvider is configured now, and none was given; else ``middleware`` as it is."""
-    if any(isinstance(m, TracingMiddleware) for m in middleware):
+    TracerProvider is configured now, and none was given (to the runner, or to a consumer: ``consumers_own``,
+    where a class may stand for its instance); else ``middleware`` as it is."""
+    if any(isinstance(m, TracingMiddleware) or m is TracingMiddleware for m in (*middleware, *consumers_own)):
         return middleware
     api = tracing()
     if api is None or api.tracer() is None:

@@ -210,6 +210,7 @@ def test_the_runner_adds_tracing_only_when_a_tracer_provider_is_configured(expor
     assert with_tracing([ours]) == [ours]
     added = with_tracing([])
     assert len(added) == 1 and isinstance(added[0], TracingMiddleware)
+    assert with_tracing([], [TracingMiddleware]) == []  # a consumer has it already: not twice
     set_global_provider(None)
     assert with_tracing([]) == []
 

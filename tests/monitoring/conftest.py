@@ -15,8 +15,8 @@ def runner_factory(tmp_path: Path) -> Iterator:
     """Start ``conveyor run app_monitored`` processes; all are killed afterwards."""
     started: list[RunnerProcess] = []
 
-    def start(address: str, *, env: dict[str, str] | None = None) -> RunnerProcess:
-        runner = start_runner(address, tmp_path / f"runner-{len(started)}", env=env)
+    def start(address: str, *, env: dict[str, str] | None = None, args: list[str] | None = None) -> RunnerProcess:
+        runner = start_runner(address, tmp_path / f"runner-{len(started)}", env=env, args=args)
         started.append(runner)
         return runner
 

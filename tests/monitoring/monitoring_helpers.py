@@ -46,9 +46,11 @@ SUFFIXES = {
 # --- processes ---------------------------------------------------------------------------------------------
 
 
-def start_runner(address: str, out: Path, *, env: dict[str, str] | None = None) -> RunnerProcess:
+def start_runner(
+    address: str, out: Path, *, env: dict[str, str] | None = None, args: list[str] | None = None
+) -> RunnerProcess:
     """``conveyor run app_monitored`` against ``address``, with a random metrics port."""
-    return RunnerProcess(address, out, "app_monitored", env={"PYTHONPATH": str(APPS), **(env or {})})
+    return RunnerProcess(address, out, "app_monitored", env={"PYTHONPATH": str(APPS), **(env or {})}, args=args)
 
 
 def runner_metrics_url(runner: RunnerProcess) -> str:

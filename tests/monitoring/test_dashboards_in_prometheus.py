@@ -8,7 +8,8 @@ down) and Prometheus scrapes the three every second. Then each panel query and e
 query is evaluated through Prometheus' HTTP API, with the variables substituted as Grafana would, and
 must return at least one series. The `topic` variable lists topics, never a partition's log, and a
 per-topic panel adds a topic's partitions up. The `job` and `instance` variables list the scraped brokers
-(or runners), every panel shows the parent and the child apart, and the limits drawn next to usage are
+(or runners; the scraped runner is a `--workers 2` supervisor, whose workers' metrics are merged), every panel
+shows the parent and the child apart, and the limits drawn next to usage are
 each broker's own (the child runs with a smaller --disk-free-min-bytes). Prometheus also loads the shipped alert rules
 (monitoring/alerts.yml): every rule must evaluate cleanly on these series, and the torn tail and the
 dead letters must raise their alerts.
@@ -148,8 +149,9 @@ def test_every_dashboard_query_returns_data(tmp_path: Path, runner_factory: Any)
         wait_for(lambda: mirror_reconnects(child, broker.address) >= 1, timeout=10, message="a mirror reconnect")
         tear_tail(tmp_path / "broker" / "topics" / "orders", b"\x00\x01torn" * 7)
         broker.restart()
-        # And a runner, plus a second one in the same groups that will die mid-traffic
-        runner = runner_factory(broker.address)
+        # And a runner of two worker processes (one scrape shows both, merged), plus a second runner in the same
+        # groups that will die mid-traffic
+        runner = runner_factory(broker.address, args=["--workers", "2"])
         victim = runner_factory(broker.address)
         # And Prometheus scraping both brokers and the surviving runner every second
         parent_target, child_target = target(broker.metrics_url), target(child.metrics_url)

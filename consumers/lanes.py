@@ -283,7 +283,46 @@ def units(consumer: Consumer, chunk: list[Message]) -> list[list[Message]]:
     return [[m] for m in chunk]
 
 
-class ThreadLane:
+class _Lane:
+    """What a sync and an async lane share: the consumer's call, its key gate, its publishing context."""
+
+    def __init__(
+        self,
+        consumer: Consumer,
+        done: Callable[[Report], None],
+        stopping: threading.Event,
+        hooks: Hooks | None,
+        publisher: Publisher | None,
+    ) -> None:
+        self.consumer = consumer
+        self.done = done
+        self.stopping = stopping
+        self.gate = KeyGate()
+        self.busy = 0
+        self.call = handler_call(consumer)
+        self.hooks = hooks or None
+        self.ctx = Context(publisher, consumer, consumer.confirm_publishes)
+
+    def _work(self, slot: Any, chunk: list[Message], dead: BaseException | None) -> tuple[Report, Work]:
+        """The units of a chunk (or of ``dead`` messages, for their error handlers) and the report they fill."""
+        report = Report(slot)
+        work = Work(self.consumer, self.gate, report, self.stopping, self.hooks)
+        if dead is None:
+            work.add(chunk)
+        else:
+            work.dead_lettered(chunk, dead)
+        return report, work
+
+    def _begin(self, unit: list[Message], cursor: Any) -> float:
+        """Before a unit's call: log lines, hooks and ``conveyor.publish()`` now refer to it; its start time."""
+        cursor.current = unit
+        if self.hooks:
+            self.hooks.before(unit)
+        self.ctx.begin(unit)
+        return time.perf_counter()
+
+
+class ThreadLane(_Lane):
     """A thread running a sync handler over queued chunks."""
 
     def __init__(
@@ -296,15 +335,8 @@ class ThreadLane:
         hooks: Hooks | None = None,
         publisher: Publisher | None = None,
     ) -> None:
-        self.consumer = consumer
-        self.done = done
-        self.stopping = stopping
+        super().__init__(consumer, done, stopping, hooks, publisher)
         self.queue: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
-        self.gate = KeyGate()
-        self.busy = 0
-        self.call = handler_call(consumer)
-        self.hooks = hooks or None
-        self.ctx = Context(publisher, consumer, consumer.confirm_publishes)
         self.thread = threading.Thread(target=self._run, name=name, daemon=True)
         self.thread.start()
 
@@ -328,21 +360,12 @@ class ThreadLane:
     def _process(self, slot: Any, chunk: list[Message], dead: BaseException | None = None) -> Report:
         if not (self.consumer.batch or self.consumer.key_ordered or dead):
             return self._process_plain(slot, chunk)
-        report = Report(slot)
-        work = Work(self.consumer, self.gate, report, self.stopping, self.hooks)
-        if dead is None:
-            work.add(chunk)
-        else:
-            work.dead_lettered(chunk, dead)
-        fn, batch, ctx, hooks = self.call, self.consumer.batch, self.ctx, self.hooks
+        report, work = self._work(slot, chunk, dead)
+        fn, batch, ctx = self.call, self.consumer.batch, self.ctx
         token, cursor = enter_handling(self.consumer)  # log lines made meanwhile name the unit handled
         try:
             while (unit := work.next()) is not None:
-                cursor.current = unit
-                if hooks:
-                    hooks.before(unit)
-                ctx.begin(unit)
-                started = time.perf_counter()
+                started = self._begin(unit, cursor)
                 exc: BaseException | None = None
                 result = None
                 try:
@@ -406,7 +429,7 @@ class ThreadLane:
         return report
 
 
-class AsyncLane:
+class AsyncLane(_Lane):
     """A task on the runner's event loop running an ``async def`` handler."""
 
     def __init__(
@@ -419,15 +442,8 @@ class AsyncLane:
         hooks: Hooks | None = None,
         publisher: Publisher | None = None,
     ) -> None:
-        self.consumer = consumer
-        self.done = done
-        self.stopping = stopping
+        super().__init__(consumer, done, stopping, hooks, publisher)
         self.loop = loop
-        self.gate = KeyGate()
-        self.busy = 0
-        self.call = handler_call(consumer)
-        self.hooks = hooks or None
-        self.ctx = Context(publisher, consumer, consumer.confirm_publishes)
         self.queue: asyncio.Queue[Job | None] = asyncio.Queue()
         self.task = asyncio.run_coroutine_threadsafe(self._run(), loop)
 
@@ -453,22 +469,13 @@ class AsyncLane:
                 self.busy -= 1
 
     async def _process(self, slot: Any, chunk: list[Message], dead: BaseException | None = None) -> Report:
-        report = Report(slot)
-        work = Work(self.consumer, self.gate, report, self.stopping, self.hooks)
-        if dead is None:
-            work.add(chunk)
-        else:
-            work.dead_lettered(chunk, dead)
+        report, work = self._work(slot, chunk, dead)
         fn: Callable[[Any], Awaitable[Any]] = self.call
-        batch, ctx, hooks = self.consumer.batch, self.ctx, self.hooks
+        batch, ctx = self.consumer.batch, self.ctx
         token, cursor = enter_handling(self.consumer)  # log lines made meanwhile name the unit handled
         try:
             while (unit := work.next()) is not None:
-                cursor.current = unit
-                if hooks:
-                    hooks.before(unit)
-                ctx.begin(unit)
-                started = time.perf_counter()
+                started = self._begin(unit, cursor)
                 exc: BaseException | None = None
                 result = None
                 try:

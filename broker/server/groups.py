@@ -11,6 +11,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -189,6 +190,7 @@ class DeadLetter:
 
 
 _chunk_ids = itertools.count(1)
+_wait_ids = itertools.count(1)  # orders waiting batches of one due time, and tells a dispatch's own
 
 # groups.json keeps at most this many unsettled ranges per group, the lowest: the group's saved next
 # offset stops before the first one left out, so what lies beyond is delivered again (at least once),
@@ -230,9 +232,18 @@ class Group:
         self.skipped_by_retention = 0  # messages retention deleted before this group got to them
         self.on_skip: Callable[[Group, int], None] | None = None  # told of each skip (log and count it)
         self.wall_ms: Callable[[], int] = _wall_ms  # the wall clock (ms) that timed batches' times are on
+        # Timed batches held back until their not-before time (``_timed``): a heap by due time, apart from
+        # ``pending`` so that a dispatch looks at the earliest only, however many wait. With key affinity,
+        # ``_waiting_keys`` counts the keys they hold (the keys later messages wait behind).
+        self.waiting: list[tuple[float, int, Pending]] = []
+        self._waiting_keys: Counter[Any] = Counter()
+        self._waiting_keys_stale = False  # key affinity turned on while batches waited: count their keys again
+        self._retained_start = 0  # the log start the waiting batches were last cut to
 
     def apply_settings(self, settings: GroupSettings) -> None:
         """New settings from a newer subscription: leases and deliveries from now on follow them."""
+        if settings.key_affinity and not self.settings.key_affinity and self.waiting:
+            self._waiting_keys_stale = True
         self.settings = settings
 
     # --- membership --------------------------------------------------------------
@@ -385,6 +396,11 @@ class Group:
         times = [self._leases[0][0]] if self._leases else []
         now = self.clock()
         times += [p.not_before for p in self.pending if p.not_before > now]
+        if self.waiting and self.waiting[0][0] <= now:  # came due since the dispatch that released the rest
+            self._release_waiting(now)
+            times.append(now)  # one wake-up dispatches it; pending now, it sets no deadline again
+        if self.waiting:
+            times.append(self.waiting[0][0])
         return min(times) if times else None
 
     def has_due(self, now: float) -> bool:
@@ -403,7 +419,7 @@ class Group:
         ``clock()``, ``now_ms`` the wall clock in ms.
         """
         rows = [[a, b, c.deliveries, c.first_ms, 0, LIVE] for c in list(self.chunks.values()) for a, b in c.ranges]
-        for p in list(self.pending):
+        for p in [*self.pending, *(w[2] for w in list(self.waiting))]:
             due = int(now_ms + (p.not_before - now) * 1000) if p.not_before > now else 0
             rows += [[a, b, p.deliveries, p.first_ms, due, DEAD_BY_BROKER if p.dead else LIVE] for a, b in p.ranges]
         for d in [*self.dead, *dying]:
@@ -447,7 +463,7 @@ class Group:
             ranges = chunk.ranges
             if ranges:
                 low = min(low, ranges[0][0])
-        for pending in list(self.pending):
+        for pending in [*self.pending, *(w[2] for w in list(self.waiting))]:
             if pending.ranges:
                 low = min(low, pending.ranges[0][0])
         return low
@@ -459,13 +475,15 @@ class Group:
     @property
     def pending_messages(self) -> int:
         """Offsets waiting to be redelivered (nacked, expired, or dead letters that could not be stored)."""
-        return sum(count(p.ranges) for p in list(self.pending))
+        return sum(count(p.ranges) for p in [*self.pending, *(w[2] for w in list(self.waiting))])
 
     def reset(self, offset: int) -> None:
         """Move the group; in-flight and pending work is forgotten."""
         for chunk in list(self.chunks.values()):
             self._drop_chunk(chunk)
         self.pending.clear()
+        self.waiting.clear()
+        self._waiting_keys.clear()
         self._leases.clear()
         self.next_offset = offset
 
@@ -484,6 +502,14 @@ class Group:
         if any(p.ranges and p.ranges[0][0] < start for p in self.pending):
             skipped += _cut_below(self.pending, start)
             self.pending = [p for p in self.pending if p.ranges]
+        if self.waiting and start > self._retained_start:  # retention moved: look at the waiting batches again
+            self._retained_start = start
+            items = [w[2] for w in self.waiting]
+            if any(p.ranges and p.ranges[0][0] < start for p in items):
+                skipped += _cut_below(items, start)
+                self.waiting = [w for w in self.waiting if w[2].ranges]
+                heapq.heapify(self.waiting)
+                self._count_waiting_keys()
         if any(d.ranges and d.ranges[0][0] < start for d in self.dead):
             skipped += _cut_below(self.dead, start)
             self.dead = [d for d in self.dead if d.ranges]
@@ -497,6 +523,8 @@ class Group:
 
     def dispatch(self, log: TopicLog, *, max_bytes: int = 1 << 20) -> list[Delivery]:
         """Plan deliveries for everything deliverable now, round-robin by credit."""
+        if self.waiting and self.waiting[0][0] <= self.clock():
+            self._release_waiting(self.clock())
         if self.next_offset >= log.visible_offset and not self.pending and not self.joining:
             return []  # the common case after an ack: credit came back, nothing new waits
         self.skip_retained(log.start_offset)
@@ -520,14 +548,19 @@ class Group:
         caller to contain. Chunk ids only grow: the new ones are those from the first id taken.
         """
         self.skip_retained(log.start_offset)  # what retention deleted stays skipped, whatever happens next
+        self._release_waiting(self.clock())  # before the copy: a failed dispatch only adds to ``waiting``
         first_id, next_offset, pending, rr = next(_chunk_ids), self.next_offset, list(self.pending), self._rr
-        dead = list(self.dead)
+        dead, first_wait = list(self.dead), next(_wait_ids)
         try:
             return self.dispatch(log)
         except Exception:
             for chunk in [c for c in self.chunks.values() if c.id > first_id]:
                 self._drop_chunk(chunk)
             self.next_offset, self.pending, self._rr, self.dead = next_offset, pending, rr, dead
+            if self.waiting and max(w[1] for w in self.waiting) > first_wait:
+                self.waiting = [w for w in self.waiting if w[1] < first_wait]
+                heapq.heapify(self.waiting)
+                self._count_waiting_keys()
             raise
 
     def _members_with_credit(self, avoid: bytes = b"") -> Iterator[Member]:
@@ -604,16 +637,15 @@ class Group:
 
     def _dispatch_pending(self, log: TopicLog, plans: Plans) -> None:
         now = self.clock()
-        still = [p for p in self.pending if p.not_before > now or p.dead]  # waiting: not even sorted
+        still = [p for p in self.pending if p.not_before > now or p.dead]
         due = [p for p in self.pending if not (p.not_before > now or p.dead)]
-        waiting = len(self.pending)  # what redelivering holds back again (a timed batch) is appended after
         for item in sorted(due, key=lambda p: p.ranges[0][0]):
             remaining = self._redeliver(log, item, plans)
             if remaining:
                 still.append(
                     Pending(remaining, item.deliveries, item.not_before, item.last_error, item.avoid, item.first_ms)
                 )
-        self.pending = still + self.pending[waiting:]
+        self.pending = still
 
     def _redeliver(self, log: TopicLog, item: Pending, plans: Plans) -> list[Range]:
         ranges = [r for r in item.ranges if r[1] > log.start_offset]
@@ -671,8 +703,27 @@ class Group:
             keys = frozenset(r[0] for r in records[first - batch.base_offset : end - batch.base_offset])
             blocked |= keys
         due = self.clock() + (not_before - now_ms) / 1000
-        self.pending.append(Pending([(first, end)], deliveries, due, WAITING, b"", first_ms, keys=keys))
+        item = Pending([(first, end)], deliveries, due, WAITING, b"", first_ms, keys=keys)
+        heapq.heappush(self.waiting, (due, next(_wait_ids), item))
+        if keys:
+            self._waiting_keys.update(keys)
         return True
+
+    def _release_waiting(self, now: float) -> None:
+        """Held-back batches now due join ``pending``: delivered (or found expired) like any redelivery."""
+        while self.waiting and self.waiting[0][0] <= now:
+            item = heapq.heappop(self.waiting)[2]
+            counts = self._waiting_keys
+            for key in item.keys or ():
+                if counts[key] > 1:
+                    counts[key] -= 1
+                else:
+                    counts.pop(key, None)  # no batch holds it any more: later messages of it flow
+            if item.ranges:
+                self.pending.append(item)
+
+    def _count_waiting_keys(self) -> None:
+        self._waiting_keys = Counter(k for w in self.waiting for k in (w[2].keys or ()))
 
     # --- key affinity ------------------------------------------------------------------
 
@@ -692,7 +743,12 @@ class Group:
         sends a key's later message ahead of an earlier one.
         """
         now = self.clock()
-        blocked: set[Any] = set()
+        if self._waiting_keys_stale:  # key affinity came on while batches waited: which keys do they hold?
+            for _due, _id, waiting in self.waiting:
+                self._keys_of(log, waiting)
+            self._count_waiting_keys()
+            self._waiting_keys_stale = False
+        blocked: set[Any] = set(self._waiting_keys)  # later messages of a held-back batch's keys wait behind it
         out: list[Pending] = []
         due: list[Pending] = []
         for item in self.pending:
@@ -711,7 +767,6 @@ class Group:
             else:
                 segments += [(a, b, item) for a, b in item.ranges]
         segments.sort(key=_segment_start)
-        waiting = len(self.pending)  # what routing holds back again (a timed batch) is appended after
         kept: dict[int, tuple[Pending, list[Range], bool]] = {}  # id(item) -> item, kept ranges, by credit
         stopped = False
         for a, b, item in segments:
@@ -742,7 +797,7 @@ class Group:
                         keys=item.keys,
                     )
                 )
-        self.pending = out + self.pending[waiting:]
+        self.pending = out
         if not stopped:
             self._dispatch_keyed(log, plans, max_bytes, blocked)
 

@@ -154,7 +154,25 @@ def test_key_affinity_later_messages_of_the_key_wait_behind_the_delayed_one():
     assert s.delivered() == [(2, 1)], "j flows; k's later message waits behind the delayed one"
     s.clock.advance(30.0)
     assert s.delivered() == [(0, 1), (1, 1)], "then both, in offset order, each counted once"
-    assert not s.group.pending
+    assert not s.group.pending and not s.group.waiting
+
+
+def test_held_batches_wait_apart_from_redeliveries_and_a_dispatch_looks_at_the_earliest_only():
+    s = Setup(key_affinity=True)
+    for i in range(50):
+        s.publish([b"k%d" % (i % 5)], not_before=s.now_ms + 60_000 - i * 1000)
+    s.publish([b"free"])
+    assert s.delivered() == [(50, 1)]
+    assert (len(s.group.waiting), s.group.pending) == (50, []), "nothing for a dispatch to walk"
+    assert s.group.next_deadline() == pytest.approx(s.clock.now + 11.0), "the earliest: offset 49"
+    assert s.group.committed_offset == 0 and s.group.pending_messages == 50
+    s.publish([b"k4"])
+    assert s.delivered() == [], "a later message of a held key waits"
+    s.clock.advance(11.0)
+    assert s.delivered() == [], "offset 49 (k4) is due, but k4's earlier batches still wait: key order"
+    s.clock.advance(49.0)
+    assert sorted(o for o, _ in s.delivered()) == [*range(50), 51]
+    assert not s.group.waiting and not s.group.pending
 
 
 def test_expires_header_of_a_delivered_message():

@@ -114,3 +114,34 @@ def test_the_async_producer_sends_delayed_messages_too(conveyor_broker):
         assert time.time() >= got[1].not_before >= due
     finally:
         sub.close()
+
+
+def test_delays_and_expiry_on_a_partitioned_topic(conveyor_broker):
+    address = conveyor_broker.address
+    with Admin(address) as admin:
+        admin.create_topic("parted", partitions=4)
+    keys = [f"k{i}" for i in range(8)]
+    with Producer(address) as producer:
+        held = [producer.send("parted", f"held-{k}", key=k, delay=3.0) for k in keys]
+        doomed = producer.send("parted", "doomed", key="k5", delay=0.5, ttl=1.0)
+        for k in keys:
+            producer.send("parted", f"now-{k}", key=k)
+        expires = time.time() + 1.0
+        producer.flush(timeout=30)
+    assert len({f.result().partition for f in held}) > 1, "the held messages are spread over partitions"
+    wait_for(lambda: time.time() > expires + 0.1, timeout=30, message="the ttl to run out before anyone reads")
+    sub = Subscription("parted", "g", address=address, credit=100)
+    try:
+        first = receive(sub, len(keys))
+        assert sorted(m.value for m in first) == sorted(f"now-{k}" for k in keys)
+        rest = receive(sub, len(keys))
+        assert sorted(m.value for m in rest) == sorted(f"held-{k}" for k in keys)
+        assert all(time.time() >= m.not_before for m in rest)
+    finally:
+        sub.close()
+    partition = doomed.result().partition
+    with Admin(address) as admin:
+        (dead,) = wait_for(
+            lambda: admin.fetch("parted.dlq", 0, 10, partition=partition), timeout=30, message="the dead letter"
+        )
+    assert dead.value == "doomed" and dead.headers[LAST_ERROR] == EXPIRED

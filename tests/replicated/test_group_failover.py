@@ -167,3 +167,25 @@ def test_a_followers_groups_file_follows_the_leaders_group_log(cluster: ClusterP
                 return -1
 
         wait_for(lambda: committed() == 50, timeout=60, message=f"{follower}'s groups.json at offset 50")
+
+
+def test_a_delayed_message_is_held_back_by_the_new_leader_too(cluster: ClusterProcess) -> None:
+    leader = make_topic(cluster, "held", 0)
+    with Subscription("held", "g", address=cluster.bootstrap, credit=10) as subscription:
+        got: list[Message] = []
+
+        def take(messages: list[Message]) -> None:
+            got.extend(messages)
+            subscription.ack(messages)
+
+        with Producer(cluster.bootstrap) as producer:
+            producer.send("held", b"later", delay=6.0).result(30)
+            producer.send("held", b"now").result(30)
+        receive_until(subscription, lambda: bool(got), take, 60)
+        assert [m.value for m in got] == [b"now"], "the delayed one waits; the later one does not"
+        cluster.node(leader).kill()
+        leader_of(cluster, "held", other_than=leader)
+        receive_until(subscription, lambda: any(m.value == b"later" for m in got), take, 120)
+    later = next(m for m in got if m.value == b"later")
+    assert later.not_before is not None and time.time() >= later.not_before
+    assert later.offset == 0 and later.attempt == 1, "held, never delivered: its first delivery"

@@ -40,7 +40,10 @@ def _setup(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--py-spy",
         metavar="DIR",
-        help="profile every Python process of each run (broker, producers, consumers) with py-spy into DIR",
+        help=(
+            "profile every Python process of each run (broker, producers, consumers) with py-spy --gil "
+            "(samples holding the GIL: CPU in Python) into DIR: raw stacks per process and DIR/summary.txt"
+        ),
     )
     parser.add_argument(
         "--repeat",
@@ -141,6 +144,8 @@ def run(args: argparse.Namespace) -> int:
     print(markdown_table(report))
     if args.report:
         print(f"\nreport: {args.report}", file=sys.stderr)
+    if args.py_spy:
+        _write_profile_summary(Path(args.py_spy))
     ok = all(r.get("ok") for r in report["results"])
     if old is not None:
         from conveyor.benchmarks.suite.compare import compare, comparison_table
@@ -151,3 +156,14 @@ def run(args: argparse.Namespace) -> int:
         if args.fail_on_regression and any(r.regressions for r in rows):
             ok = False
     return 0 if ok else 1
+
+
+def _write_profile_summary(directory: Path) -> None:
+    """Every profiled process's top functions, in one file beside py-spy's raw stacks."""
+    from conveyor.benchmarks.suite.profile import summarize
+
+    files = sorted(directory.glob("*.txt"))
+    summary = directory / "summary.txt"
+    texts = [summarize(path) for path in files]
+    summary.write_text("\n\n".join(texts) + "\n")
+    print(f"profiles: {summary} ({len(texts)} processes)", file=sys.stderr)

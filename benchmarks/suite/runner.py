@@ -205,7 +205,7 @@ def run_one(
             if sys_obj.name == "conveyor":
                 for proc_name, pids in server_procs.items():
                     targets["broker" if proc_name == "server" else proc_name] = pids[0]
-            profilers = start_profilers(profile, run_name, targets)
+            profilers = start_profilers(profile, run_name, targets, gil=True)  # CPU, not waits for a core
         server_pids = server.cpu_pids()
         server_cpu0 = tree_cpu_seconds(server_pids)
         procs_cpu0 = {k: tree_cpu_seconds(v) for k, v in server_procs.items()}

@@ -46,10 +46,10 @@ def subscribe(broker: BrokerProcess, **options) -> Subscription:
 def test_a_delayed_message_waits_while_later_ones_flow(conveyor_broker, key_affinity):
     sub = subscribe(conveyor_broker, key_affinity=key_affinity)
     try:
-        with Producer(conveyor_broker.address) as producer:
+        with Producer(conveyor_broker.address, eager=False, linger_ms=20) as producer:  # batches stay open a while
             sent = time.time()
             delayed = producer.send(TOPIC, "later", key="a", delay=2.0)
-            producer.send(TOPIC, "now", key="b").result(timeout=30)
+            producer.send_many(TOPIC, ["now"], key="b")[0].result(timeout=30)  # not in the delayed batch
             assert delayed.result(timeout=30) == 0, "stored at once, in the log like any message"
             with pytest.raises(InvalidDeliveryTime):
                 producer.send(TOPIC, "never", delay=-1)

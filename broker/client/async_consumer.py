@@ -144,6 +144,7 @@ class AsyncConsumer(ConsumerBase):
         self._close()
 
     async def __aenter__(self) -> AsyncConsumer:
+        self._check_open()  # a closed consumer has left its group: make a new one
         return self
 
     async def __aexit__(self, *exc: object) -> None:

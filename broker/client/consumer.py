@@ -121,16 +121,28 @@ class ConsumerBase:
             return True
         return False
 
+    def _check_open(self) -> None:
+        """Settling after close cannot work: the goodbye gave every unacked message back for redelivery."""
+        if self._closed:
+            raise RuntimeError(
+                f"{self!r} is closed: its unacked messages were given back for redelivery to the group,"
+                " so they can no longer be settled (settle inside the `with` block)"
+            )
+
     def _ack(self, messages: Messages) -> None:
+        self._check_open()
         self.subscription.ack(as_list(messages))
 
     def _nack(self, messages: Messages, delay: float, error: str) -> None:
+        self._check_open()
         self.subscription.nack(as_list(messages), delay_ms=delay_ms(delay), error=error)
 
     def _in_progress(self, messages: Messages) -> None:
+        self._check_open()
         self.subscription.in_progress(as_list(messages))
 
     def _terminate(self, messages: Messages, reason: str) -> None:
+        self._check_open()
         self.subscription.term(as_list(messages), reason=reason)
 
     def _close(self) -> None:
@@ -250,6 +262,7 @@ class Consumer(ConsumerBase):
             os.close(self._wake_w)
 
     def __enter__(self) -> Consumer:
+        self._check_open()  # a closed consumer has left its group: make a new one
         return self
 
     def __exit__(self, *exc: object) -> None:

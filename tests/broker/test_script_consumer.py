@@ -80,6 +80,27 @@ def test_close_gives_back_what_was_not_acked_and_the_next_member_gets_it(broker)
     wait_for(lambda: committed(broker, "script-close", "g") == 3, message="all acked")
 
 
+def test_settling_or_reentering_after_close_is_a_clear_error_not_an_assertion(broker):
+    publish(broker.address, "script-late", ["late"])
+    with Consumer("script-late", group="g", address=broker.address, timeout=TIMEOUT) as c:
+        late = c.receive(timeout=TIMEOUT)
+        assert late is not None
+    for settle in (c.ack, c.nack, c.in_progress, c.terminate):
+        with pytest.raises(RuntimeError, match="closed"):
+            settle(late)
+    with pytest.raises(RuntimeError, match="closed"), c:
+        pass
+
+    async def late_ack() -> None:
+        async with AsyncConsumer("script-late", group="g", address=broker.address, timeout=TIMEOUT) as ac:
+            again = await ac.receive(timeout=TIMEOUT)
+            assert again is not None and again.value == "late"
+        with pytest.raises(RuntimeError, match="closed"):
+            await ac.ack(again)
+
+    asyncio.run(late_ack())
+
+
 def test_stop_from_another_thread_ends_a_loop_blocked_on_an_empty_topic(broker):
     publish(broker.address, "script-stop", ["only"])
     ended = threading.Event()

@@ -452,6 +452,12 @@ class Group:
                 self.dead.append(DeadLetter([(start, end)], deliveries, reason, dead == DEAD_BY_BROKER, b"", first_ms))
                 continue
             not_before = now + max(0, due_ms - now_ms) / 1000 if due_ms else now
+            if not_before > now and not deliveries:
+                # A timed batch held back, never delivered: in the heap again, its keys counted when a keyed
+                # dispatch next runs (it reads them from the log then). A delayed nack stays in ``pending``.
+                self._wait(Pending([(start, end)], deliveries, not_before, RESTARTED, b"", first_ms))
+                self._waiting_keys_stale = self.settings.key_affinity
+                continue
             self._requeue([(start, end)], deliveries, not_before, RESTARTED, b"", first_ms)
 
     @property
@@ -703,11 +709,14 @@ class Group:
             keys = frozenset(r[0] for r in records[first - batch.base_offset : end - batch.base_offset])
             blocked |= keys
         due = self.clock() + (not_before - now_ms) / 1000
-        item = Pending([(first, end)], deliveries, due, WAITING, b"", first_ms, keys=keys)
-        heapq.heappush(self.waiting, (due, next(_wait_ids), item))
-        if keys:
-            self._waiting_keys.update(keys)
+        self._wait(Pending([(first, end)], deliveries, due, WAITING, b"", first_ms, keys=keys))
         return True
+
+    def _wait(self, item: Pending) -> None:
+        """Hold ``item`` back until its ``not_before`` (in ``waiting``, the heap a dispatch looks at the top of)."""
+        heapq.heappush(self.waiting, (item.not_before, next(_wait_ids), item))
+        if item.keys:
+            self._waiting_keys.update(item.keys)
 
     def _release_waiting(self, now: float) -> None:
         """Held-back batches now due join ``pending``: delivered (or found expired) like any redelivery."""

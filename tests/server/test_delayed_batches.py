@@ -121,9 +121,26 @@ def test_the_hold_survives_a_restart_through_the_saved_state():
     again.clock.now = s.clock.now + 5
     again.group.next_offset = 1
     again.group.restore(rows, again.clock.now, again.now_ms)
+    assert len(again.group.waiting) == 1 and not again.group.pending, "back in the heap, due at the saved time"
     assert again.delivered() == []
     again.clock.advance(25.0)
     assert again.delivered() == [(0, 1)]
+
+
+def test_after_a_restart_a_keyed_group_still_holds_later_messages_behind_a_restored_wait():
+    s = Setup(key_affinity=True)
+    s.publish([b"k"], not_before=s.now_ms + 30_000)
+    assert s.delivered() == []
+    rows = s.group.saved_state(s.clock.now, s.now_ms)["unsettled"]
+    again = Setup(key_affinity=True)
+    again.log = s.log
+    again.clock.now = s.clock.now
+    again.group.next_offset = 1
+    again.group.restore(rows, again.clock.now, again.now_ms)
+    again.log.append(pack_records([(b"k", None, b"v"), (b"j", None, b"v")]), 2)
+    assert again.delivered() == [(2, 1)], "k's later message waits behind the restored one; j flows"
+    again.clock.advance(30.0)
+    assert again.delivered() == [(0, 1), (1, 1)]
 
 
 def test_an_expired_batch_is_a_dead_letter_not_a_delivery():

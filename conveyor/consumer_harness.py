@@ -54,7 +54,7 @@ from conveyor.broker.client.message import Message
 from conveyor.broker.client.producer import Producer
 from conveyor.broker_process import BrokerProcess
 from conveyor.consumers.context import Publisher
-from conveyor.consumers.loader import load_consumers
+from conveyor.consumers.loader import load_consumers, load_middleware
 from conveyor.consumers.runner import Runner
 from conveyor.decorators.consumer import Consumer
 from conveyor.names import dead_letter_topic
@@ -281,6 +281,14 @@ def consumers_of(targets: Iterable[Target]) -> list[Consumer]:
     return unique
 
 
+def modules_middleware(targets: Iterable[Target]) -> list[Any]:
+    """The ``middleware = [...]`` of each module (or ``module[:attr]`` name) among ``targets``, in order:
+    what ``conveyor run`` would wrap their consumers in. A ``@consumer`` function alone brings none."""
+    modules = [t for t in targets if isinstance(t, str | types.ModuleType)]
+    names = [t.__name__ if isinstance(t, types.ModuleType) else t for t in modules]
+    return load_middleware(names)
+
+
 def new_prefix() -> str:
     """A prefix no earlier ``with`` of any process used: topics and groups of one run see only their own."""
     return f"t{next(_uses)}-{uuid.uuid4().hex[:8]}."
@@ -321,7 +329,8 @@ def run_consumers(
     records = {id(c): _Record(changed) for c in found}
     copies = {id(c): isolated(c, prefix, records[id(c)]) for c in found}
     options = {"metrics_port": -1, "graceful_timeout": 5.0, **runner_options}
-    runner = Runner(list(copies.values()), broker=broker.address, middleware=middleware, **options)
+    runner_wide = [*middleware, *modules_middleware(targets)]  # as `--middleware`, then the modules' own
+    runner = Runner(list(copies.values()), broker=broker.address, middleware=runner_wide, **options)
     runner.publisher = _RenamingPublisher(
         runner.broker, lambda topic: topic if topic.startswith(prefix) else prefix + topic
     )

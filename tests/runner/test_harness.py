@@ -74,8 +74,22 @@ def forward(message: Message) -> None:
     publish("shipments", {"id": message.value["id"]}).result(timeout=30)
 
 
+class _Seen:
+    """The module's own middleware, as `conveyor run tests.runner.test_harness` would wrap its consumers in."""
+
+    def __init__(self) -> None:
+        self.topics: list[str] = []
+
+    def before_handle(self, message: Message) -> None:
+        self.topics.append(message.topic)
+
+
+middleware = [_Seen()]
+
+
 @pytest.fixture(autouse=True)
 def _forget() -> None:
+    middleware[0].topics.clear()
     seen.clear()
     attempts.clear()
     given_up.clear()
@@ -154,9 +168,17 @@ def test_a_module_runs_all_its_consumers() -> None:
         for handler in (bill, flaky, forward):  # three groups of one topic: each gets the message
             app.wait_handled(handler, count=1)
         assert seen == [{"id": 6}]
+        # the module's `middleware` runs, as with conveyor run (flaky's two attempts: 4 calls)
+        assert middleware[0].topics == [app.topic("orders")] * 4
+    middleware[0].topics.clear()
     with run_consumers("tests.runner.test_harness:bill") as app:
         app.publish("orders", {"id": 7})
         app.wait_handled(bill, count=1)
+        assert middleware[0].topics == [app.topic("orders")]
+    with run_consumers(bill) as app:  # a function alone: no module's middleware
+        app.publish("orders", {"id": 8})
+        app.wait_handled(bill, count=1)
+        assert len(middleware[0].topics) == 1
 
 
 def test_what_a_handler_publishes_stays_under_the_prefix() -> None:

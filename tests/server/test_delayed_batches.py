@@ -195,3 +195,120 @@ def test_held_batches_wait_apart_from_redeliveries_and_a_dispatch_looks_at_the_e
 def test_expires_header_of_a_delivered_message():
     headers = time_headers((0, 5_000), None)
     assert headers == {EXPIRES: "5000"}
+
+
+class RandomRun:
+    """Random publishes (timed or not), dispatches, acks, delayed nacks, departures and clock steps, each
+    delivery checked: never before its not-before time, never at or after its expiry, per-key order with
+    key affinity; in the end every offset is acked once or dead-lettered (expired after its expiry, or nacked
+    past ``max_deliveries``)."""
+
+    def __init__(self, seed: int, key_affinity: bool) -> None:
+        import random
+
+        self.rng = random.Random(seed)
+        self.s = Setup(key_affinity=key_affinity)
+        self.s.group.leave(self.s.member)
+        self.keyed = key_affinity
+        self.times: list[tuple[int, int]] = []  # per offset: (not_before_ms, expires_ms)
+        self.keys: list[bytes | None] = []
+        self.held: dict[int, list[int]] = {}  # id(member) -> offsets it holds, in delivery order
+        self.members: list[Member] = []
+        self.acked: set[int] = set()
+        self.expired: set[int] = set()
+        self.next_sub = 1
+        self.join()
+
+    def join(self) -> None:
+        member = Member(b"p%d" % self.next_sub, self.next_sub, credit=self.rng.choice([1, 3, 50]), batch_size=50)
+        self.next_sub += 1
+        self.members.append(member)
+        self.held[id(member)] = []
+        self.s.group.join(member)
+
+    def publish(self) -> None:
+        keys = [self.rng.choice([b"a", b"b", b"c", None]) for _ in range(self.rng.randint(1, 4))]
+        now = self.s.now_ms
+        not_before = self.rng.choice([0, 0, now + self.rng.randint(1, 8) * 1000])
+        expires = self.rng.choice([0, 0, max(not_before, now) + self.rng.randint(1, 6) * 1000])
+        self.s.publish(keys, not_before=not_before, expires=expires)
+        self.keys += keys
+        self.times += [(not_before, expires)] * len(keys)
+
+    def dispatch(self) -> None:
+        now = self.s.now_ms
+        plans = self.s.group.dispatch(self.s.log)
+        for dead in self.s.group.take_dead():  # settled in this dispatch: an expired message lets its key go on
+            assert dead.reason == EXPIRED or dead.deliveries >= self.s.group.settings.max_deliveries, dead
+            for a, b in dead.ranges:
+                for offset in range(a, b):
+                    if dead.reason == EXPIRED:
+                        assert self.times[offset][1] and now >= self.times[offset][1]
+                    self.expired.add(offset)  # (or past max_deliveries: settled as a dead letter all the same)
+        for plan in plans:
+            mine = self.held[id(plan.member)]
+            for entry in plan.entries:
+                for offset in entry.offsets if entry.offsets is not None else range(entry.first, entry.end):
+                    not_before, expires = self.times[offset]
+                    assert now >= not_before, f"offset {offset} delivered {not_before - now} ms early"
+                    assert not (expires and now >= expires), f"offset {offset} delivered expired"
+                    assert offset not in self.acked and offset not in self.expired
+                    if self.keyed:
+                        key = self.keys[offset]
+                        for earlier in range(offset):
+                            if self.keys[earlier] == key and earlier not in self.acked | self.expired:
+                                assert earlier in mine, f"key {key!r}: {offset} before {earlier}"
+                    mine.append(offset)
+
+    def settle(self, nack: bool) -> None:
+        member = self.rng.choice(self.members)
+        mine = self.held[id(member)]
+        if not mine:
+            return
+        picked = mine[: self.rng.randint(1, len(mine))]
+        ranges = [(o, o + 1) for o in picked]
+        if nack:
+            self.s.group.nack(member, ranges, delay_ms=self.rng.choice([0, 2000]))
+        else:
+            self.s.group.settle(member, ranges)
+            self.acked.update(picked)
+        del mine[: len(picked)]
+
+    def leave(self) -> None:
+        if len(self.members) > 1:
+            member = self.members.pop(self.rng.randrange(len(self.members)))
+            self.s.group.leave(member)
+            del self.held[id(member)]
+
+    def run(self, steps: int) -> None:
+        for _ in range(steps):
+            step = self.rng.random()
+            if step < 0.3:
+                self.publish()
+            elif step < 0.5:
+                self.settle(nack=False)
+            elif step < 0.55:
+                self.settle(nack=True)
+            elif step < 0.58:
+                self.leave()
+            elif step < 0.61:
+                self.join()
+            else:
+                self.s.clock.advance(self.rng.choice([0.0, 0.5, 1.5]))
+            self.dispatch()
+        for _ in range(1000):  # the end: time passes, every member acks what it holds (one a turn at credit 1)
+            if len(self.acked) + len(self.expired) == len(self.keys):
+                break
+            self.s.clock.advance(1.0)
+            for member in self.members:
+                self.s.group.settle(member, [(o, o + 1) for o in self.held[id(member)]])
+                self.acked.update(self.held[id(member)])
+                self.held[id(member)] = []
+            self.dispatch()
+        assert len(self.acked) + len(self.expired) == len(self.keys), "something never came"
+        assert not self.acked & self.expired
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_random_runs_keep_times_key_order_and_lose_nothing(seed):
+    RandomRun(seed, key_affinity=bool(seed % 2)).run(150)

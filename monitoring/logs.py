@@ -301,6 +301,9 @@ def load_config(path: str) -> dict[str, Any]:
     if not isinstance(config, dict):
         raise ConfigError(f"--log-config {path}: must hold a table (dictConfig's dictionary)", path=path)
     config.setdefault("version", 1)
+    # dictConfig's default (True) disables every logger made before it, conveyor.runner's and the handler
+    # modules' among them: a file that does not say so would silence the runner
+    config.setdefault("disable_existing_loggers", False)
     return config
 
 

@@ -47,6 +47,7 @@ import uuid
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future
 from contextlib import contextmanager
+from datetime import datetime, timedelta
 from typing import Any, cast
 
 from conveyor.broker.client.consumer import Consumer as TopicReader
@@ -175,12 +176,27 @@ class ConsumerApp:
         *,
         key: str | bytes | None = None,
         headers: dict[str, str] | None = None,
+        partition: int | None = None,
+        delay: float | timedelta | None = None,
+        not_before: datetime | float | None = None,
+        ttl: float | timedelta | None = None,
         timeout: float = DEFAULT_TIMEOUT,
     ) -> int:
-        """Send ``value`` to ``topic`` (prefixed) and wait until it is durable; its offset."""
+        """Send ``value`` to ``topic`` (prefixed) and wait until it is durable; its offset.
+
+        ``partition``, ``delay``, ``not_before`` and ``ttl`` are ``Producer.send``'s."""
         if self._producer is None:
             self._producer = Producer(self.broker.address, linger_ms=0)
-        future = self._producer.send(self.topic(topic), value, key=key, headers=headers)
+        future = self._producer.send(
+            self.topic(topic),
+            value,
+            key=key,
+            headers=headers,
+            partition=partition,
+            delay=delay,
+            not_before=not_before,
+            ttl=ttl,
+        )
         return int(future.result(timeout=timeout))
 
     def handled(self, consumer: Consumer) -> list[Message]:

@@ -190,6 +190,14 @@ def test_what_a_handler_publishes_stays_under_the_prefix() -> None:
         assert shipment.topic == app.topic("shipments")
 
 
+def test_publish_takes_the_delivery_times_and_the_partition_as_send_does() -> None:
+    with run_consumers(bill) as app:
+        app.publish("orders", {"id": 11}, delay=0.2, ttl=60, partition=0)
+        [handled] = app.wait_handled(bill, count=1)
+        assert handled.not_before is not None and handled.expires is not None
+        assert handled.expires - handled.not_before > 50
+
+
 def test_the_pytest_fixture_is_run_consumers(conveyor_consumers: Callable[..., Any]) -> None:
     assert conveyor_consumers is run_consumers
 

@@ -340,7 +340,8 @@ class Broker:
 
     def _after_reads(self) -> None:
         now = self.clock()
-        if now >= self._next_housekeeping:
+        timer = self.dispatcher.timers.next_due()  # a lease expiry or a delayed (re)delivery: go at its time, not
+        if now >= self._next_housekeeping or (timer is not None and now >= timer):  # at the next housekeeping
             self._housekeeping(now)
         self.dead_letters.handle()
         self.appended.update(self.store.finish_creations())  # new topics now durable: confirm, deliver, serve

@@ -686,7 +686,7 @@ class Group:
         self, batch: Batch, first: int, end: int, deliveries: int, first_ms: int, blocked: set[Any] | None = None
     ) -> bool:
         """``[first, end)`` of a timed batch, about to be delivered: True if it is not, because it is not due
-        yet (held back in ``pending`` until its not-before time, its delivery not counted) or expired (a dead
+        yet (held back in ``waiting`` until its not-before time, its delivery not counted) or expired (a dead
         letter, reason ``expired``). False for a batch without times, or due and unexpired: deliver it.
 
         Called only for a body marked timed (``TIMED_MARK``): other batches pay one byte compare. Key

@@ -22,7 +22,7 @@ from typing import Any
 
 from conveyor.broker.client.message import Message
 from conveyor.consumers.context import Context, Publisher, bind, failure, publish_failed
-from conveyor.consumers.middleware import Hooks
+from conveyor.consumers.middleware import Failure, Hooks
 from conveyor.consumers.typed import handler_call
 from conveyor.decorators.consumer import AckPolicy, Consumer
 from conveyor.decorators.exceptions import InvalidMessage, Nack, Reject
@@ -125,7 +125,7 @@ def handle_outcome(
     if exc is None:
         report.acked += offsets
         report.ok += len(offsets)
-        if hooks:
+        if hooks and hooks.each_message:
             hooks.after(messages, result)
         return
     if isinstance(exc, InvalidMessage):
@@ -133,31 +133,36 @@ def handle_outcome(
         return
     if hooks:
         hooks.error(messages, exc)
+    attempt = max(m.attempt for m in messages)
     if isinstance(exc, Nack):
-        report.retried += [(o, _delay_ms(exc.delay), exc.reason) for o in offsets]
+        delay = _delay_ms(exc.delay)
+        report.retried += [(o, delay, exc.reason) for o in offsets]
         if _comes_again(consumer):
             gate.block(messages)
         if hooks:
+            hooks.failure(consumer, messages, Failure(exc, attempt, True, delay, exc.reason))
             hooks.retry(messages, exc)
         return
     if isinstance(exc, Reject):
-        _dead(consumer, messages, exc, f"rejected: {exc.reason}", report, hooks)
+        reason = f"rejected: {exc.reason}"
+        if hooks:
+            hooks.failure(consumer, messages, Failure(exc, attempt, False, 0, reason))
+        _dead(consumer, messages, exc, reason, report, hooks)
         return
-    attempt = max(m.attempt for m in messages)
     first = min((m.first_delivered for m in messages if m.first_delivered), default=None)
     decision = consumer.policy.decide(exc, attempt, first_delivered=first)
     if decision.retry:
         delay = _delay_ms(decision.delay)
-        log.warning(
-            "%s failed on attempt %d (%s: %s); again in %d ms", consumer.name, attempt, type(exc).__name__, exc, delay
-        )
+        if hooks:  # LoggingMiddleware (consumers/builtin_middleware.py) logs it
+            hooks.failure(consumer, messages, Failure(exc, attempt, True, delay, decision.reason))
         report.retried += [(o, delay, decision.reason) for o in offsets]
         if _comes_again(consumer):
             gate.block(messages)
         if hooks:
             hooks.retry(messages, exc)
         return
-    log.error("%s gave up on attempt %d: %s", consumer.name, attempt, decision.reason, exc_info=exc)
+    if hooks:
+        hooks.failure(consumer, messages, Failure(exc, attempt, False, 0, decision.reason))
     _dead(consumer, messages, exc, decision.reason, report, hooks)
 
 
@@ -174,17 +179,12 @@ def _invalid(
     bad = {id(m) for m, _ in invalid}
     report.invalid += len(invalid)
     for message, error in invalid:
-        log.warning(
-            "%s: %s offset %d does not decode, dead-lettered without retry: %s",
-            consumer.name,
-            message.topic,
-            message.offset,
-            error,
-        )
         invalid_error = InvalidMessage(error)
-        if hooks:
+        reason = f"invalid message: {error}"
+        if hooks:  # LoggingMiddleware logs it
+            hooks.failure(consumer, [message], Failure(invalid_error, message.attempt, False, 0, reason))
             hooks.error([message], invalid_error)
-        _dead(consumer, [message], invalid_error, f"invalid message: {error}", report, hooks)
+        _dead(consumer, [message], invalid_error, reason, report, hooks)
     rest = [m for m in messages if id(m) not in bad]
     if rest:
         handle_outcome(consumer, rest, exc.handler_error, report, gate, hooks)
@@ -300,7 +300,8 @@ class _Lane:
         self.gate = KeyGate()
         self.busy = 0
         self.call = handler_call(consumer)
-        self.hooks = hooks or None
+        self.hooks = hooks or None  # for failures: rare
+        self.each = hooks if hooks and hooks.each_message else None  # per message: only if some hook wants it
         self.ctx = Context(publisher, consumer, consumer.confirm_publishes)
 
     def _work(self, slot: Any, chunk: list[Message], dead: BaseException | None) -> tuple[Report, Work]:
@@ -316,8 +317,8 @@ class _Lane:
     def _begin(self, unit: list[Message], cursor: Any) -> float:
         """Before a unit's call: log lines, hooks and ``conveyor.publish()`` now refer to it; its start time."""
         cursor.current = unit
-        if self.hooks:
-            self.hooks.before(unit)
+        if self.each:
+            self.each.before(unit)
         self.ctx.begin(unit)
         return time.perf_counter()
 
@@ -385,7 +386,7 @@ class ThreadLane(_Lane):
         """The common case, one message per call, kept lean: it runs once per message."""
         report = Report(slot)
         fn, clock, stopping, consumer = self.call, time.perf_counter, self.stopping, self.consumer
-        ctx, hooks = self.ctx, self.hooks
+        ctx, hooks, each = self.ctx, self.hooks, self.each
         acked, durations = report.acked, report.durations
         confirming: list[tuple[Message, Any, list[Any]]] = []  # handled, waiting for what they published
         token, cursor = enter_handling(consumer)  # one ContextVar.set per chunk, an attribute store per message
@@ -395,8 +396,8 @@ class ThreadLane(_Lane):
                     report.released += [m.ref for m in chunk[i:]]
                     break
                 cursor.current = message  # log lines made meanwhile name this message
-                if hooks:
-                    hooks.before((message,))
+                if each:
+                    each.before((message,))
                 ctx.messages = (message,)
                 started = clock()
                 try:
@@ -412,15 +413,15 @@ class ThreadLane(_Lane):
                     continue
                 ctx.messages = ()
                 acked.append(message.ref)
-                if hooks:
-                    hooks.after((message,), result)
+                if each:
+                    each.after((message,), result)
             for message, result, published in confirming:  # one wait for the chunk's confirms, not one per message
                 cursor.current = message
                 unconfirmed = failure(published)
                 if unconfirmed is None:
                     acked.append(message.ref)
-                    if hooks:
-                        hooks.after((message,), result)
+                    if each:
+                        each.after((message,), result)
                 else:
                     handle_outcome(self.consumer, [message], unconfirmed, report, self.gate, hooks)
         finally:

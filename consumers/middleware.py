@@ -12,7 +12,13 @@ below names them all, as no-ops, for those who like a base class):
 - ``on_retry(message, exc, attempt)``: the message comes again (``attempt`` is the one
   that failed), or
 - ``on_dead_letter(message, reason)``: it goes to the dead-letter topic (by the
-  runner's decision, or the broker's after ``max_deliveries`` or lease expiries).
+  runner's decision, or the broker's after ``max_deliveries`` or lease expiries);
+- ``on_failure(consumer, messages, failure)``: once per handler call that failed (once per
+  message that did not decode), when the runner has decided what comes of it: ``failure``
+  is a ``Failure`` (the exception, the attempt, retried or not, the delay, the reason);
+- ``after_chunk(consumer, summary)``: once per chunk of messages a lane handled, on the
+  runner's I/O thread once the chunk is settled: ``summary`` is a ``ChunkSummary`` (counts
+  by outcome, and each handler call's duration). Count here, not per message.
 
 Order: the runner's middleware (``--middleware``, a module's ``middleware = [...]``)
 wrap each consumer's own (``@consumer(..., middleware=[...])``). ``on_start`` and
@@ -23,7 +29,12 @@ A hook that raises is logged and counted (``conveyor_runner_middleware_errors_to
 and changes nothing: the message is handled and settled as if the hook had not
 been there, and the runner goes on. Hooks run on the handler's lane (its thread,
 or the event loop for ``async def`` handlers: keep them short and non-blocking).
-A consumer with no middleware pays nothing: its lanes skip the hooks entirely.
+A consumer with no middleware pays nothing: its lanes skip the hooks entirely; middleware
+without ``before_handle`` and ``after_handle`` costs no call per message either.
+
+The runner's own metrics and failure log lines are middleware too (``MetricsMiddleware``,
+``LoggingMiddleware`` in consumers/builtin_middleware.py), outermost in every chain unless
+``Runner(default_middleware=...)`` says otherwise; they use only ``after_chunk`` and ``on_failure``.
 """
 
 from __future__ import annotations
@@ -31,13 +42,24 @@ from __future__ import annotations
 import importlib
 import logging
 from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 from conveyor.errors import ConfigError
 
 log = logging.getLogger("conveyor.runner")
 
-HOOKS = ("on_start", "on_stop", "before_handle", "after_handle", "on_error", "on_retry", "on_dead_letter")
+HOOKS = (
+    "on_start",
+    "on_stop",
+    "before_handle",
+    "after_handle",
+    "on_error",
+    "on_retry",
+    "on_dead_letter",
+    "on_failure",
+    "after_chunk",
+)
 _IN_ORDER = frozenset({"on_start", "before_handle"})  # the others run in reverse (innermost first)
 
 
@@ -58,6 +80,33 @@ class Middleware:
 
     def on_dead_letter(self, message: Any, reason: str) -> None: ...
 
+    def on_failure(self, consumer: Any, messages: list[Any], failure: Failure) -> None: ...
+
+    def after_chunk(self, consumer: Any, summary: ChunkSummary) -> None: ...
+
+
+@dataclass
+class Failure:
+    """What the runner decided for a handler call that failed (``on_failure``)."""
+
+    exc: BaseException  # what the handler raised (``Nack``, ``Reject``, ``InvalidMessage`` included)
+    attempt: int  # the attempt that failed (the highest of a batch's messages)
+    retry: bool  # the messages come again; else they are dead-lettered (or dropped: ``dead_letter=False``)
+    delay_ms: int = 0  # when retried: in how long
+    reason: str = ""  # the retry policy's reason, or the dead letter's
+
+
+@dataclass
+class ChunkSummary:
+    """What became of one chunk a lane handled (``after_chunk``); counts of messages."""
+
+    ok: int = 0  # handled and acked
+    retried: int = 0
+    dead_lettered: int = 0  # by the runner; by the broker itself too (then a summary of those alone)
+    failed: int = 0  # failed for good and dropped (``dead_letter=False``)
+    invalid: int = 0  # did not decode into the handler's model (counted in dead_lettered or failed too)
+    durations: list[float] = field(default_factory=list)  # seconds, one per handler call
+
 
 OnHookError = Callable[[Any, str], None]  # (middleware, hook name): counts a hook that raised
 
@@ -70,8 +119,11 @@ class Hooks:
         self.on_hook_error = on_hook_error
         self.calls: dict[str, list[tuple[Any, Callable[..., Any]]]] = {}
         for name in HOOKS:
-            found = [(m, getattr(m, name)) for m in self.middleware if callable(getattr(m, name, None))]
+            found = [(m, getattr(m, name)) for m in self.middleware if _has(m, name)]
             self.calls[name] = found if name in _IN_ORDER else found[::-1]
+        # the lanes' per-message path calls into these hooks only when one of them has a per-message hook
+        self.each_message = bool(self.calls["before_handle"] or self.calls["after_handle"])
+        self.chunks = bool(self.calls["after_chunk"])
 
     def __bool__(self) -> bool:
         return bool(self.middleware)
@@ -104,16 +156,32 @@ class Hooks:
                 self.call("after_handle", message, result)
 
     def error(self, messages: Iterable[Any], exc: BaseException) -> None:
-        for message in messages:
-            self.call("on_error", message, exc)
+        if self.calls["on_error"]:
+            for message in messages:
+                self.call("on_error", message, exc)
 
     def retry(self, messages: Iterable[Any], exc: BaseException) -> None:
-        for message in messages:
-            self.call("on_retry", message, exc, message.attempt)
+        if self.calls["on_retry"]:
+            for message in messages:
+                self.call("on_retry", message, exc, message.attempt)
 
     def dead_letter(self, messages: Iterable[Any], reason: str) -> None:
-        for message in messages:
-            self.call("on_dead_letter", message, reason)
+        if self.calls["on_dead_letter"]:
+            for message in messages:
+                self.call("on_dead_letter", message, reason)
+
+    def failure(self, consumer: Any, messages: list[Any], failure: Failure) -> None:
+        if self.calls["on_failure"]:
+            self.call("on_failure", consumer, messages, failure)
+
+    def chunk(self, consumer: Any, summary: ChunkSummary) -> None:
+        self.call("after_chunk", consumer, summary)
+
+
+def _has(middleware: Any, name: str) -> bool:
+    """``middleware`` defines hook ``name`` (the ``Middleware`` base class's no-ops do not count: never called)."""
+    hook = getattr(middleware, name, None)
+    return callable(hook) and getattr(type(middleware), name, None) is not getattr(Middleware, name)
 
 
 def label(middleware: Any) -> str:

@@ -33,9 +33,10 @@ from conveyor.broker.client.message import Message
 from conveyor.broker.client.subscription import DeadLettered, Subscription
 from conveyor.broker.config.addresses import broker_addresses
 from conveyor.broker.net.wakeup import drain
+from conveyor.consumers.builtin_middleware import default_middleware as builtin_middleware
 from conveyor.consumers.context import Publisher
 from conveyor.consumers.lanes import AsyncLane, Report, ThreadLane, split
-from conveyor.consumers.middleware import Hooks, checked, label
+from conveyor.consumers.middleware import ChunkSummary, Hooks, checked, label
 from conveyor.consumers.start_check import (
     BACKLOG_WARNING,
     check_default_start,
@@ -47,7 +48,7 @@ from conveyor.consumers.tracing import with_tracing
 from conveyor.decorators.consumer import AckPolicy, Consumer, shared_group_problems
 from conveyor.monitoring.health import DEGRADED, HEALTHY, UNHEALTHY, live, loop_check, ready, report
 from conveyor.monitoring.http import MetricsServer
-from conveyor.monitoring.metrics import HealthCollector, RunnerMetrics, observe_many
+from conveyor.monitoring.metrics import HealthCollector, RunnerMetrics
 from prometheus_client import CollectorRegistry
 
 from conveyor import exitcodes
@@ -73,6 +74,7 @@ class Slot:
     next_lane: int = 0
     last_renewal: float = 0.0
     labels: tuple[str, str, str] = ("", "", "")
+    hooks: Hooks = field(default_factory=lambda: Hooks([]))
 
 
 async def _cancel_other_tasks() -> None:
@@ -99,6 +101,7 @@ class Runner:
         default_start: str = "earliest",
         backlog_warning: int = BACKLOG_WARNING,
         middleware: Sequence[Any] = (),
+        default_middleware: Sequence[Any] | None = None,
     ) -> None:
         """``unhealthy_after``: seconds a consumer may be without its broker before /healthz says UNHEALTHY.
 
@@ -107,6 +110,9 @@ class Runner:
         logged and counted (0: no check). Consumers of one topic sharing a group must say ``shared_group=True``.
         ``middleware``: objects with hooks around every consumer's messages, outside each consumer's own
         (consumers/middleware.py). Handlers publish through one producer the runner owns (consumers/context.py).
+        ``default_middleware``: what goes outermost, before ``middleware``: by default the runner's own metrics and
+        failure log lines (``MetricsMiddleware``, ``LoggingMiddleware``: consumers/builtin_middleware.py); give a
+        list to replace them, ``()`` to run without them.
         """
         if not consumers:
             raise ValueError("no @consumer to run")
@@ -119,8 +125,10 @@ class Runner:
             raise ConfigError(f"--backlog-warning must be 0 (off) or more, not {backlog_warning}")
         self.backlog_warning = backlog_warning
         # OpenTelemetry's TracingMiddleware goes first when a TracerProvider is configured (consumers/tracing.py)
+        defaults = builtin_middleware() if default_middleware is None else default_middleware
         self.middleware = with_tracing(
-            [_instance(m, "Runner(middleware=...)") for m in middleware], (m for c in consumers for m in c.middleware)
+            [_instance(m, "Runner(middleware=...)") for m in [*defaults, *middleware]],
+            (m for c in consumers for m in c.middleware),
         )
         for c in consumers:
             c.middleware = [_instance(m, f"{c.name}: @consumer(middleware=...)") for m in c.middleware]
@@ -218,17 +226,13 @@ class Runner:
                 )
         labels = (consumer.name, consumer.topic, consumer.group)
         self._declare_series(labels)
-        slot = Slot(consumer, subscription, lanes, labels=labels)
+        slot = Slot(consumer, subscription, lanes, labels=labels, hooks=hooks)
         subscription.on_dead_letter = lambda messages, exc: self._dead_lettered(slot, messages, exc)
         return slot
 
     def _declare_series(self, labels: tuple[str, str, str]) -> None:
-        """Show every handler in /metrics (and dashboards) before its first message."""
-        for outcome in ("ok", "retried", "dead_lettered", "failed"):
-            self.metrics.handled.labels(*labels, outcome)
-        self.metrics.retries.labels(*labels)
-        self.metrics.invalid.labels(*labels)
-        self.metrics.duration.labels(*labels)
+        """Show every handler in /metrics (and dashboards) before its first message (MetricsMiddleware declares
+        the series it records)."""
         self.metrics.in_process.labels(*labels)
         self.metrics.new_group_replays.labels(*labels)
 
@@ -321,7 +325,8 @@ class Runner:
     def _dead_lettered(self, slot: Slot, messages: list[Message], exc: DeadLettered) -> None:
         """The broker dead-lettered these itself: their lanes call the error handlers (never this thread)
         and let their keys go on."""
-        self.metrics.handled.labels(*slot.labels, "dead_lettered").inc(len(messages))
+        if slot.hooks.chunks:
+            slot.hooks.chunk(slot.consumer, ChunkSummary(dead_lettered=len(messages)))
         for i, chunk in enumerate(split(slot.consumer, messages, len(slot.lanes))):
             if chunk:
                 lane = slot.lanes[i] if slot.consumer.key_ordered else self._least_busy(slot)
@@ -365,21 +370,13 @@ class Runner:
         self._record(slot, report, settled)
 
     def _record(self, slot: Slot, report: Report, settled: int) -> None:
-        m, labels = self.metrics, slot.labels
-        m.in_process.labels(*labels).dec(settled)
-        for outcome, count in (
-            ("ok", report.ok),
-            ("retried", len(report.retried)),
-            ("dead_lettered", len(report.dead)),
-            ("failed", report.dropped),
-        ):
-            if count:
-                m.handled.labels(*labels, outcome).inc(count)
-        if report.retried:
-            m.retries.labels(*labels).inc(len(report.retried))
-        if report.invalid:
-            m.invalid.labels(*labels).inc(report.invalid)
-        observe_many(m.duration.labels(*labels), report.durations)
+        """What the runner holds, and ``after_chunk`` for the middleware that counts (MetricsMiddleware)."""
+        self.metrics.in_process.labels(*slot.labels).dec(settled)
+        if slot.hooks.chunks:
+            summary = ChunkSummary(
+                report.ok, len(report.retried), len(report.dead), report.dropped, report.invalid, report.durations
+            )
+            slot.hooks.chunk(slot.consumer, summary)
 
     def _renewal_due(self) -> float:
         """Seconds until held messages need an IN_PROGRESS."""

@@ -5,6 +5,7 @@ The broker is the session's shared one; each ``with`` runs on fresh topic and gr
 
 from __future__ import annotations
 
+import logging
 import sys
 import time
 from collections.abc import Callable
@@ -12,9 +13,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import pytest
+from conveyor.consumers.builtin_middleware import LoggingMiddleware, MetricsMiddleware
+from conveyor.consumers.middleware import ChunkSummary, Failure, Hooks
 
 from conveyor import Message, consumer, error_handler, publish, retry_policy
 from conveyor.testing import run_consumers
+from tests.helpers import wait_for
 
 seen: list[dict[str, int]] = []
 attempts: dict[int, int] = {}
@@ -215,3 +219,62 @@ def test_a_handler_test_after_the_first_takes_well_under_a_second() -> None:
         times.append(time.perf_counter() - started)
     print(f"run_consumers with-block after warm-up: {', '.join(f'{t * 1000:.0f} ms' for t in times)}")
     assert max(times) < 1.5  # generous for loaded CI machines; typically far less
+
+
+class _Chunks:
+    """A middleware of the two chunk- and failure-level hooks only: it costs no call per message."""
+
+    def __init__(self) -> None:
+        self.summaries: list[ChunkSummary] = []
+        self.failures: list[Failure] = []
+
+    def after_chunk(self, consumer: Any, summary: ChunkSummary) -> None:
+        self.summaries.append(summary)
+
+    def on_failure(self, consumer: Any, messages: list[Message], failure: Failure) -> None:
+        self.failures.append(failure)
+
+
+def _total(summaries: list[ChunkSummary], outcome: str) -> int:
+    return sum(getattr(s, outcome) for s in list(summaries))
+
+
+def _handled_total(app: Any, handler: Any, outcome: str) -> float | None:
+    c = app.consumer(handler)
+    labels = {"handler": c.name, "topic": c.topic, "group": c.group, "outcome": outcome}
+    return app.runner.registry.get_sample_value("conveyor_runner_messages_total", labels)
+
+
+def test_a_middleware_sees_each_settled_chunk_and_each_failure_and_the_builtins_count_and_log(caplog) -> None:
+    chunks = _Chunks()
+    assert not Hooks([chunks]).each_message, "no per-message call for it"
+    caplog.set_level(logging.WARNING, logger="conveyor.runner")
+    with run_consumers(flaky, middleware=[chunks]) as app:
+        assert [type(m) for m in app.runner.middleware[:2]] == [MetricsMiddleware, LoggingMiddleware]
+        app.publish("orders", {"id": 21})
+        app.wait_handled(flaky, count=1)
+        wait_for(lambda: _total(chunks.summaries, "ok") == 1, message="the chunk of the second attempt")
+        assert _total(chunks.summaries, "retried") == 1
+        assert len([d for s in chunks.summaries for d in s.durations]) == 2
+        [failure] = chunks.failures
+        assert isinstance(failure.exc, ConnectionError) and failure.retry and failure.attempt == 1
+        wait_for(lambda: _handled_total(app, flaky, "ok") == 1, message="counted by MetricsMiddleware")
+        assert _handled_total(app, flaky, "retried") == 1
+    assert any(
+        "failed on attempt 1 (ConnectionError: the billing API is down); again in" in r.getMessage()
+        for r in caplog.records
+    ), "logged by LoggingMiddleware"
+
+
+def test_without_the_default_middleware_the_runner_neither_counts_nor_logs_handled_messages(caplog) -> None:
+    chunks = _Chunks()
+    caplog.set_level(logging.WARNING, logger="conveyor.runner")
+    with run_consumers(flaky, middleware=[chunks], default_middleware=()) as app:
+        assert app.runner.middleware == [chunks]
+        app.publish("orders", {"id": 22})
+        app.wait_handled(flaky, count=1)
+        wait_for(lambda: _total(chunks.summaries, "ok") == 1, message="settled")
+        for outcome in ("ok", "retried", "dead_lettered", "failed"):
+            assert _handled_total(app, flaky, outcome) is None
+        assert app.runner.registry.get_sample_value("conveyor_runner_retries_total", {}) is None
+    assert not [r for r in caplog.records if "failed on attempt" in r.getMessage()]

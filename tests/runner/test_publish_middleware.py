@@ -16,7 +16,7 @@ from typing import Any
 
 from conveyor.consumers.context import Publisher, PublishFailed, context, link_headers
 from conveyor.consumers.lanes import Report, ThreadLane
-from conveyor.consumers.middleware import Hooks
+from conveyor.consumers.middleware import Hooks, Middleware
 from conveyor.decorators import consumer
 
 from conveyor import Admin, Message, Producer
@@ -320,6 +320,13 @@ def test_hooks_run_in_order_and_one_that_raises_is_counted_and_skipped():
     assert calls == ["a before", "b before", "b after 3", "a after 3"]
     assert failed == [("Boom", "before_handle")]
     assert not Hooks([])
+    assert Hooks([Tag("a")]).each_message
+
+    class Counting(Middleware):  # the base class's no-op hooks are never called: no per-message call
+        def after_chunk(self, consumer: Any, summary: Any) -> None: ...
+
+    hooks = Hooks([Counting()])
+    assert hooks and hooks.chunks and not hooks.each_message and hooks.calls["before_handle"] == []
 
 
 def test_middleware_specs_resolve_classes_instances_and_lists_and_refuse_the_rest():

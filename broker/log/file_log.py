@@ -301,12 +301,12 @@ class FileLog(TopicLog):
             self.truncate_to(self.durable_offset)
         self._in_doubt = False
 
-    def _read_stored(self, offset: int, max_bytes: int) -> list[Batch]:
+    def _read_stored(self, offset: int, max_bytes: int, until: int | None = None) -> list[Batch]:
         i = max(0, bisect_right(self._bases, offset) - 1)
-        batches = self.segments[i].read(offset, max_bytes=max_bytes)
+        batches = self.segments[i].read(offset, max_bytes=max_bytes, until=until)
         while not batches and i + 1 < len(self.segments):  # offset sits in a gap or at a segment end
             i += 1
-            batches = self.segments[i].read(self.segments[i].base_offset, max_bytes=max_bytes)
+            batches = self.segments[i].read(self.segments[i].base_offset, max_bytes=max_bytes, until=until)
         return batches
 
     def _truncate(self, offset: int) -> int:

@@ -25,7 +25,7 @@ class MemoryLog(TopicLog):
         self._batches.append(batch)
         self._bases.append(base_offset)
 
-    def _read_stored(self, offset: int, max_bytes: int) -> list[Batch]:
+    def _read_stored(self, offset: int, max_bytes: int, until: int | None = None) -> list[Batch]:
         batches = self._batches
         i = max(0, bisect_right(self._bases, offset) - 1)
         out: list[Batch] = []
@@ -36,6 +36,8 @@ class MemoryLog(TopicLog):
                     break
                 out.append(batches[i])
                 taken += len(batches[i].body)
+                if until is not None and batches[i].next_offset >= until:
+                    break
             i += 1
         return out
 

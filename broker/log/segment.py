@@ -354,8 +354,9 @@ class Segment:
 
     # --- reading -------------------------------------------------------------
 
-    def read(self, offset: int, *, max_bytes: int, max_batches: int = 1 << 30) -> list[Batch]:
-        """Batches from the one holding ``offset``, up to ``max_bytes`` (at least one).
+    def read(self, offset: int, *, max_bytes: int, max_batches: int = 1 << 30, until: int | None = None) -> list[Batch]:
+        """Batches from the one holding ``offset``, up to ``max_bytes`` (at least one), and no further than
+        the one holding ``until - 1`` (what a reader with a few credits needs: not a MiB of small batches).
 
         Every batch read from disk is CRC-checked: a corrupt one is never served.
         """
@@ -401,6 +402,8 @@ class Segment:
                         )
                     )
                     taken += size
+                    if until is not None and header.next_offset >= until:
+                        return batches
                 rel += size
                 expected = header.next_offset
             if rel == 0:

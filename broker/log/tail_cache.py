@@ -54,8 +54,12 @@ class TailCache:
     def start_offset(self) -> int | None:
         return self._bases[self._head] if self._head < len(self._bases) else None
 
-    def read(self, offset: int, max_bytes: int) -> list[Batch] | None:
-        """Batches from the one holding ``offset``, or None if it is not cached."""
+    def read(self, offset: int, max_bytes: int, max_messages: int | None = None) -> list[Batch] | None:
+        """Batches from the one holding ``offset``, or None if it is not cached.
+
+        Up to ``max_bytes`` (at least one batch), and no further than the batch holding the
+        ``max_messages``-th message: a dispatch for a consumer's few credits must not walk a MiB of
+        one-message batches on every pass."""
         start = self.start_offset
         if start is None or offset < start:
             return None
@@ -65,7 +69,10 @@ class TailCache:
         out: list[Batch] = []
         taken = 0
         batches = self._batches
-        while i < len(batches):
+        stop = len(batches)
+        if max_messages is not None:  # the batch holding offset + max_messages - 1 is the last one needed
+            stop = min(stop, max(i + 1, bisect_right(self._bases, offset + max(1, max_messages) - 1, lo=i)))
+        while i < stop:
             size = len(batches[i].body)
             if out and taken + size > max_bytes:
                 break

@@ -161,8 +161,8 @@ class TopicLog(ABC):
     def _write(self, header: bytes, body: bytes, base_offset: int, count: int, timestamp_ms: int) -> None: ...
 
     @abstractmethod
-    def _read_stored(self, offset: int, max_bytes: int) -> list[Batch]:
-        """Batches from the one holding ``offset`` (which is in range)."""
+    def _read_stored(self, offset: int, max_bytes: int, until: int | None = None) -> list[Batch]:
+        """Batches from the one holding ``offset`` (which is in range), none past the one holding ``until - 1``."""
 
     @abstractmethod
     def _sync(self) -> None: ...
@@ -265,17 +265,18 @@ class TopicLog(ABC):
             )
         if offset == self.end_offset:
             return []
-        batches = self.cache.read(offset, max_bytes)
+        batches = self.cache.read(offset, max_bytes, max_messages)
         if batches is None:
-            batches = self._read_from_storage(offset, max_bytes)
+            until = None if max_messages is None else offset + max(1, max_messages)
+            batches = self._read_from_storage(offset, max_bytes, until)
         if max_messages is not None:
             batches = _limit_messages(batches, offset, max_messages)
         return batches
 
-    def _read_from_storage(self, offset: int, max_bytes: int) -> list[Batch]:
+    def _read_from_storage(self, offset: int, max_bytes: int, until: int | None = None) -> list[Batch]:
         """``_read_stored``, its errors naming the topic and offset (an OSError is a ``StorageIOError``)."""
         try:
-            return self._read_stored(offset, max_bytes)
+            return self._read_stored(offset, max_bytes, until)
         except ConveyorError as exc:
             exc.fields.setdefault("topic", self.name)
             exc.fields.setdefault("offset", offset)

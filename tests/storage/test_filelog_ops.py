@@ -80,3 +80,28 @@ def test_sync_after_truncate_roll_and_retention(log, clock):
     # Then the group commit still works and everything is durable
     log.sync()
     assert log.durable_offset == log.end_offset == 4
+
+
+@pytest.mark.parametrize("storage", ["file", "memory"])
+def test_a_read_for_a_few_messages_stops_at_the_batch_holding_the_last(tmp_path, storage):
+    """From disk (no tail cache) as from the cache: a dispatch for a consumer's few credits reads the
+    batches it needs, not a MiB of small ones on every pass."""
+    if storage == "file":
+        log = file_log(tmp_path / "t", cache_bytes=0)
+    else:
+        from conveyor.broker.config.fsync import FsyncPolicy
+        from conveyor.broker.log.memory_log import MemoryLog
+        from conveyor.broker.log.topic_log import TopicConfig
+
+        log = MemoryLog("t", TopicConfig(storage="memory", cache_bytes=0), fsync=FsyncPolicy("none"))
+    one = pack_records([(None, None, b"v")])
+    for _ in range(500):
+        log.append(one, 1)
+    log.sync()
+    try:
+        assert [b.base_offset for b in log._read_from_storage(7, 1 << 20, 10)] == [7, 8, 9]  # what was read
+        assert [b.base_offset for b in log.read(7, max_messages=3)] == [7, 8, 9]
+        assert [b.base_offset for b in log.read(7, max_messages=1)] == [7]
+        assert len(log._read_from_storage(7, 1 << 20)) == len(log.read(7)) == 493  # no limit: bytes only
+    finally:
+        log.close()

@@ -35,6 +35,16 @@ def test_read_honours_max_bytes_but_returns_at_least_one_batch():
     assert [b.base_offset for b in cache.read(0, max_bytes=1)] == [0]
 
 
+def test_read_stops_once_max_messages_are_covered():
+    """A credit-limited dispatch asks for a few messages: walking a MiB of tiny batches for them made
+    each dispatch pass cost in proportion to the backlog (quadratic over a backlog of one-message batches)."""
+    cache = filled(1 << 20, 10_000, count=1)
+
+    assert [b.base_offset for b in cache.read(5, max_bytes=1 << 20, max_messages=3)] == [5, 6, 7]
+    assert [b.base_offset for b in filled(1000, 5).read(5, max_bytes=1000, max_messages=2)] == [4, 6]
+    assert len(cache.read(5, max_bytes=1 << 20)) == 9_995  # without a limit: bytes only, as before
+
+
 def test_read_below_the_cached_range_is_a_miss():
     cache = filled(30, 5)  # room for three batches of 10 bytes
     assert cache.start_offset == 4

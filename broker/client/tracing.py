@@ -6,11 +6,12 @@ it is imported until the first producer is made; without the package installed
 check, no call, nothing per message.
 
 With it, ``instrument`` puts a traced ``send`` (and ``send_many``) on the producer
-instance. Per call, while no SDK ``TracerProvider`` is configured, the traced send
-reads one module attribute and calls the plain send: 0.17 µs more than a plain
-send (1.05 µs) of a 100-byte value, where looking for a current span to pass on
-cost 1.7 µs, for a trace nothing in this process records. Once a provider is
-configured it opens a PRODUCER span
+instance, if an SDK ``TracerProvider`` is configured when the producer is made
+(configure tracing at start-up, before making producers, as the OpenTelemetry
+guides say). A producer made without one keeps its plain methods: even a wrapper
+that only checked for a provider on each call cost 0.6 µs of the producer's CPU
+per message at full speed (2.8 against 2.2 µs, 15 % of its throughput). A traced
+send opens a PRODUCER span
 ``send <topic>`` with the messaging attributes, injects its context
 (``traceparent``, ``tracestate``, through the global propagator) into a copy of the
 headers, and ends the span when the broker confirms the message (its offset on
@@ -64,7 +65,7 @@ class Tracing:
     def tracer(self) -> Tracer | None:
         """The tracer of the global TracerProvider, or None while none is set (spans would be no-ops).
 
-        Looked up per call, not once, so a provider configured after the producer was made is used."""
+        Looked up per call, not once: a provider replaced later (tests do) is the one used."""
         provider = self.trace.get_tracer_provider()
         known, tracer = self._provider_tracer
         if provider is not known:
@@ -219,12 +220,13 @@ def _confirmed_all(span: Span, futures: list[Any]) -> None:
 
 
 def instrument(producer: Any) -> None:
-    """Trace ``producer``'s sends when opentelemetry is installed; else leave it exactly as it is.
+    """Trace ``producer``'s sends when opentelemetry is installed and a TracerProvider is set now;
+    else leave it exactly as it is.
 
     The traced methods are put on the instance, so a producer without tracing keeps its class's
     methods and pays nothing per message."""
     api = tracing()
-    if api is None:
+    if api is None or not api.configured()():
         return
     if hasattr(producer, "send_many"):
         producer.send_many = _traced_send_many(api, producer.send_many)

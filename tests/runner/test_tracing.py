@@ -251,6 +251,7 @@ def test_without_a_provider_the_producer_adds_nothing_even_under_a_current_conte
 
     remote = SpanContext(0x4BF92F3577B34DA6A3CE929D0E0E4736, 0x00F067AA0BA902B7, True, TraceFlags(1))
     with Producer(conveyor_broker.address, linger_ms=0) as producer:
+        assert producer.send.__func__ is Producer.send  # not wrapped: nothing at all per message
         plain = producer.send("untraced", b"plain").result(timeout=30)
         with trace.use_span(NonRecordingSpan(remote)):
             given = producer.send("untraced", b"given", headers={"a": "b"}).result(timeout=30)

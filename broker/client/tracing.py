@@ -25,9 +25,10 @@ attributes of ``process_attributes``.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import threading
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 from conveyor.version import __version__
@@ -49,12 +50,8 @@ class Tracing:
     """The opentelemetry API, imported once, and the tracer of the provider configured now (None: none is)."""
 
     def __init__(self) -> None:
-        import os
-
         from opentelemetry import context, propagate, trace
 
-        if os.environ.get("OTEL_PYTHON_TRACER_PROVIDER"):
-            trace.get_tracer_provider()  # a provider named in the environment is made on first use: now
         self.trace = trace
         self.context = context
         self.propagate = propagate
@@ -73,16 +70,6 @@ class Tracing:
             tracer = None if proxy else provider.get_tracer(SCOPE, __version__)
             self._provider_tracer = (provider, tracer)
         return tracer
-
-    def configured(self) -> Callable[[], bool]:
-        """A check, cheap enough for every send, that a TracerProvider is set (an SDK is configured).
-
-        It reads the API's global directly (``get_tracer_provider`` also looks at the environment
-        each call); an API without that global gets the documented, slower check."""
-        trace = self.trace
-        if hasattr(trace, "_TRACER_PROVIDER"):
-            return lambda: trace._TRACER_PROVIDER is not None
-        return lambda: self.tracer() is not None
 
     def inject(self, headers: Mapping[str, str] | None, context: Context | None = None) -> dict[str, str]:
         """A copy of ``headers`` with the trace context of ``context`` (default: the current one)."""
@@ -226,7 +213,7 @@ def instrument(producer: Any) -> None:
     The traced methods are put on the instance, so a producer without tracing keeps its class's
     methods and pays nothing per message."""
     api = tracing()
-    if api is None or not api.configured()():
+    if api is None or api.tracer() is None:
         return
     if hasattr(producer, "send_many"):
         producer.send_many = _traced_send_many(api, producer.send_many)
@@ -242,24 +229,26 @@ def _is_async(method: Callable[..., Any]) -> bool:
     return inspect.iscoroutinefunction(method)
 
 
-def _traced_send(api: Tracing, send: Callable[..., Any]) -> Callable[..., Any]:
-    configured = api.configured()
+@contextlib.contextmanager
+def _failing_ends(span: Span) -> Iterator[None]:
+    """A send that raises fails its span and ends it: no confirm will."""
+    try:
+        yield
+    except BaseException as exc:
+        fail_span(span, exc)
+        span.end()
+        raise
 
+
+def _traced_send(api: Tracing, send: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(send)
-    def traced(topic: str, value: Any, **options: Any) -> Any:
-        if not configured():  # no SDK: nothing records a span here, so nothing is done per message
-            return send(topic, value, **options)
-        tracer = api.tracer()
+    def traced(topic: str, value: Any, *, headers: dict[str, str] | None = None, **options: Any) -> Any:
+        tracer = api.tracer()  # per call: a provider removed or replaced since (tests do) is followed
         if tracer is None:
-            return send(topic, value, **options)
-        headers = options.pop("headers", None)
+            return send(topic, value, headers=headers, **options)
         span = api.send_span(tracer, topic, headers, partition=options.get("partition"))
-        try:
+        with _failing_ends(span):
             future = send(topic, value, headers=api.traced_headers(span, headers), **options)
-        except BaseException as exc:
-            fail_span(span, exc)
-            span.end()
-            raise
         if span.is_recording():  # a span the sampler left out has nothing to wait for
             future.add_done_callback(functools.partial(_confirmed, span, topic))
         return future
@@ -268,22 +257,16 @@ def _traced_send(api: Tracing, send: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def _traced_send_many(api: Tracing, send_many: Callable[..., Any]) -> Callable[..., Any]:
-    configured = api.configured()
-
     @functools.wraps(send_many)
     def traced(topic: str, values: Any, *, headers: dict[str, str] | None = None, **options: Any) -> Any:
-        tracer = api.tracer() if configured() else None
+        tracer = api.tracer()
         if tracer is None:
             return send_many(topic, values, headers=headers, **options)
         if not isinstance(values, list | tuple):
             values = list(values)
         span = api.send_span(tracer, topic, headers, partition=options.get("partition"), count=len(values))
-        try:
+        with _failing_ends(span):
             futures = send_many(topic, values, headers=api.traced_headers(span, headers), **options)
-        except BaseException as exc:
-            fail_span(span, exc)
-            span.end()
-            raise
         if futures and span.is_recording():
             _confirmed_all(span, futures)
         else:
@@ -294,20 +277,14 @@ def _traced_send_many(api: Tracing, send_many: Callable[..., Any]) -> Callable[.
 
 
 def _traced_async_send(api: Tracing, send: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
-    configured = api.configured()
-
     @functools.wraps(send)
     async def traced(topic: str, value: Any, *, headers: dict[str, str] | None = None, **options: Any) -> Any:
-        tracer = api.tracer() if configured() else None
+        tracer = api.tracer()
         if tracer is None:
             return await send(topic, value, headers=headers, **options)
         span = api.send_span(tracer, topic, headers, partition=options.get("partition"))
-        try:
+        with _failing_ends(span):
             future = await send(topic, value, headers=api.traced_headers(span, headers), **options)
-        except BaseException as exc:
-            fail_span(span, exc)
-            span.end()
-            raise
         if span.is_recording():  # a span the sampler left out has nothing to wait for
             future.add_done_callback(functools.partial(_confirmed, span, topic))
         return future

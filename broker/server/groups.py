@@ -643,8 +643,10 @@ class Group:
 
     def _dispatch_pending(self, log: TopicLog, plans: Plans) -> None:
         now = self.clock()
-        still = [p for p in self.pending if p.not_before > now or p.dead]
-        due = [p for p in self.pending if not (p.not_before > now or p.dead)]
+        still: list[Pending] = []  # not due, or dead: kept as they are
+        due: list[Pending] = []
+        for p in self.pending:
+            (still if p.not_before > now or p.dead else due).append(p)
         for item in sorted(due, key=lambda p: p.ranges[0][0]):
             remaining = self._redeliver(log, item, plans)
             if remaining:

@@ -160,10 +160,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _write_profile_summary(directory: Path) -> None:
     """Every profiled process's top functions, in one file beside py-spy's raw stacks."""
-    from conveyor.benchmarks.suite.profile import summarize
+    from conveyor.benchmarks.suite.profile import write_summary
 
-    files = sorted(directory.glob("*.txt"))
-    summary = directory / "summary.txt"
-    texts = [summarize(path) for path in files]
-    summary.write_text("\n\n".join(texts) + "\n")
-    print(f"profiles: {summary} ({len(texts)} processes)", file=sys.stderr)
+    summary, processes = write_summary(directory)
+    print(f"profiles: {summary} ({processes} processes)", file=sys.stderr)

@@ -90,13 +90,29 @@ def summarize(path: Path, top: int = 12) -> str:
     return "\n".join(out)
 
 
+SUMMARY = "summary.txt"  # what ``conveyor bench --py-spy DIR`` writes beside the raw stacks
+
+
+def profile_files(directory: Path, match: str = "") -> list[Path]:
+    """The raw stacks of each profiled process in ``directory`` (not the summary written there)."""
+    return sorted(p for p in directory.glob("*.txt") if p.name != SUMMARY and match in p.name)
+
+
+def write_summary(directory: Path, top: int = 12) -> tuple[Path, int]:
+    """Every profiled process's top functions in ``directory/summary.txt``; its path and how many processes."""
+    texts = [summarize(path, top) for path in profile_files(directory)]
+    summary = directory / SUMMARY
+    summary.write_text("\n\n".join(texts) + "\n")
+    return summary, len(texts)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m conveyor.benchmarks.suite.profile", description=__doc__)
     parser.add_argument("dir")
     parser.add_argument("--top", type=int, default=12)
     parser.add_argument("--match", default="", help="only files whose name contains this")
     args = parser.parse_args(argv)
-    files = sorted(p for p in Path(args.dir).glob("*.txt") if args.match in p.name)
+    files = profile_files(Path(args.dir), args.match)
     if not files:
         print(f"no py-spy files in {args.dir}", file=sys.stderr)
         return 1

@@ -69,12 +69,23 @@ class Output:
             return done(self.lines)
 
 
+_printing = threading.Lock()  # the children's output is echoed by a thread each
+
+
 def say(name: str, text: str) -> None:
-    print(f"{name:<7}| {text}", flush=True)
+    _write(f"{name:<7}| {text}\n")
 
 
 def banner(text: str) -> None:
-    print(f"\n== {text}", flush=True)
+    _write(f"\n== {text}\n")
+
+
+def _write(text: str) -> None:
+    """One whole line at a time: ``print`` writes the text and the newline apart, so another child's
+    line could land between them."""
+    with _printing:
+        sys.stdout.write(text)
+        sys.stdout.flush()
 
 
 def child_env() -> dict[str, str]:
@@ -186,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
     started = time.monotonic()
     TRACING.update(tracing_env())
     banner("the shop: a broker, the runner with examples.shop.handlers, and orders placed")
-    print(tracing_note(), flush=True)
+    _write(tracing_note() + "\n")
     output = Output()
     with broker(args.timeout) as process, runner(process.address, output, args.timeout):
         place = ["-m", "examples.shop.place_orders", "--broker", process.address]

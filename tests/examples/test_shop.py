@@ -129,3 +129,24 @@ def assert_one_trace_per_order(out: str) -> None:
     ids = {span for _, t, span, _, _, _ in found if t == trace}
     roots = [name for _, t, _, parent, name, _ in found if t == trace and parent not in ids]
     assert roots == ["checkout ord-0002"], (roots, out)  # one tree: every other span has its parent in it
+
+
+def test_the_demo_prints_each_childs_line_whole_while_others_print() -> None:
+    """Each child's output is echoed by a thread of its own: a line printed in two writes (print's text,
+    then its newline, each flushed to the pipe) could end up inside another child's line, where the span
+    parser of the test above then missed it."""
+    echo = (
+        "import threading\n"
+        "from examples.shop.demo import say\n"
+        "def echo(name):\n"
+        "    for i in range(5000):\n"
+        "        say(name, f'trace {i} ' + 'x' * 40)\n"
+        "threads = [threading.Thread(target=echo, args=(n,)) for n in ('runner', 'orders')]\n"
+        "[t.start() for t in threads]\n"
+        "[t.join() for t in threads]\n"
+    )
+    done = subprocess.run([sys.executable, "-c", echo], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    torn = [line for line in lines if not re.fullmatch(r"(runner|orders) +\| trace \d+ x{40}", line)]
+    assert not torn and len(lines) == 10_000, torn[:3]
